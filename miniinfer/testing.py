@@ -1,0 +1,92 @@
+"""Checks that exercise notebooks call: a student's function against the reference, on random inputs.
+
+Hand-written module. Each `check_*` runs the function on several randomly drawn inputs of odd shapes,
+prints one line when everything matches, and otherwise raises an AssertionError that says which
+input failed and how, so a student knows what to look at.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from miniinfer.model import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
+from miniinfer.sampling import top_p_filter
+
+Inputs = Callable[[torch.Generator], tuple]
+
+
+def _describe(args: tuple) -> str:
+    return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
+                     if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
+def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8,
+          rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0) -> None:
+    """Compare fn(*args) with ref(*args) for `cases` random draws of inputs(generator)."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(cases):
+        args = inputs(gen)
+        expected = ref(*args)
+        got = fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        if isinstance(expected, torch.Tensor):
+            expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            raise AssertionError(f"{name}: expected {len(expected)} tensor(s), got {type(got).__name__}")
+        for i, (e, g) in enumerate(zip(expected, got)):
+            where = f"{name}, case {case + 1} (inputs: {_describe(args)})" + \
+                    (f", output {i}" if len(expected) > 1 else "")
+            if not isinstance(g, torch.Tensor):
+                raise AssertionError(f"{where}: expected a tensor, got {type(g).__name__}")
+            if g.shape != e.shape:
+                raise AssertionError(f"{where}: shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+            if g.dtype != e.dtype:
+                raise AssertionError(f"{where}: dtype {g.dtype}, expected {e.dtype}")
+            try:
+                torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+            except AssertionError as err:
+                raise AssertionError(f"{where}: values differ from the reference.\n{err}") from None
+    print(f"passed: {name} matches the reference on {cases} random inputs")
+
+
+def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def check_rms_norm(fn: Callable) -> None:
+    """fn(x, weight, eps) -> RMSNorm of x over its last dimension."""
+    def inputs(gen):
+        shape = [_randint(gen, 1, 5) for _ in range(_randint(gen, 1, 3))] + [_randint(gen, 3, 300)]
+        x = torch.randn(shape, generator=gen) * 3
+        return x, torch.randn(shape[-1], generator=gen), 1e-5
+    check("rms_norm", fn, rms_norm, inputs)
+
+
+def check_rope(fn: Callable) -> None:
+    """fn(q [T, Hq, D], k [T, Hk, D], cos [T, D/2], sin [T, D/2]) -> rotated (q, k), rotate-half."""
+    def inputs(gen):
+        T, Hk, D = _randint(gen, 1, 40), _randint(gen, 1, 4), 2 * _randint(gen, 1, 40)
+        Hq = Hk * _randint(gen, 1, 3)
+        cos, sin = rope_cos_sin(torch.randint(0, 4096, (T,), generator=gen), rope_inv_freq(D, 10000.0))
+        return torch.randn(T, Hq, D, generator=gen), torch.randn(T, Hk, D, generator=gen), cos, sin
+    check("apply_rope", fn, apply_rope, inputs)
+
+
+def check_attention(fn: Callable) -> None:
+    """fn(q [B, T, Hq, D], k [B, T, Hk, D], v, scale) -> causal GQA attention [B, T, Hq, D]."""
+    def inputs(gen):
+        B, T, Hk, D = _randint(gen, 1, 3), _randint(gen, 1, 33), _randint(gen, 1, 3), _randint(gen, 2, 40)
+        Hq = Hk * _randint(gen, 1, 4)
+        q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (Hq, Hk, Hk))
+        return q, k, v, D ** -0.5
+    check("causal_attention", fn, causal_attention, inputs)
+
+
+def check_top_p(fn: Callable) -> None:
+    """fn(logits [B, V], top_p) -> logits with every token outside the nucleus set to -inf."""
+    def inputs(gen):
+        B, V = _randint(gen, 1, 4), _randint(gen, 2, 500)
+        top_p = float(torch.rand((), generator=gen) * 0.98 + 0.01)
+        return torch.randn(B, V, generator=gen) * 2, top_p
+    check("top_p_filter", fn, top_p_filter, inputs)

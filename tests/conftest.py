@@ -1,0 +1,52 @@
+"""Shared fixtures: small random Hugging Face checkpoints of each supported architecture."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+# Triton must see TRITON_INTERPRET before it is first imported (see miniinfer/__init__.py).
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+# Odd sizes and grouped-query attention everywhere: shapes that powers of two would hide.
+COMMON = dict(vocab_size=301, hidden_size=72, intermediate_size=100, num_hidden_layers=2,
+              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+              tie_word_embeddings=False, rms_norm_eps=1e-5)
+SHAPES = {
+    "llama": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                                   "rope_theta": 500000.0}),
+    "qwen2": dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3": dict(head_dim=20, tie_word_embeddings=True),  # head_dim != hidden / heads, q/k norm
+}
+
+
+def make_hf_model(kind: str, **overrides):
+    """A random-init transformers model of the given architecture (float32, eval mode)."""
+    import transformers
+
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+    config = getattr(transformers, f"{cls}Config")(**{**COMMON, **SHAPES[kind], **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+    with torch.no_grad():  # random biases and norm weights, so that a missed one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session", params=list(SHAPES))
+def hf_checkpoint(request, tmp_path_factory):
+    """(kind, folder, hf_model) for each architecture, saved with save_pretrained."""
+    model = make_hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, folder, model

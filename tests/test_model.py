@@ -1,0 +1,83 @@
+"""Parity of the from-scratch model and naive decoding with Hugging Face transformers."""
+
+import pytest
+import torch
+
+import miniinfer as mi
+
+
+def test_logits_match_transformers(hf_checkpoint):
+    kind, folder, hf = hf_checkpoint
+    model = mi.load_model(folder)
+    ids = torch.randint(0, 301, (3, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert ours.shape == theirs.shape == (3, 37, 301)
+    rel = (ours - theirs).norm() / theirs.norm()
+    assert rel < 1e-4, f"{kind}: relative error {rel:.2e}"
+
+
+def test_greedy_naive_matches_transformers(hf_checkpoint):
+    kind, folder, hf = hf_checkpoint
+    model = mi.load_model(folder)
+    prompt = [5, 17, 200, 3, 99, 42, 7]
+    ours = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=32,
+                                                              ignore_eos=True))
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                         do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+def test_course_model_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(mi.course_model_path(), dtype=torch.float32).eval()
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    prompt = tok("import os\n").input_ids
+    with torch.no_grad():
+        x = torch.tensor([prompt])
+        rel = (model(x) - hf(x).logits).norm() / hf(x).logits.norm()
+    assert rel < 1e-4
+    ours = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=32,
+                                                              ignore_eos=True))
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                         do_sample=False)[0, len(prompt):].tolist()
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_loads_and_runs(hf_checkpoint, dtype):
+    _, folder, _ = hf_checkpoint
+    model = mi.load_model(folder, dtype=dtype)
+    assert all(p.dtype == dtype for p in model.parameters())
+    ref = mi.load_model(folder)
+    ids = torch.arange(20)[None]
+    with torch.no_grad():
+        rel = (model(ids).float() - ref(ids)).norm() / ref(ids).norm()
+    assert rel < 5e-2
+
+
+def test_batched_forward_equals_single_rows(hf_checkpoint):
+    _, folder, _ = hf_checkpoint
+    model = mi.load_model(folder)
+    ids = torch.randint(0, 301, (4, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        batched = model(ids)
+        rows = torch.cat([model(ids[i:i + 1]) for i in range(4)])
+    torch.testing.assert_close(batched, rows, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_scaling_changes_frequencies():
+    base = mi.model.rope_inv_freq(64, 500000.0)
+    scaled = mi.model.rope_inv_freq(64, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192})
+    assert torch.equal(scaled[:4], base[:4])  # high frequencies unchanged
+    torch.testing.assert_close(scaled[-1], base[-1] / 8)  # the longest wavelengths divided by factor
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+        mi.model.rope_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 4.0})
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        mi.ModelConfig.from_hf({"model_type": "gpt2"})

@@ -1,0 +1,88 @@
+"""SamplingParams validation, the sampler, and the stopping rules of generation."""
+
+import pytest
+import torch
+
+import miniinfer as mi
+from miniinfer.sampling import sample, top_p_filter
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an int >= 0"),
+    (dict(top_k=2.5), "top_k must be an int >= 0"),
+    (dict(max_tokens=0), "max_tokens must be an int >= 1"),
+])
+def test_invalid_params_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mi.SamplingParams(**kwargs)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    assert torch.equal(sample(logits, mi.SamplingParams(temperature=0)), logits.argmax(-1))
+
+
+def test_top_k_only_draws_from_the_k_best():
+    logits = torch.randn(1, 100).expand(2000, 100)
+    drawn = sample(logits, mi.SamplingParams(temperature=5.0, top_k=3, seed=0),
+                   mi.SamplingParams(seed=0).generator())
+    assert set(drawn.tolist()) == set(logits[0].topk(3).indices.tolist())
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(top_p_filter(logits, 0.8)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(top_p_filter(logits, 0.81)).tolist() == [[False, False, False, True]]
+    assert torch.isinf(top_p_filter(logits, 0.01)).tolist() == [[False, True, True, True]]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    drawn = sample(probs.log().expand(20000, 3), mi.SamplingParams(temperature=1.0),
+                   torch.Generator().manual_seed(0))
+    freq = torch.bincount(drawn, minlength=3) / 20000
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def course():
+    return mi.load_model(), mi.load_tokenizer()
+
+
+def test_seed_makes_sampling_reproducible(course):
+    model, tok = course
+    prompt = tok("def main():\n").input_ids
+    params = mi.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, ignore_eos=True, seed=7)
+    a, b = mi.generate_naive(model, prompt, params), mi.generate_naive(model, prompt, params)
+    c = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20,
+                                                           ignore_eos=True, seed=8))
+    assert a == b and a != c and len(a) == 20
+
+
+def test_generation_stops_at_eos_unless_ignored(course):
+    model, tok = course
+    prompt = tok("x = 1\n").input_ids
+    full = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=12,
+                                                              ignore_eos=True))
+    saved = model.cfg.eos_token_ids
+    model.cfg.eos_token_ids = [full[5]]  # pretend the sixth token is EOS
+    try:
+        out = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=12))
+        ignored = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=12,
+                                                                     ignore_eos=True))
+    finally:
+        model.cfg.eos_token_ids = saved
+    assert out == full[:full.index(full[5]) + 1] and ignored == full
+
+
+def test_prompt_that_cannot_fit_is_refused(course):
+    model, _ = course
+    ctx = model.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=f"exceeds the model's context of {ctx} tokens"):
+        mi.generate_naive(model, [1] * (ctx - 3), mi.SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        mi.generate_naive(model, [], mi.SamplingParams())
