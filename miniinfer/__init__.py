@@ -19,6 +19,11 @@ from miniinfer.generate import generate_naive  # noqa: E402
 from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
 from miniinfer.model import ModelConfig, Transformer  # noqa: E402
 from miniinfer.sampling import SamplingParams, sample  # noqa: E402
+from miniinfer.static_cache import (StaticBatchGenerator, StaticKVCache, benchmark_lengths, generate_cached,  # noqa: E402
+                                    generate_static_batch, left_pad, static_batch_waste,
+                                    static_utilization, write_kv)
 
-__all__ = ["CheckpointError", "ModelConfig", "SamplingParams", "Transformer", "course_model_path",
-           "generate_naive", "load_model", "load_tokenizer", "sample", "testing"]
+__all__ = ["CheckpointError", "ModelConfig", "SamplingParams", "StaticBatchGenerator", "StaticKVCache", "Transformer",
+           "benchmark_lengths", "course_model_path", "generate_cached", "generate_naive",
+           "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
+           "static_batch_waste", "static_utilization", "testing", "write_kv"]

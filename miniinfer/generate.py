@@ -6,14 +6,16 @@ from miniinfer.model import Transformer
 from miniinfer.sampling import SamplingParams, sample
 
 
-def check_prompt(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> None:
-    """Refuse, before any work, a prompt that is empty or cannot fit with max_tokens in the context."""
+def check_prompt(model: Transformer, prompt_ids: list[int], params: SamplingParams,
+                 capacity: int | None = None, what: str = "the model's context") -> None:
+    """Refuse, before any work, a prompt that is empty or cannot fit with max_tokens in
+    `capacity` tokens (default: the model's context)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    ctx = model.cfg.max_position_embeddings
-    if len(prompt_ids) + params.max_tokens > ctx:
+    capacity = min(capacity or model.cfg.max_position_embeddings, model.cfg.max_position_embeddings)
+    if len(prompt_ids) + params.max_tokens > capacity:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} "
-                         f"exceeds the model's context of {ctx} tokens")
+                         f"exceeds {what} of {capacity} tokens")
 
 
 def is_finished(token: int, generated: int, params: SamplingParams, eos_ids: list[int]) -> bool:

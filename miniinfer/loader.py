@@ -27,6 +27,27 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
+# The checkpoint stores q/k/v and gate/up as separate matrices; the model packs each group.
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _packed_name(name: str) -> tuple[str, int]:
+    """Checkpoint tensor name -> (model parameter name, index of the piece it fills)."""
+    for theirs, (ours, piece) in PACKED.items():
+        if f".{theirs}." in name:
+            return name.replace(f".{theirs}.", f".{ours}."), piece
+    return name, 0
+
+
+def _checkpoint_names(param: str) -> list[str]:
+    """The checkpoint tensor names that make up a model parameter, in packing order."""
+    for theirs, (ours, _) in PACKED.items():
+        if f".{ours}." in param:
+            return [param.replace(f".{ours}.", f".{t}.") for t, (o, _) in PACKED.items() if o == ours]
+    return [param]
+
+
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> Transformer:
     """Load a Llama/Qwen2/Qwen3 checkpoint folder (None: the embedded course model)."""
@@ -36,24 +57,29 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {name: p.shape for name, p in model.state_dict().items()}
-    state = {}
+    params = model.state_dict()
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
     for file in _weight_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if name not in expected:
-                    continue  # e.g. a tied lm_head or a stored rotary inv_freq
-                t = f.get_tensor(name)
-                if t.shape != expected[name]:
-                    raise CheckpointError(f"{file.name}: tensor {name} has shape {tuple(t.shape)}, "
-                                          f"the config implies {tuple(expected[name])}")
-                state[name] = t.to(dtype)
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    missing = sorted(set(expected) - set(state))
+                target, piece = _packed_name(name)
+                if target in params:  # skips e.g. a tied lm_head or a stored rotary inv_freq
+                    pieces.setdefault(target, {})[piece] = f.get_tensor(name).to(dtype)
+    missing = [n for p in params for i, n in enumerate(_checkpoint_names(p)) if i not in pieces.get(p, {})]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{folder}: missing tensors {missing[:5]}{more}")
+        raise CheckpointError(f"{folder}: missing tensors {sorted(missing)[:5]}{more}")
+    state = {}
+    for name, parts in pieces.items():
+        parts = [parts[i] for i in range(len(parts))]
+        state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if state[name].shape != params[name].shape:
+            raise CheckpointError(
+                f"{folder}: tensor {' + '.join(_checkpoint_names(name))} has shape "
+                f"{' + '.join(str(tuple(t.shape)) for t in parts)}, the config implies "
+                f"{tuple(params[name].shape)}")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -58,9 +58,8 @@ class ModelConfig:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (reference implementation)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # F.rms_norm is x * rsqrt(mean(x^2) + eps), in one kernel on GPUs (the problem set writes it out).
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -92,30 +91,49 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [..., T, Hq, D] and k [..., T, Hk, D] by cos/sin [..., T, D/2] (rotate-half)."""
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        c, s = cos[..., None, :].to(x.dtype), sin[..., None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return rotate(q), rotate(k)
+    qk = torch.cat((q, k), dim=-2)  # query and key heads in one pass: half the kernel launches
+    c, s = cos[..., None, :].to(qk.dtype), sin[..., None, :].to(qk.dtype)
+    x1, x2 = qk.chunk(2, dim=-1)
+    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return out[..., :q.shape[-2], :], out[..., q.shape[-2]:, :]
+
+
+def attention_mask(Tq: int, Tk: int, q_start: int | torch.Tensor = 0,
+                   real: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Which keys each query may see: [B or 1, Tq, Tk] bool.
+
+    Query i sits at key position q_start + i and sees keys up to there (causal). q_start is an
+    int, or a one-element tensor so that it can change without changing the code that runs (as
+    CUDA graphs need). `real` ([B, Tk], True = a real token) hides padding; a padding query still
+    sees itself, so that its unused output stays finite rather than NaN.
+    """
+    key = torch.arange(Tk, device=device)
+    query = q_start + torch.arange(Tq, device=device)[:, None]
+    visible = (key <= query)[None]
+    if real is not None:
+        visible = visible & (real[:, None, :] | (key == query))
+    return visible
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              visible: torch.Tensor) -> torch.Tensor:
+    """q [B, Tq, Hq, D] over k, v [B, Tk, Hk, D] with grouped-query heads -> [B, Tq, Hq, D].
+
+    Matmuls run in the input dtype, the softmax in float32 (as Hugging Face's eager attention).
+    """
+    B, Tq, Hq, D = q.shape
+    Hk = k.shape[2]
+    q = q.reshape(B, Tq, Hk, Hq // Hk, D)  # query heads grouped by the KV head they share
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k).float() * scale
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    out = torch.einsum("bhgqk,bkhd->bqhgd", scores.softmax(-1).to(v.dtype), v)
+    return out.reshape(B, Tq, Hq, D)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     q_start: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hk, D] with GQA and a causal mask.
-
-    Query i sits at key position q_start + i; `mask` ([B, Tk] bool, True = a real token) hides
-    padding. Softmax runs in float32.
-    """
-    B, Tq, Hq, D = q.shape
-    Tk, Hk = k.shape[1], k.shape[2]
-    q = q.view(B, Tq, Hk, Hq // Hk, D)  # query heads grouped by the KV head they share
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", q.float(), k.float()) * scale
-    visible = torch.arange(Tk, device=q.device) <= q_start + torch.arange(Tq, device=q.device)[:, None]
-    if mask is not None:
-        visible = visible & mask[:, None, None, None, :]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    out = torch.einsum("bhgqk,bkhd->bqhgd", scores.softmax(-1), v.float())
-    return out.reshape(B, Tq, Hq, D).to(q.dtype)
+                     q_start: int | torch.Tensor = 0, real: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal GQA attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hk, D] (the reference)."""
+    return attention(q, k, v, scale, attention_mask(q.shape[1], k.shape[1], q_start, real, q.device))
 
 
 class CausalAttention:
@@ -148,9 +166,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         D = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * D, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
+        self.sizes = [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D]
+        # q, k and v in one matmul (the loader packs the checkpoint's three matrices into it):
+        # one launch and one pass over the input instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -159,9 +178,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer: int, attn, ops: Ops) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.cfg.head_dim
-        q = self.q_proj(x).view(B, T, -1, D)
-        k = self.k_proj(x).view(B, T, -1, D)
-        v = self.v_proj(x).view(B, T, -1, D)
+        q, k, v = (t.view(B, T, -1, D) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
         if self.cfg.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -171,16 +188,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up packed into one matmul."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -220,8 +237,8 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         attn = attn or CausalAttention()
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
         x = self.model.embed_tokens(input_ids)
+        cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.inv_freq))  # once, not per layer
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attn, self.ops)
         norm = self.model.norm

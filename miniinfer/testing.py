@@ -13,13 +13,14 @@ import torch
 
 from miniinfer.model import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
 from miniinfer.sampling import top_p_filter
+from miniinfer.static_cache import left_pad, static_batch_waste, write_kv
 
 Inputs = Callable[[torch.Generator], tuple]
 
 
 def _describe(args: tuple) -> str:
     return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
-                     if isinstance(a, torch.Tensor) else repr(a) for a in args)
+                     if isinstance(a, torch.Tensor) else repr(a)[:80] for a in args)
 
 
 def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8,
@@ -28,8 +29,10 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
     gen = torch.Generator().manual_seed(seed)
     for case in range(cases):
         args = inputs(gen)
-        expected = ref(*args)
-        got = fn(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+        # Each side gets its own copy, so that a function that writes in place is checked too.
+        fresh = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
+        expected = ref(*fresh())
+        got = fn(*fresh())
         if isinstance(expected, torch.Tensor):
             expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
@@ -90,3 +93,47 @@ def check_top_p(fn: Callable) -> None:
         top_p = float(torch.rand((), generator=gen) * 0.98 + 0.01)
         return torch.randn(B, V, generator=gen) * 2, top_p
     check("top_p_filter", fn, top_p_filter, inputs)
+
+
+def check_write_kv(fn: Callable) -> None:
+    """fn(k_cache, v_cache, k, v, start) -> (k_cache, v_cache) with k, v written at slots start..."""
+    def inputs(gen):
+        B, L, Hk, D = _randint(gen, 1, 3), _randint(gen, 2, 40), _randint(gen, 1, 3), _randint(gen, 1, 16)
+        T = _randint(gen, 1, L)
+        start = _randint(gen, 0, L - T)
+        caches = [torch.randn(B, L, Hk, D, generator=gen) for _ in range(2)]
+        return (*caches, torch.randn(B, T, Hk, D, generator=gen), torch.randn(B, T, Hk, D, generator=gen), start)
+    check("write_kv", fn, write_kv, inputs)
+
+
+def _cached_attention(q, k_cache, v_cache, length, scale):
+    return causal_attention(q, k_cache[:, :length], v_cache[:, :length], scale, q_start=length - 1)
+
+
+def check_cached_attention(fn: Callable) -> None:
+    """fn(q [B, 1, Hq, D], k_cache, v_cache [B, max_len, Hk, D], length, scale) -> [B, 1, Hq, D]:
+    the newest token (in slot length-1) attends over slots 0..length-1 only."""
+    def inputs(gen):
+        B, L, Hk, D = _randint(gen, 1, 3), _randint(gen, 1, 50), _randint(gen, 1, 3), _randint(gen, 2, 33)
+        Hq = Hk * _randint(gen, 1, 4)
+        k_cache, v_cache = (torch.randn(B, L, Hk, D, generator=gen) for _ in range(2))
+        return torch.randn(B, 1, Hq, D, generator=gen), k_cache, v_cache, _randint(gen, 1, L), D ** -0.5
+    check("cached attention", fn, _cached_attention, inputs)
+
+
+def check_left_pad(fn: Callable) -> None:
+    """fn(prompts: list[list[int]], pad_id) -> ids [B, L], real [B, L] bool, positions [B, L]."""
+    def inputs(gen):
+        prompts = [torch.randint(1, 1000, (_randint(gen, 1, 12),), generator=gen).tolist()
+                   for _ in range(_randint(gen, 1, 5))]
+        return prompts, _randint(gen, 0, 3)
+    check("left_pad", fn, left_pad, inputs)
+
+
+def check_static_batch_waste(fn: Callable) -> None:
+    """fn(output_lens: list[int], batch_size) -> fraction of decode slots spent on finished rows."""
+    def inputs(gen):
+        lens = torch.randint(1, 300, (_randint(gen, 1, 40),), generator=gen).tolist()
+        return lens, _randint(gen, 1, 12)
+    as_tensor = lambda f: lambda *a: torch.tensor(float(f(*a)), dtype=torch.float64)  # noqa: E731
+    check("static_batch_waste", as_tensor(fn), as_tensor(static_batch_waste), inputs)

@@ -74,3 +74,12 @@ def test_tokenizer_and_model_default_to_the_course_model(tmp_path):
     assert mi.load_model().cfg.vocab_size == len(mi.load_tokenizer())
     shutil.copytree(mi.course_model_path(), tmp_path / "copy")
     assert mi.load_tokenizer(tmp_path / "copy")("x = 1").input_ids == mi.load_tokenizer()("x = 1").input_ids
+
+
+def test_mismatched_packed_tensor_names_its_pieces(folder):
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.ones(20, 72)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(mi.CheckpointError, match=r"q_proj.weight \+ .*k_proj.weight \+ .*v_proj.weight "
+                                                 r"has shape \(72, 72\) \+ \(20, 72\) \+ \(24, 72\)"):
+        mi.load_model(folder)
