@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     model = mi.load_model(args.model, device=args.device, dtype=dtype)
     tok = mi.load_tokenizer(args.model)
     t0 = time.perf_counter()
-    new = mi.generate_naive(model, tok(args.prompt).input_ids, params)
+    new = mi.generate_cached(model, tok(args.prompt).input_ids, params)
     seconds = time.perf_counter() - t0
     print(args.prompt + tok.decode(new))
     print(f"\n[{len(new)} tokens in {seconds:.2f} s on {args.device}]")
