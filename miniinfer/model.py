@@ -103,13 +103,14 @@ def attention_mask(Tq: int, Tk: int, q_start: int | torch.Tensor = 0,
     """Which keys each query may see: [B or 1, Tq, Tk] bool.
 
     Query i sits at key position q_start + i and sees keys up to there (causal). q_start is an
-    int, or a one-element tensor so that it can change without changing the code that runs (as
-    CUDA graphs need). `real` ([B, Tk], True = a real token) hides padding; a padding query still
-    sees itself, so that its unused output stays finite rather than NaN.
+    int or a tensor of one start per row ([B]); a tensor can change without changing the code
+    that runs, as CUDA graphs need. `real` ([B, Tk], True = a real token) hides padding; a padding
+    query still sees itself, so that its unused output stays finite rather than NaN.
     """
     key = torch.arange(Tk, device=device)
-    query = q_start + torch.arange(Tq, device=device)[:, None]
-    visible = (key <= query)[None]
+    q_start = torch.as_tensor(q_start, device=device).reshape(-1, 1, 1)
+    query = q_start + torch.arange(Tq, device=device)[:, None]  # [B or 1, Tq, 1]
+    visible = key <= query
     if real is not None:
         visible = visible & (real[:, None, :] | (key == query))
     return visible

@@ -11,8 +11,10 @@ from typing import Callable
 
 import torch
 
+from miniinfer.block_manager import BlockManager, OutOfBlocks
 from miniinfer.model import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
 from miniinfer.sampling import top_p_filter
+from miniinfer.paged_cache import gather_kv, slot_mapping
 from miniinfer.static_cache import left_pad, static_batch_waste, write_kv
 
 Inputs = Callable[[torch.Generator], tuple]
@@ -137,3 +139,72 @@ def check_static_batch_waste(fn: Callable) -> None:
         return lens, _randint(gen, 1, 12)
     as_tensor = lambda f: lambda *a: torch.tensor(float(f(*a)), dtype=torch.float64)  # noqa: E731
     check("static_batch_waste", as_tensor(fn), as_tensor(static_batch_waste), inputs)
+
+
+def check_slot_mapping(fn: Callable) -> None:
+    """fn(block_table: list[int], start, num_tokens, block_size) -> LongTensor [num_tokens] of slots."""
+    def inputs(gen):
+        bs, n_blocks = _randint(gen, 1, 8), _randint(gen, 1, 6)
+        table = torch.randperm(50, generator=gen)[:n_blocks].tolist()
+        start = _randint(gen, 0, bs * n_blocks - 1)
+        return table, start, _randint(gen, 1, bs * n_blocks - start), bs
+    check("slot_mapping", fn, slot_mapping, inputs)
+
+
+def check_gather_kv(fn: Callable) -> None:
+    """fn(pool [num_blocks, block_size, Hk, D], block_tables [B, max_blocks], length) -> [B, length, Hk, D]."""
+    def inputs(gen):
+        nb, bs, Hk, D = _randint(gen, 4, 30), _randint(gen, 1, 8), _randint(gen, 1, 3), _randint(gen, 1, 9)
+        B, width = _randint(gen, 1, 3), _randint(gen, 1, 4)
+        tables = torch.randint(0, nb, (B, width), generator=gen)
+        return torch.randn(nb, bs, Hk, D, generator=gen), tables, _randint(gen, 1, width * bs)
+    check("gather_kv", fn, gather_kv, inputs)
+
+
+def _run_ops(cls, ops: list[tuple], num_blocks: int, block_size: int) -> None:
+    """Run the same operations on the student's class and the reference BlockManager; they must
+    agree on which calls fail, on free counts and on table lengths, and tables must not overlap."""
+    mine, ref = cls(num_blocks, block_size), BlockManager(num_blocks, block_size)
+    for step, (op, *args) in enumerate(ops):
+        where = f"after {ops[:step + 1][-4:]} (the last 4 operations)"
+        outcome = []
+        for bm in (mine, ref):
+            try:
+                getattr(bm, {"allocate": "allocate", "append": "append_token", "free": "free"}[op])(*args)
+                outcome.append(None)
+            except (OutOfBlocks, KeyError, ValueError) as e:
+                outcome.append(type(e).__name__)
+        if outcome[0] != outcome[1]:
+            raise AssertionError(f"{where}: expected {outcome[1] or 'success'}, got {outcome[0] or 'success'}")
+        if mine.num_free_blocks != ref.num_free_blocks:
+            raise AssertionError(f"{where}: {mine.num_free_blocks} free blocks, expected {ref.num_free_blocks}")
+        seen: set[int] = set()
+        for seq in ref.tables:
+            table = mine.block_table(seq)
+            if len(table) != len(ref.block_table(seq)):
+                raise AssertionError(f"{where}: sequence {seq} has {len(table)} blocks, expected "
+                                     f"{len(ref.block_table(seq))}")
+            if seen & set(table) or not all(0 <= b < num_blocks for b in table):
+                raise AssertionError(f"{where}: block table {table} of {seq} overlaps another or is out of range")
+            seen |= set(table)
+
+
+def _random_ops(gen: torch.Generator, kinds: list[str], n: int = 60) -> list[tuple]:
+    ops = []
+    for _ in range(n):
+        kind, seq = kinds[_randint(gen, 0, len(kinds) - 1)], _randint(gen, 0, 4)
+        ops.append((kind, seq, _randint(gen, 1, 20)) if kind == "allocate" else (kind, seq))
+    return ops
+
+
+def check_block_manager(cls, with_append: bool = False) -> None:
+    """cls(num_blocks, block_size) with allocate(seq_id, num_tokens) -> table, free(seq_id),
+    block_table(seq_id), num_free_blocks (and append_token(seq_id) if with_append), compared with
+    the reference on random operation sequences (errors: OutOfBlocks, KeyError, ValueError)."""
+    gen = torch.Generator().manual_seed(0)
+    kinds = ["allocate", "free"] + ["append"] * 3 * with_append
+    cases = 30
+    for _ in range(cases):
+        _run_ops(cls, _random_ops(gen, kinds), _randint(gen, 4, 16), _randint(gen, 1, 6))
+    what = "allocate/append/free" if with_append else "allocate/free"
+    print(f"passed: {what} agree with the reference on {cases} random operation sequences")
