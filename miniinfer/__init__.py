@@ -26,6 +26,11 @@ from miniinfer.static_cache import (StaticBatchGenerator, StaticKVCache, benchma
                                     generate_static_batch, left_pad, static_batch_waste,
                                     static_utilization, write_kv)
 
+try:  # Triton ships for Linux only; elsewhere the PyTorch ops serve
+    from miniinfer import kernels  # noqa: E402,F401  (registers the Triton ops backend)
+except ImportError:
+    pass
+
 __all__ = ["BlockCopy", "BlockManager", "CheckpointError", "OutOfBlocks", "PagedKVCache",
            "draw_pool", "gather_kv", "generate_paged", "paged_attention_ref", "paged_utilization",
            "replay", "slot_mapping", "ModelConfig", "SamplingParams", "StaticBatchGenerator", "StaticKVCache", "Transformer",

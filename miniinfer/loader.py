@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from miniinfer.course_model import course_model_path
-from miniinfer.model import ModelConfig, Transformer, rope_inv_freq
+from miniinfer.model import ModelConfig, Transformer, default_ops, rope_inv_freq
 
 
 class CheckpointError(ValueError):
@@ -85,6 +85,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers were built on meta with the parameters: compute them for real.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.ops = default_ops(device)
     return model.eval()
 
 

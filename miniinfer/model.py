@@ -145,14 +145,28 @@ class CausalAttention:
         return causal_attention(q, k, v, scale)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the norm after it."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
 class Ops:
-    """The elementwise ops the model calls; chapter 04 provides a Triton version."""
+    """The elementwise ops the model calls (PyTorch here; chapter 04 registers Triton's)."""
 
     rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
     apply_rope = staticmethod(apply_rope)
 
 
 TORCH_OPS = Ops()
+OPS_BACKENDS: dict[str, Ops] = {"torch": TORCH_OPS}
+
+
+def default_ops(device: str | torch.device) -> Ops:
+    """Triton kernels on CUDA when they are registered, PyTorch everywhere else."""
+    return OPS_BACKENDS.get("triton", TORCH_OPS) if torch.device(device).type == "cuda" else TORCH_OPS
 
 
 class RMSNorm(nn.Module):
@@ -211,8 +225,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, attn, ops: Ops) -> torch.Tensor:
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        x = x + self.self_attn(ops.rms_norm(x, n1.weight, n1.eps), cos, sin, layer, attn, ops)
-        return x + self.mlp(ops.rms_norm(x, n2.weight, n2.eps))
+        h = self.self_attn(ops.rms_norm(x, n1.weight, n1.eps), cos, sin, layer, attn, ops)
+        h, x = ops.add_rms_norm(h, x, n2.weight, n2.eps)  # x += attention; h = norm(x)
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -231,6 +246,13 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
                              persistent=False)
         self.ops = TORCH_OPS
+
+    def use_ops(self, name: str) -> "Transformer":
+        """Select the implementation of the elementwise ops by name (see OPS_BACKENDS)."""
+        if name not in OPS_BACKENDS:
+            raise ValueError(f"unknown ops backend {name!r}: available {sorted(OPS_BACKENDS)}")
+        self.ops = OPS_BACKENDS[name]
+        return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attn=None) -> torch.Tensor:

@@ -75,7 +75,8 @@ def execute(path: Path) -> dict:
 
 
 def errors(cell) -> list[str]:
-    return [o["ename"] for o in cell.get("outputs", []) if o["output_type"] == "error"]
+    """'ename: evalue' of each error the cell raised."""
+    return [f"{o['ename']}: {o['evalue']}" for o in cell.get("outputs", []) if o["output_type"] == "error"]
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
@@ -92,8 +93,9 @@ def test_exercises_fail_unfilled_and_pass_solved(solution):
         check = code[code.index(i) + 1]
         assert "# YOUR CODE HERE" in ex.cells[i].source
         failed = errors(ex.cells[i]) + errors(ex.cells[check])
-        assert set(failed) & {"NotImplementedError", "AssertionError"}, \
-            f"exercise cell {i}: its check (cell {check}) passes without an answer"
+        # Inside a Triton kernel the interpreter wraps the NotImplementedError in its own error.
+        assert any(e.startswith("AssertionError") or "NotImplementedError" in e for e in failed), \
+            f"exercise cell {i}: its check (cell {check}) does not fail unanswered: {failed or 'it passes'}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS + sorted((ROOT / "exercises").glob("*.ipynb")),

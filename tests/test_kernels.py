@@ -1,0 +1,72 @@
+"""Chapter 04: Triton kernels against the PyTorch references (interpreter on CPU), and the ops seam."""
+
+import pytest
+import torch
+
+import miniinfer as mi
+from miniinfer.model import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 200), (3, 1000), (2, 3, 5120), (4, 5, 3, 64), (37, 96)])
+def test_rms_norm_and_fused_add(shape, dtype):
+    gen = torch.Generator().manual_seed(sum(shape))
+    x, r = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(shape[-1], generator=gen).to(dtype)
+    torch.testing.assert_close(mi.kernels.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5))
+    for got, ref in zip(mi.kernels.fused_add_rms_norm(x, r, w, 1e-5), add_rms_norm(x, r, w, 1e-5)):
+        torch.testing.assert_close(got, ref)
+
+
+def test_rms_norm_on_per_head_views():
+    """The Qwen3 q/k norm: heads of a strided view, normalized over head_dim."""
+    qkv = torch.randn(2, 7, (6 + 2 + 2) * 20)
+    q = qkv[..., :120].view(2, 7, 6, 20)
+    w = torch.randn(20)
+    torch.testing.assert_close(mi.kernels.rms_norm(q, w, 1e-6), rms_norm(q, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, Hq, Hk, D", [(1, 32, 8, 128), (13, 6, 2, 20), (5, 5, 5, 96), (40, 3, 1, 2)])
+def test_rope(T, Hq, Hk, D, dtype):
+    gen = torch.Generator().manual_seed(T * Hq + D)
+    q, k = torch.randn(T, Hq, D, generator=gen).to(dtype), torch.randn(T, Hk, D, generator=gen).to(dtype)
+    cos, sin = (t.to(dtype) for t in rope_cos_sin(torch.randint(0, 9999, (T,), generator=gen), rope_inv_freq(D, 1e4)))
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else {}
+    for got, ref in zip(mi.kernels.apply_rope(q, k, cos, sin), apply_rope(q, k, cos, sin)):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+def test_rope_on_strided_views_with_leading_dims():
+    qkv = torch.randn(2, 9, (4 + 2 + 2) * 16)
+    q, k = qkv[..., :64].view(2, 9, 4, 16), qkv[..., 64:96].view(2, 9, 2, 16)
+    cos, sin = rope_cos_sin(torch.arange(9).expand(2, 9), rope_inv_freq(16, 1e4))
+    for got, ref in zip(mi.kernels.apply_rope(q, k, cos, sin), apply_rope(q, k, cos, sin)):
+        torch.testing.assert_close(got, ref)
+
+
+def test_greedy_tokens_unchanged_with_triton_ops(hf_checkpoint):
+    kind, folder, _ = hf_checkpoint
+    model = mi.load_model(folder)
+    assert model.ops is mi.model.TORCH_OPS  # CPU default
+    prompt = [5, 17, 200, 3, 99]
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = mi.generate_cached(model, prompt, params)
+    assert mi.generate_cached(model.use_ops("triton"), prompt, params) == ref, kind
+
+
+def test_course_model_with_triton_ops():
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    prompt = tok("import os\n").input_ids
+    params = mi.SamplingParams(temperature=0, max_tokens=10)
+    ref = mi.generate_naive(model, prompt, params)
+    assert mi.generate_cached(model.use_ops("triton"), prompt, params) == ref
+
+
+def test_ops_selection():
+    assert mi.model.default_ops("cpu") is mi.model.TORCH_OPS
+    assert mi.model.default_ops("cuda") is mi.model.OPS_BACKENDS["triton"]
+    with pytest.raises(ValueError, match=r"unknown ops backend 'cuda': available \['torch', 'triton'\]"):
+        mi.load_model().use_ops("cuda")
