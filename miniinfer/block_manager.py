@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has too few free blocks for the request; nothing was changed."""
 
@@ -33,7 +38,7 @@ class BlockManager:
         return len(self.free_list)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_needed(num_tokens, self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.num_free_blocks

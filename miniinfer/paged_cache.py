@@ -4,26 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from miniinfer.block_manager import BlockManager, OutOfBlocks
+from miniinfer.block_manager import BlockManager, OutOfBlocks, blocks_needed
 from miniinfer.generate import check_prompt, is_finished
 from miniinfer.model import ModelConfig, Transformer, attention, attention_mask
 from miniinfer.sampling import SamplingParams, sample
 
 
+def block_slots(block_tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat pool slots of token positions pos through block tables [..., max_blocks]."""
+    return block_tables[..., pos // block_size] * block_size + pos % block_size
+
+
 def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> torch.Tensor:
     """Flat pool slots of tokens start..start+num_tokens-1 of a sequence with this block table."""
-    pos = torch.arange(start, start + num_tokens)
-    return torch.tensor(block_table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+    return block_slots(torch.tensor(block_table, dtype=torch.long), torch.arange(start, start + num_tokens),
+                       block_size)
 
 
 def gather_kv(pool: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
     """K or V of tokens 0..length-1 of each sequence: pool [num_blocks, block_size, Hk, D],
     block_tables [B, max_blocks] -> [B, length, Hk, D] (positions past a sequence's end hold
     whatever its table points at; the attention mask hides them)."""
-    block_size = pool.shape[1]
     pos = torch.arange(length, device=pool.device)
-    slots = block_tables[:, pos // block_size] * block_size + pos % block_size
-    return pool.flatten(0, 1)[slots]
+    return pool.flatten(0, 1)[block_slots(block_tables, pos, pool.shape[1])]
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,7 +52,9 @@ class PagedKVCache:
              context_lens: torch.Tensor) -> None:
         """Prepare a forward over a batch [B, T]: slots [B, T] where each new token's K/V goes
         (-1 for padding), and per sequence its block table, first query position and length."""
-        self.slots, self.block_tables = slots, block_tables
+        # Padding tokens (slot -1) write nowhere; the same for every layer, so picked out once.
+        self.written = slots >= 0
+        self.write_slots, self.block_tables = slots[self.written], block_tables
         length = int(context_lens.max())
         real = torch.arange(length, device=slots.device) < context_lens[:, None]
         self.visible = attention_mask(slots.shape[1], length, q_start, real, slots.device)
@@ -60,9 +65,8 @@ class PagedKVCache:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
-        written = self.slots >= 0
-        self.k[layer].flatten(0, 1)[self.slots[written]] = k[written]
-        self.v[layer].flatten(0, 1)[self.slots[written]] = v[written]
+        self.k[layer].flatten(0, 1)[self.write_slots] = k[self.written]
+        self.v[layer].flatten(0, 1)[self.write_slots] = v[self.written]
         length = self.visible.shape[-1]
         kc, vc = (gather_kv(pool[layer], self.block_tables, length) for pool in (self.k, self.v))
         return attention(q, kc, vc, scale, self.visible)
@@ -84,9 +88,9 @@ def generate_paged(model: Transformer, prompts: list[list[int]], params: Samplin
     """
     for p in prompts:
         check_prompt(model, p, params)
-    bm = block_manager or BlockManager(
-        num_blocks or sum(-(-(len(p) + params.max_tokens) // block_size) for p in prompts), block_size)
-    need = sum(bm.blocks_for(len(p) + params.max_tokens) for p in prompts)
+    block_size = block_manager.block_size if block_manager else block_size
+    need = sum(blocks_needed(len(p) + params.max_tokens, block_size) for p in prompts)
+    bm = block_manager or BlockManager(num_blocks or need, block_size)
     if need > bm.num_free_blocks:
         raise OutOfBlocks(f"the batch can need {need} blocks, the pool has {bm.num_free_blocks} free")
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
@@ -137,4 +141,4 @@ def paged_utilization(lengths: list[tuple[int, int]], block_size: int) -> float:
     """Fraction of reserved KV slots that hold a token when each sequence of prompt + output
     tokens holds just the blocks it needs."""
     used = sum(p + o for p, o in lengths)
-    return used / sum(-(-(p + o) // block_size) * block_size for p, o in lengths)
+    return used / sum(blocks_needed(p + o, block_size) * block_size for p, o in lengths)

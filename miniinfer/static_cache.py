@@ -47,7 +47,9 @@ class StaticKVCache:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         kc, vc = write_kv(self.k[layer], self.v[layer], k, v, self.start)
-        if layer == 0:  # every layer of this forward sees the same slots
+        # Every layer of a forward sees the same slots: build the mask once, at layer 0, inside
+        # the forward (not in step) so that a recorded CUDA graph rebuilds it at each replay.
+        if layer == 0:
             self.visible = attention_mask(q.shape[1], self.max_len, self.start, self.real, q.device)
         return attention(q, kc, vc, scale, self.visible)
 

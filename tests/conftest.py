@@ -1,5 +1,6 @@
 """Shared fixtures: small random Hugging Face checkpoints of each supported architecture."""
 
+import contextlib
 import os
 import sys
 
@@ -50,3 +51,20 @@ def hf_checkpoint(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     return request.param, folder, model
+
+
+def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:
+    """The oracle: n greedy tokens from transformers' generate, EOS ignored."""
+    return hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False)[0, len(prompt):].tolist()
+
+
+@contextlib.contextmanager
+def eos_is(model, token: int):
+    """Pretend `token` is the model's end-of-sequence token, for stopping tests."""
+    saved = model.cfg.eos_token_ids
+    model.cfg.eos_token_ids = [token]
+    try:
+        yield
+    finally:
+        model.cfg.eos_token_ids = saved

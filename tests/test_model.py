@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
+from conftest import hf_greedy
 
 
 def test_logits_match_transformers(hf_checkpoint):
@@ -23,9 +24,7 @@ def test_greedy_naive_matches_transformers(hf_checkpoint):
     prompt = [5, 17, 200, 3, 99, 42, 7]
     ours = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=32,
                                                               ignore_eos=True))
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                         do_sample=False)[0, len(prompt):].tolist()
-    assert ours == theirs
+    assert ours == hf_greedy(hf, prompt)
 
 
 def test_course_model_matches_transformers():
@@ -40,9 +39,7 @@ def test_course_model_matches_transformers():
     assert rel < 1e-4
     ours = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=32,
                                                               ignore_eos=True))
-    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                         do_sample=False)[0, len(prompt):].tolist()
-    assert ours == theirs
+    assert ours == hf_greedy(hf, prompt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

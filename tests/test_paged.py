@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
+from conftest import eos_is, hf_greedy
 
 GREEDY = mi.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [11], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17], [77, 78]]
@@ -16,9 +17,7 @@ def test_paged_equals_naive_and_transformers(hf_checkpoint, block_size):
     bm = mi.BlockManager(200, block_size)
     paged = mi.generate_paged(model, PROMPTS, GREEDY, block_manager=bm)
     assert paged == [mi.generate_naive(model, p, GREEDY) for p in PROMPTS], kind
-    theirs = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=32, min_new_tokens=32,
-                         do_sample=False)[0, len(PROMPTS[0]):].tolist()
-    assert paged[0] == theirs
+    assert paged[0] == hf_greedy(hf, PROMPTS[0])
     assert bm.num_free_blocks == 200  # nothing leaked
 
 
@@ -35,12 +34,8 @@ def test_course_model_paged_equals_naive_with_eos():
 def test_sequences_finish_at_different_times_and_free_early():
     model = mi.load_model()
     full = mi.generate_paged(model, [[604, 656, 199], [278]], mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    saved = model.cfg.eos_token_ids
-    model.cfg.eos_token_ids = [full[0][2]]
-    try:
+    with eos_is(model, full[0][2]):
         outs = mi.generate_paged(model, [[604, 656, 199], [278]], mi.SamplingParams(temperature=0, max_tokens=12))
-    finally:
-        model.cfg.eos_token_ids = saved
     eos = full[0][2]
     assert outs == [r[:r.index(eos) + 1] if eos in r else r for r in full]
 

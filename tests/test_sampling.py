@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
+from conftest import eos_is
 from miniinfer.sampling import sample, top_p_filter
 
 
@@ -68,14 +69,10 @@ def test_generation_stops_at_eos_unless_ignored(course):
     prompt = tok("x = 1\n").input_ids
     full = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=12,
                                                               ignore_eos=True))
-    saved = model.cfg.eos_token_ids
-    model.cfg.eos_token_ids = [full[5]]  # pretend the sixth token is EOS
-    try:
+    with eos_is(model, full[5]):  # the sixth token
         out = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=12))
         ignored = mi.generate_naive(model, prompt, mi.SamplingParams(temperature=0, max_tokens=12,
                                                                      ignore_eos=True))
-    finally:
-        model.cfg.eos_token_ids = saved
     assert out == full[:full.index(full[5]) + 1] and ignored == full
 
 

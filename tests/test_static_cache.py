@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
+from conftest import eos_is, hf_greedy
 
 GREEDY = mi.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [11], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13], [77, 78]]
@@ -15,9 +16,7 @@ def test_cached_equals_naive_and_transformers(hf_checkpoint):
     for prompt in PROMPTS:
         cached = mi.generate_cached(model, prompt, GREEDY)
         assert cached == mi.generate_naive(model, prompt, GREEDY), kind
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                             do_sample=False)[0, len(prompt):].tolist()
-        assert cached == theirs, kind
+        assert cached == hf_greedy(hf, prompt), kind
 
 
 def test_batched_equals_unbatched(hf_checkpoint):
@@ -41,12 +40,8 @@ def test_each_sequence_stops_at_its_own_eos():
     prompts = [[604, 656, 199], [534, 889, 66, 271], [278]]
     full = mi.generate_static_batch(model, prompts, mi.SamplingParams(temperature=0, max_tokens=12,
                                                                       ignore_eos=True))
-    saved = model.cfg.eos_token_ids
-    model.cfg.eos_token_ids = [full[0][3]]  # the first row ends at its fourth token
-    try:
+    with eos_is(model, full[0][3]):  # the first row ends at its fourth token
         outs = mi.generate_static_batch(model, prompts, mi.SamplingParams(temperature=0, max_tokens=12))
-    finally:
-        model.cfg.eos_token_ids = saved
     eos = full[0][3]
     for out, ref in zip(outs, full):
         assert out == (ref[:ref.index(eos) + 1] if eos in ref else ref)
