@@ -19,21 +19,23 @@ from miniinfer.course_model import course_model_path  # noqa: E402
 from miniinfer.generate import generate_naive  # noqa: E402
 from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
 from miniinfer.model import ModelConfig, Transformer  # noqa: E402
-from miniinfer.paged_cache import (PagedKVCache, gather_kv, generate_paged, paged_attention_ref,  # noqa: E402
+from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, generate_paged, paged_attention_ref,  # noqa: E402
                                    paged_utilization, slot_mapping)
 from miniinfer.sampling import SamplingParams, sample  # noqa: E402
+from miniinfer.varlen import VarlenBatch, VarlenKVCache, prefill_attention_ref, store_kv_ref  # noqa: E402
 from miniinfer.static_cache import (StaticBatchGenerator, StaticKVCache, benchmark_lengths, generate_cached,  # noqa: E402
                                     generate_static_batch, left_pad, static_batch_waste,
                                     static_utilization, write_kv)
 
 try:  # Triton ships for Linux only; elsewhere the PyTorch ops serve
-    from miniinfer import kernels  # noqa: E402,F401  (registers the Triton ops backend)
+    from miniinfer import kernels  # noqa: E402,F401  (registers the Triton ops and attention kernels)
 except ImportError:
     pass
 
-__all__ = ["BlockCopy", "BlockManager", "CheckpointError", "OutOfBlocks", "PagedKVCache",
+__all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "OutOfBlocks", "PagedKVCache",
            "draw_pool", "gather_kv", "generate_paged", "paged_attention_ref", "paged_utilization",
            "replay", "slot_mapping", "ModelConfig", "SamplingParams", "StaticBatchGenerator", "StaticKVCache", "Transformer",
            "benchmark_lengths", "course_model_path", "generate_cached", "generate_naive",
            "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
-           "static_batch_waste", "static_utilization", "testing", "write_kv"]
+           "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",
+           "prefill_attention_ref", "store_kv_ref"]

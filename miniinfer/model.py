@@ -255,8 +255,11 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn=None) -> torch.Tensor:
-        """Logits for input_ids [B, T] at positions [B, T] (default 0..T-1), through backend `attn`."""
+                attn=None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for input_ids [B, T] at positions [B, T] (default 0..T-1), through backend `attn`.
+
+        logits_at: indices into the B*T tokens (flattened) whose logits are wanted -> [len, vocab].
+        """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         attn = attn or CausalAttention()
@@ -264,5 +267,9 @@ class Transformer(nn.Module):
         cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.inv_freq))  # once, not per layer
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, i, attn, self.ops)
+        if logits_at is not None:
+            # Generation needs only the last token's logits: the lm_head of every other token of
+            # a long prompt would be the largest matmul of the forward, and [T, vocab] of memory.
+            x = x.flatten(0, 1)[logits_at]
         norm = self.model.norm
         return self.lm_head(self.ops.rms_norm(x, norm.weight, norm.eps))

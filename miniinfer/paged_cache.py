@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from miniinfer.block_manager import BlockManager, OutOfBlocks, blocks_needed
@@ -71,30 +73,54 @@ class PagedKVCache:
         kc, vc = (gather_kv(pool[layer], self.block_tables, length) for pool in (self.k, self.v))
         return attention(q, kc, vc, scale, self.visible)
 
+    def run(self, model: Transformer, tokens: list[list[int]], block_tables: list[list[int]],
+            num_cached: list[int]) -> torch.Tensor:
+        """One forward: sequence b's new tokens[b] follow its num_cached[b] tokens already in the
+        pool. Returns the logits of each sequence's last token, [B, vocab]."""
+        device = self.k.device
+        slots = [slot_mapping(t, n, len(new), self.block_size).tolist()
+                 for t, n, new in zip(block_tables, num_cached, tokens)]
+        start = torch.tensor(num_cached, device=device)
+        q_lens = torch.tensor([len(new) for new in tokens], device=device)
+        self.step(_batch(slots, -1, device), _batch(block_tables, 0, device), start, start + q_lens)
+        ids = _batch(tokens, 0, device)  # right-padded; padding writes nowhere and is never read
+        T = ids.shape[1]
+        positions = start[:, None] + torch.arange(T, device=device)
+        return model(ids, positions, attn=self, logits_at=torch.arange(len(tokens), device=device) * T + q_lens - 1)
+
 
 def _batch(rows: list[list[int]], fill: int, device) -> torch.Tensor:
     width = max(map(len, rows))
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], device=device)
 
 
+# Paged attention backends by name; generate_paged prefers chapter 05's "varlen" once registered.
+PAGED_BACKENDS: dict[str, Callable[..., PagedKVCache]] = {"gather": PagedKVCache}
+
+
 @torch.no_grad()
 def generate_paged(model: Transformer, prompts: list[list[int]], params: SamplingParams,
                    block_size: int = 16, num_blocks: int | None = None,
-                   block_manager: BlockManager | None = None) -> list[list[int]]:
+                   block_manager: BlockManager | None = None, backend=None) -> list[list[int]]:
     """Generate for a batch of prompts with paged KV memory; greedy outputs equal generate_naive.
 
     The pool has num_blocks blocks (default: exactly what the batch can need), or the blocks of
-    the given block_manager, whose every block this returns free when done.
+    the given block_manager, whose every block this returns free when done. backend: the attention
+    backend, a name in PAGED_BACKENDS (default "varlen" once chapter 05 registers it) or a callable
+    (cfg, num_blocks, block_size, device, dtype) -> cache.
     """
     for p in prompts:
         check_prompt(model, p, params)
+    if isinstance(backend, str) and backend not in PAGED_BACKENDS:
+        raise ValueError(f"unknown paged backend {backend!r}: available {sorted(PAGED_BACKENDS)}")
+    make_cache = PAGED_BACKENDS.get(backend or "varlen", PagedKVCache) if not callable(backend) else backend
     block_size = block_manager.block_size if block_manager else block_size
     need = sum(blocks_needed(len(p) + params.max_tokens, block_size) for p in prompts)
     bm = block_manager or BlockManager(num_blocks or need, block_size)
     if need > bm.num_free_blocks:
         raise OutOfBlocks(f"the batch can need {need} blocks, the pool has {bm.num_free_blocks} free")
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
-    cache = PagedKVCache(model.cfg, bm.num_blocks, bm.block_size, device, dtype)
+    cache = make_cache(model.cfg, bm.num_blocks, bm.block_size, device, dtype)
     gen = params.generator(device)
     keys = [object() for _ in prompts]  # sequence ids no other user of the block manager has
     outs: list[list[int]] = [[] for _ in prompts]
@@ -102,12 +128,8 @@ def generate_paged(model: Transformer, prompts: list[list[int]], params: Samplin
     try:
         for i, p in enumerate(prompts):
             bm.allocate(keys[i], len(p))
-        # Prefill: all prompts in one forward, right-padded.
-        tables = [bm.block_table(k) for k in keys]
-        slots = [slot_mapping(t, 0, len(p), bm.block_size).tolist() for t, p in zip(tables, prompts)]
-        lens = torch.tensor([len(p) for p in prompts], device=device)
-        cache.step(_batch(slots, -1, device), _batch(tables, 0, device), torch.zeros_like(lens), lens)
-        logits = model(_batch(prompts, 0, device), attn=cache)[torch.arange(len(prompts)), lens - 1]
+        # Prefill: all prompts in one forward.
+        logits = cache.run(model, prompts, [bm.block_table(k) for k in keys], [0] * len(prompts))
         while True:
             tokens = sample(logits, params, gen).tolist()
             for i, t in zip(running, tokens):
@@ -125,12 +147,8 @@ def generate_paged(model: Transformer, prompts: list[list[int]], params: Samplin
                 copy = bm.append_token(keys[i])
                 if copy:
                     cache.copy_block(copy)
-            tables = [bm.block_table(keys[i]) for i in running]
-            slots = [slot_mapping(t, n, 1, bm.block_size).tolist() for t, n in zip(tables, pos)]
-            pos_t = torch.tensor(pos, device=device)
-            cache.step(torch.tensor(slots, device=device), _batch(tables, 0, device), pos_t, pos_t + 1)
-            last = torch.tensor([[outs[i][-1]] for i in running], device=device)
-            logits = model(last, pos_t[:, None], attn=cache)[:, -1]
+            logits = cache.run(model, [[outs[i][-1]] for i in running],
+                               [bm.block_table(keys[i]) for i in running], pos)
     finally:
         for k in keys:  # an error mid-way must not leak blocks
             if k in bm.tables:

@@ -1,0 +1,329 @@
+"""Chapter 05 GPU benchmark: paged attention kernels against SDPA and gather-then-SDPA, then
+`generate_paged` end to end with the chapter-03 (gather) and chapter-05 (varlen, Triton) backends.
+
+Hand-written tool.
+    python tools/bench_attention.py run docs/benchmarks/attention_h200.json   # the recorded benchmark
+    python tools/bench_attention.py tune decode|prefill                       # kernel configurations
+    python tools/bench_attention.py check                                     # bf16 agreement on the GPU
+"""
+
+import datetime
+import json
+import random
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+import transformers
+import triton
+from triton.testing import do_bench
+
+import miniinfer as mi
+from bench_static_decode import LLAMA_3_2_1B
+from copy_bandwidth import copy_bandwidth
+
+DT = torch.bfloat16
+HQ, HK, BLOCK = 32, 8, 16
+
+
+def ms(fn) -> float:
+    """Median milliseconds; do_bench clears the L2 cache before each call, so data comes from memory."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def paged_pool(B: int, ctx: int, D: int, seed: int = 0):
+    """A pool holding B sequences of ctx tokens in randomly ordered blocks, and its tables."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per = -(-ctx // BLOCK)
+    k_cache = torch.randn(B * per, BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
+    v_cache = torch.randn(B * per, BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
+    tables = torch.randperm(B * per, device="cuda", generator=gen).view(B, per).to(torch.int32)
+    return k_cache, v_cache, tables
+
+
+def decode_case(B: int, ctx: int, D: int) -> dict:
+    k_cache, v_cache, tables = paged_pool(B, ctx, D)
+    lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+    scale = D ** -0.5
+    times, errs = {}, {}
+    ours = lambda: mi.kernels.paged_attention(q, k_cache, v_cache, tables, lens, scale, max_len=ctx)  # noqa: E731
+    out = ours()
+    times["triton (ours)"] = ms(ours)
+    q4 = q[:, :, None]
+
+    def contiguous():
+        return [mi.gather_kv(c, tables, ctx).transpose(1, 2).contiguous() for c in (k_cache, v_cache)]
+
+    try:
+        k, v = contiguous()
+        sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+        errs["triton (ours)"] = rel_err(out, sdpa()[:, :, 0])
+        times["SDPA, contiguous cache"] = ms(sdpa)
+        del k, v
+    except torch.OutOfMemoryError:
+        pass
+    torch.cuda.empty_cache()
+
+    def gather_sdpa():
+        k, v = (mi.gather_kv(c, tables, ctx).transpose(1, 2) for c in (k_cache, v_cache))
+        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+
+    for name, fn in (("gather, then SDPA", gather_sdpa),
+                     ("chapter 03: gather, then einsum", lambda: mi.paged_attention_ref(q, k_cache, v_cache, tables, lens, scale))):
+        try:
+            times[name] = ms(fn)
+        except torch.OutOfMemoryError:
+            pass
+        torch.cuda.empty_cache()
+    flex = flex_decode(q, k_cache, v_cache, tables, B, ctx, D, scale)
+    if isinstance(flex, str):
+        errs["flex"] = flex
+    else:
+        times["FlexAttention, paged"], errs["FlexAttention, paged"] = flex
+    nbytes = 2 * B * ctx * HK * D * 2
+    return {"batch": B, "context": ctx, "head_dim": D, "kv_bytes": nbytes, "ms": times,
+            "GBps": {k: nbytes / (t * 1e-3) / 1e9 for k, t in times.items()},
+            "splits": mi.kernels.decode_splits(B, HK, ctx, torch.cuda.get_device_properties(0).multi_processor_count),
+            "rel_err_vs_sdpa": errs}
+
+
+_flex_compiled = None
+
+
+def flex_decode(q, k_cache, v_cache, tables, B, ctx, D, scale):
+    """FlexAttention's paged path (torch.nn.attention.experimental), on the same K/V: (ms, rel err)
+    or the reason it did not run. Its block mask needs page size = its KV block size (16 here)."""
+    global _flex_compiled
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        n_pages = k_cache.shape[0]
+        paged = PagedAttention(n_pages, BLOCK, B, device="cuda")
+        paged.reserve(torch.arange(B, device="cuda"), torch.full((B,), ctx, device="cuda"))
+        pool_k = torch.empty(1, HK, n_pages * BLOCK, D, device="cuda", dtype=DT)
+        pool_v = torch.empty_like(pool_k)
+        k, v = (mi.gather_kv(c, tables, ctx).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+        pos = torch.arange(ctx, device="cuda").expand(B, ctx)
+        paged.assign(torch.arange(B, device="cuda"), pos, k, v, pool_k, pool_v)
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < ctx, B, None, 1, ctx,
+                                 device="cuda", BLOCK_SIZE=(128, BLOCK))
+        mask = paged.convert_logical_block_mask(mask)
+        score_mod = paged.get_score_mod(None)
+        q4 = q[:, :, None]
+        fn = lambda: _flex_compiled(q4, pool_k, pool_v, block_mask=mask, score_mod=score_mod,  # noqa: E731
+                                    scale=scale, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+        err = rel_err(fn(), ref)
+        del k, v
+        return ms(fn), err
+    except Exception as e:  # noqa: BLE001  (a peer that does not run here is recorded, not fatal)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def prefill_inputs(B: int, T: int, cached: int, D: int):
+    """Our kernel's arguments for B sequences of T new tokens after `cached` ones, and SDPA on the same
+    data, contiguous, with the KV heads repeated for the query heads (its flash kernels' layout; the
+    copy is made here, before any timing) and the causal diagonal at the bottom right."""
+    ctx = T + cached
+    k_cache, v_cache, tables = paged_pool(B, ctx, D, seed=1)
+    lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+    qsl = torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32)
+    q = torch.randn(B * T, HQ, D, device="cuda", dtype=DT)
+    args = (q, k_cache, v_cache, qsl, lens, tables, D ** -0.5, T)
+    k, v = (mi.gather_kv(c, tables, ctx).repeat_interleave(HQ // HK, dim=2).transpose(1, 2).contiguous()
+            for c in (k_cache, v_cache))
+    q4 = q.view(B, T, HQ, D).transpose(1, 2).contiguous()
+    mask = dict(attn_mask=causal_lower_right(T, ctx)) if cached else dict(is_causal=True)
+    return args, lambda: F.scaled_dot_product_attention(q4, k, v, scale=D ** -0.5, **mask).transpose(1, 2)
+
+
+def prefill_case(B: int, T: int, cached: int, D: int) -> dict:
+    args, sdpa = prefill_inputs(B, T, cached, D)
+    ours = lambda: mi.kernels.prefill_attention(*args)  # noqa: E731
+    err = rel_err(ours().view(B, T, HQ, D), sdpa())
+    times = {"triton (ours)": ms(ours), "SDPA, contiguous": ms(sdpa)}
+    flops = 4 * D * HQ * B * sum(cached + i + 1 for i in range(T))
+    return {"batch": B, "new_tokens": T, "cached": cached, "head_dim": D, "ms": times,
+            "TFLOPs": {k: flops / (t * 1e-3) / 1e12 for k, t in times.items()},
+            "ratio_to_sdpa": times["triton (ours)"] / times["SDPA, contiguous"], "rel_err_vs_sdpa": err}
+
+
+def end_to_end(n: int = 64) -> dict:
+    """generate_paged on the chapter-03 workload: the first n requests of the benchmark lengths,
+    prompt tokens uniform in 0..10000; one SamplingParams, so every request gets the mean output
+    length of the n (generate_paged takes one max_tokens)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**LLAMA_3_2_1B)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(config).to(DT).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        del hf
+        model = mi.load_model(folder, device="cuda", dtype=DT)
+    random.seed(0)
+    lengths = mi.benchmark_lengths()[:n]
+    prompts = [[random.randint(0, 10000) for _ in range(p)] for p, _ in lengths]
+    new = round(sum(o for _, o in lengths) / n)
+    params = mi.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    runs = {"generate_paged, gather backend (chapter 03)": lambda p, s: mi.generate_paged(model, p, s, backend="gather"),
+            "generate_paged, varlen backend (chapter 05)": lambda p, s: mi.generate_paged(model, p, s, backend="varlen"),
+            "static batch, CUDA graph (chapter 02)": lambda p, s: mi.generate_static_batch(model, p, s)}
+    for fn in runs.values():  # warm-up: kernel compilation stays out of the timings
+        fn(prompts[:2], mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    res, outs = {}, []
+    for name, fn in runs.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs.append(fn(prompts, params))
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        res[name] = {"seconds": seconds, "output_tokens_per_s": n * new / seconds}
+        print(f"{name:>45}: {n * new / seconds:8.0f} output tokens/s", flush=True)
+    agree = sum(x == y for r, s in zip(outs[0], outs[1]) for x, y in zip(r, s)) / (n * new)
+    return {"requests": n, "prompt_tokens": sum(p for p, _ in lengths), "max_tokens_each": new,
+            "note": "one max_tokens (the mean output length of the n requests) for all: generate_paged takes one",
+            "results": res, "greedy_tokens_equal_gather_vs_varlen": agree}
+
+
+def main(out_path: str) -> None:
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    decode = []
+    for D in (64, 128):
+        for B in (1, 16, 64, 256):
+            for ctx in (512, 2048, 8192, 32768):
+                r = decode_case(B, ctx, D)
+                decode.append(r)
+                print(f"D={D} B={B:>3} ctx={ctx:>5} splits {r['splits']:>2}: " + "  ".join(
+                    f"{k.split(',')[0][:14]} {v / bw:4.0%}" for k, v in r["GBps"].items()), flush=True)
+                torch.cuda.empty_cache()
+    prefill = []
+    for D in (64, 128):
+        for B, T in ((4, 1024), (1, 8192)):
+            for cached in (0, 512):
+                r = prefill_case(B, T, cached, D)
+                prefill.append(r)
+                print(f"prefill D={D} {B}x{T} cached {cached}: ours {r['ms']['triton (ours)']:.3f} ms, "
+                      f"SDPA {r['ms']['SDPA, contiguous']:.3f} ms ({r['ratio_to_sdpa']:.2f}x)", flush=True)
+    torch.cuda.empty_cache()
+    e2e = end_to_end()
+    res = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+           "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+           "copy_GBps": bw, "heads": f"{HQ} query / {HK} KV heads, block size {BLOCK}, bf16",
+           "decode": decode, "prefill": prefill, "end_to_end": e2e}
+    with open(out_path, "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, out_path.removesuffix(".json") + ".png")
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw = res["copy_GBps"]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharey=True)
+    styles = {"triton (ours)": "o-", "SDPA, contiguous cache": "s--", "gather, then SDPA": "^:",
+              "chapter 03: gather, then einsum": "x:", "FlexAttention, paged": "d-."}
+    for i, D in enumerate((64, 128)):
+        for j, B in enumerate((1, 16, 64, 256)):
+            ax = axes[i, j]
+            rows = [r for r in res["decode"] if r["head_dim"] == D and r["batch"] == B]
+            for name, style in styles.items():
+                pts = [(r["context"], r["GBps"][name] / bw * 100) for r in rows if name in r["GBps"]]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"decode, head_dim {D}, batch {B}", fontsize=10)
+            ax.axhline(100, color="black", lw=0.8)
+            ax.set_xlabel("context (tokens)")
+            if j == 0:
+                ax.set_ylabel("% of copy bandwidth")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"Paged decode attention, K/V bytes read / time, {res['gpu']} "
+                 f"(copy {bw:.0f} GB/s), {res['heads']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def tune(which: str) -> None:
+    """Time kernel configurations at representative sizes (prints a table; nothing recorded): first
+    tile x warps x stages at the automatic split, then the split at the best of those."""
+    quick = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
+    bw = copy_bandwidth()
+    print(f"copy {bw:.0f} GB/s")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for D in (64, 128) if which == "decode" else ():
+        for B, ctx in ((1, 32768), (1, 4096), (16, 2048), (16, 8192), (64, 2048), (256, 2048), (64, 8192)):
+            k_cache, v_cache, tables = paged_pool(B, ctx, D)
+            lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+            q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+            nbytes = 2 * B * ctx * HK * D * 2
+            auto = mi.kernels.decode_splits(B, HK, ctx, sms)
+
+            def pct(**cfg):
+                try:
+                    t = quick(lambda: mi.kernels.paged_attention(q, k_cache, v_cache, tables, lens, D ** -0.5, **cfg))
+                except Exception as e:  # noqa: BLE001  (out of resources)
+                    return 0.0
+                return nbytes / (t * 1e-3) / 1e9 / bw
+
+            configs = sorted(((pct(num_splits=auto, tile=t, num_warps=w, num_stages=st), t, w, st)
+                              for t in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)), reverse=True)
+            default = pct(num_splits=auto)
+            _, t, w, st = configs[0]
+            splits = sorted((pct(num_splits=n, tile=t, num_warps=w, num_stages=st), n)
+                            for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n * t * 2 <= ctx)
+            print(f"decode D={D} B={B} ctx={ctx}: default (split {auto}) {default:.1%}; best configs " +
+                  ", ".join(f"{p:.1%} t{t} w{w} st{st}" for p, t, w, st in configs[:4]) +
+                  " | splits: " + ", ".join(f"{n}:{p:.0%}" for p, n in sorted(splits, key=lambda x: x[1])), flush=True)
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+    for D in (64, 128) if which == "prefill" else ():
+        for B, T, cached in ((4, 1024, 0), (1, 8192, 0), (4, 1024, 512)):
+            args, sdpa = prefill_inputs(B, T, cached, D)
+            ref = sdpa()
+            base = quick(sdpa)
+            results = []
+            for block_m in (64, 128):
+                for block_n in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (1, 2, 3):
+                            cfg = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+                            try:
+                                fn = lambda: mi.kernels.prefill_attention(*args, **cfg)  # noqa: E731
+                                err = rel_err(fn().view(B, T, HQ, D), ref)
+                                results.append((quick(fn) / base, cfg, err))
+                            except Exception as e:  # noqa: BLE001  (out of resources)
+                                print("  skip", cfg, type(e).__name__)
+            results.sort(key=lambda x: x[0])
+            print(f"prefill D={D} {B}x{T} cached {cached}: SDPA {base:.3f} ms; best: " +
+                  "; ".join(f"{x:.2f}x {c}" for x, c, _ in results[:4]) +
+                  f"; max err {max(e for *_, e in results):.1e}", flush=True)
+            torch.cuda.empty_cache()
+
+
+def check() -> None:
+    """The kernels against the PyTorch references on random odd shapes, on the GPU, per dtype."""
+    sys.path.insert(0, "tests")
+    from test_attention import decode_errors, prefill_errors
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        print(f"{str(dtype):>15}: decode max rel err {max(decode_errors('cuda', dtype)):.1e}, "
+              f"prefill {max(prefill_errors('cuda', dtype)):.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    {"run": lambda: main(sys.argv[2]), "tune": lambda: tune(sys.argv[2]), "check": check}[sys.argv[1]]()
