@@ -103,12 +103,15 @@ def test_decode_kernel_equals_prefill_kernel_on_one_token():
     torch.testing.assert_close(decode, prefill)
 
 
-def test_split_count_fills_the_gpu_without_over_splitting():
-    split = functools.partial(mi.kernels.decode_splits, kv_heads=8, multiprocessors=132)
-    assert split(batch=1, max_len=32768) == 64  # 8 programs alone would leave 124 multiprocessors idle
-    assert split(batch=256, max_len=32768) == 1  # the batch fills the GPU: no merge needed
-    assert split(batch=1, max_len=100) == 1  # no split shorter than 4 tiles
-    assert all(split(batch=b, max_len=n) >= 1 for b in (1, 3, 64, 1000) for n in (1, 64, 10**6))
+def test_decode_config_fills_the_gpu_without_over_splitting():
+    config = functools.partial(mi.kernels.decode_config, kv_heads=8, multiprocessors=132)
+    assert config(batch=1, head_dim=64, max_len=32768) == dict(num_splits=66, tile=128, num_warps=4)
+    assert config(batch=16, head_dim=128, max_len=2048) == dict(num_splits=4, tile=64, num_warps=4)
+    assert config(batch=64, head_dim=128, max_len=2048) == dict(num_splits=2, tile=32, num_warps=2)
+    assert config(batch=256, head_dim=64, max_len=32768)["num_splits"] == 1  # the batch fills the GPU
+    assert config(batch=1, head_dim=64, max_len=100)["num_splits"] == 1  # no split shorter than 2 tiles
+    assert config(batch=1, head_dim=20, max_len=5000)["tile"] == 128  # odd head dims: padded to 32 lanes
+    assert all(config(batch=b, head_dim=64, max_len=n)["num_splits"] >= 1 for b in (1, 3, 64, 1000) for n in (1, 10**6))
 
 
 def test_store_kv_writes_only_real_slots():

@@ -2,7 +2,7 @@
 `generate_paged` end to end with the chapter-03 (gather) and chapter-05 (varlen, Triton) backends.
 
 Hand-written tool.
-    python tools/bench_attention.py run docs/benchmarks/attention_h200.json   # the recorded benchmark
+    python tools/bench_attention.py run docs/benchmarks/attention_h200.json [decode prefill e2e]
     python tools/bench_attention.py tune decode|prefill                       # kernel configurations
     python tools/bench_attention.py check                                     # bf16 agreement on the GPU
 """
@@ -48,87 +48,116 @@ def paged_pool(B: int, ctx: int, D: int, seed: int = 0):
     return k_cache, v_cache, tables
 
 
-def decode_case(B: int, ctx: int, D: int) -> dict:
-    k_cache, v_cache, tables = paged_pool(B, ctx, D)
-    lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-    q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
-    scale = D ** -0.5
-    times, errs = {}, {}
-    ours = lambda: mi.kernels.paged_attention(q, k_cache, v_cache, tables, lens, scale, max_len=ctx)  # noqa: E731
-    out = ours()
-    times["triton (ours)"] = ms(ours)
-    q4 = q[:, :, None]
+def graph_ms(calls: list) -> float:
+    """GPU milliseconds per call: the calls, each over its own copy of the data, recorded in one CUDA
+    graph and replayed (the host's launch overhead stays out, as in the engine's decode steps)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    t = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / len(calls)
+    del graph
+    return t
 
-    def contiguous():
-        return [mi.gather_kv(c, tables, ctx).transpose(1, 2).contiguous() for c in (k_cache, v_cache)]
 
-    try:
-        k, v = contiguous()
-        sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
-        errs["triton (ours)"] = rel_err(out, sdpa()[:, :, 0])
-        times["SDPA, contiguous cache"] = ms(sdpa)
-        del k, v
-    except torch.OutOfMemoryError:
-        pass
-    torch.cuda.empty_cache()
-
-    def gather_sdpa():
-        k, v = (mi.gather_kv(c, tables, ctx).transpose(1, 2) for c in (k_cache, v_cache))
-        return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
-
-    for name, fn in (("gather, then SDPA", gather_sdpa),
-                     ("chapter 03: gather, then einsum", lambda: mi.paged_attention_ref(q, k_cache, v_cache, tables, lens, scale))):
-        try:
-            times[name] = ms(fn)
-        except torch.OutOfMemoryError:
-            pass
-        torch.cuda.empty_cache()
-    flex = flex_decode(q, k_cache, v_cache, tables, B, ctx, D, scale)
-    if isinstance(flex, str):
-        errs["flex"] = flex
-    else:
-        times["FlexAttention, paged"], errs["FlexAttention, paged"] = flex
+def decode_worlds(B: int, ctx: int, D: int) -> tuple[int, list[dict]]:
+    """K/V bytes of one decode step, and enough copies of its data (>= 256 MB in all, at most 64)
+    that the L2 cache (60 MB) cannot hold them: below 4 MB a copy, the data partly comes from the
+    L2 and the GB/s can exceed the memory's."""
     nbytes = 2 * B * ctx * HK * D * 2
-    return {"batch": B, "context": ctx, "head_dim": D, "kv_bytes": nbytes, "ms": times,
+    worlds = []
+    for i in range(max(1, min(64, -(-256 * 2**20 // nbytes)))):
+        k_cache, v_cache, tables = paged_pool(B, ctx, D, seed=i)
+        worlds.append(dict(k_cache=k_cache, v_cache=v_cache, tables=tables, q=torch.randn(B, HQ, D, device="cuda", dtype=DT),
+                           lens=torch.full((B,), ctx, device="cuda", dtype=torch.int32)))
+    return nbytes, worlds
+
+
+def decode_case(B: int, ctx: int, D: int) -> dict:
+    """Decode attention of B sequences of ctx tokens, each implementation timed in a CUDA graph over
+    the copies of decode_worlds."""
+    nbytes, worlds = decode_worlds(B, ctx, D)
+    copies, scale = len(worlds), D ** -0.5
+
+    def ours(w):
+        return mi.kernels.paged_attention(w["q"], w["k_cache"], w["v_cache"], w["tables"], w["lens"], scale, max_len=ctx)
+
+    def contiguous(w):
+        return [mi.gather_kv(w[c], w["tables"], ctx).transpose(1, 2) for c in ("k_cache", "v_cache")]
+
+    def gather_sdpa(w):
+        k, v = contiguous(w)
+        return F.scaled_dot_product_attention(w["q"][:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
+
+    def ch03(w):
+        return mi.paged_attention_ref(w["q"], w["k_cache"], w["v_cache"], w["tables"], w["lens"], scale)
+
+    times, notes = {}, {}
+    ref = gather_sdpa(worlds[0])
+    notes["rel_err_ours_vs_sdpa"] = rel_err(ours(worlds[0]), ref)
+    impls = {"triton (ours)": ours, "gather, then SDPA": gather_sdpa, "chapter 03: gather, then einsum": ch03}
+    for name, fn in impls.items():
+        try:
+            times[name] = graph_ms([lambda w=w: fn(w) for w in worlds])
+        except torch.OutOfMemoryError:
+            notes[name] = "out of memory"
+        torch.cuda.empty_cache()
+    try:  # SDPA on a contiguous copy of each world's cache (made before timing)
+        for w in worlds:
+            w["k"], w["v"] = (t.contiguous() for t in contiguous(w))
+        times["SDPA, contiguous cache"] = graph_ms(
+            [lambda w=w: F.scaled_dot_product_attention(w["q"][:, :, None], w["k"], w["v"], scale=scale,
+                                                        enable_gqa=True) for w in worlds])
+        if D == 64 and ctx in (2048, 32768):  # each shape compiles anew: a subset keeps the run short
+            flex = [flex_decode(w, B, ctx, D, scale) for w in worlds]
+            notes["rel_err_flex_vs_sdpa"] = rel_err(flex[0]()[:, :, 0], ref)
+            times["FlexAttention, paged"] = graph_ms(flex)
+    except torch.OutOfMemoryError:
+        notes["SDPA, contiguous cache"] = "out of memory"
+    except Exception as e:  # noqa: BLE001  (a peer that does not run here is recorded, not fatal)
+        notes["FlexAttention, paged"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    del worlds
+    torch.cuda.empty_cache()
+    # What any kernel moving this many bytes can reach: a copy of nbytes (read + written), same copies.
+    pairs = [(torch.empty(nbytes // 4, device="cuda"), torch.empty(nbytes // 4, device="cuda")) for _ in range(copies)]
+    copy_ms = graph_ms([lambda x=x, y=y: y.copy_(x) for x, y in pairs])
+    del pairs
+    return {"batch": B, "context": ctx, "head_dim": D, "kv_bytes": nbytes, "copies": copies, "ms": times,
             "GBps": {k: nbytes / (t * 1e-3) / 1e9 for k, t in times.items()},
-            "splits": mi.kernels.decode_splits(B, HK, ctx, torch.cuda.get_device_properties(0).multi_processor_count),
-            "rel_err_vs_sdpa": errs}
+            "copy_same_bytes_GBps": nbytes / (copy_ms * 1e-3) / 1e9,
+            "config": mi.kernels.decode_config(B, HK, D, ctx, torch.cuda.get_device_properties(0).multi_processor_count),
+            "notes": notes}
 
 
 _flex_compiled = None
 
 
-def flex_decode(q, k_cache, v_cache, tables, B, ctx, D, scale):
-    """FlexAttention's paged path (torch.nn.attention.experimental), on the same K/V: (ms, rel err)
-    or the reason it did not run. Its block mask needs page size = its KV block size (16 here)."""
+def flex_decode(w: dict, B: int, ctx: int, D: int, scale: float):
+    """FlexAttention's paged path (torch.nn.attention.experimental) over a copy of the world's K/V,
+    in its own pool layout; its block mask's KV block size must equal the page size (16 here)."""
     global _flex_compiled
-    try:
-        from torch.nn.attention.experimental._paged_attention import PagedAttention
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        if _flex_compiled is None:
-            _flex_compiled = torch.compile(flex_attention, dynamic=False)
-        n_pages = k_cache.shape[0]
-        paged = PagedAttention(n_pages, BLOCK, B, device="cuda")
-        paged.reserve(torch.arange(B, device="cuda"), torch.full((B,), ctx, device="cuda"))
-        pool_k = torch.empty(1, HK, n_pages * BLOCK, D, device="cuda", dtype=DT)
-        pool_v = torch.empty_like(pool_k)
-        k, v = (mi.gather_kv(c, tables, ctx).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
-        pos = torch.arange(ctx, device="cuda").expand(B, ctx)
-        paged.assign(torch.arange(B, device="cuda"), pos, k, v, pool_k, pool_v)
-        mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < ctx, B, None, 1, ctx,
-                                 device="cuda", BLOCK_SIZE=(128, BLOCK))
-        mask = paged.convert_logical_block_mask(mask)
-        score_mod = paged.get_score_mod(None)
-        q4 = q[:, :, None]
-        fn = lambda: _flex_compiled(q4, pool_k, pool_v, block_mask=mask, score_mod=score_mod,  # noqa: E731
-                                    scale=scale, enable_gqa=True)
-        ref = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
-        err = rel_err(fn(), ref)
-        del k, v
-        return ms(fn), err
-    except Exception as e:  # noqa: BLE001  (a peer that does not run here is recorded, not fatal)
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    n_pages = w["k_cache"].shape[0]
+    paged = PagedAttention(n_pages, BLOCK, B, device="cuda")
+    paged.reserve(torch.arange(B, device="cuda"), torch.full((B,), ctx, device="cuda"))
+    pool_k = torch.empty(1, HK, n_pages * BLOCK, D, device="cuda", dtype=DT)
+    pool_v = torch.empty_like(pool_k)
+    pos = torch.arange(ctx, device="cuda").expand(B, ctx)
+    paged.assign(torch.arange(B, device="cuda"), pos, w["k"], w["v"], pool_k, pool_v)
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < ctx, B, None, 1, ctx,
+                             device="cuda", BLOCK_SIZE=(128, BLOCK))
+    mask = paged.convert_logical_block_mask(mask)
+    score_mod = paged.get_score_mod(None)
+    q4 = w["q"][:, :, None]
+    return lambda: _flex_compiled(q4, pool_k, pool_v, block_mask=mask, score_mod=score_mod, scale=scale,
+                                  enable_gqa=True)
 
 
 def prefill_inputs(B: int, T: int, cached: int, D: int):
@@ -196,35 +225,46 @@ def end_to_end(n: int = 64) -> dict:
             "results": res, "greedy_tokens_equal_gather_vs_varlen": agree}
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, parts: list[str]) -> None:
+    """Run the named parts (decode, prefill, e2e) and add them to the JSON at out_path."""
+    try:
+        with open(out_path) as f:
+            res = json.load(f)
+    except FileNotFoundError:
+        res = {}
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    decode = []
-    for D in (64, 128):
-        for B in (1, 16, 64, 256):
-            for ctx in (512, 2048, 8192, 32768):
-                r = decode_case(B, ctx, D)
-                decode.append(r)
-                print(f"D={D} B={B:>3} ctx={ctx:>5} splits {r['splits']:>2}: " + "  ".join(
-                    f"{k.split(',')[0][:14]} {v / bw:4.0%}" for k, v in r["GBps"].items()), flush=True)
-                torch.cuda.empty_cache()
-    prefill = []
-    for D in (64, 128):
-        for B, T in ((4, 1024), (1, 8192)):
-            for cached in (0, 512):
-                r = prefill_case(B, T, cached, D)
-                prefill.append(r)
-                print(f"prefill D={D} {B}x{T} cached {cached}: ours {r['ms']['triton (ours)']:.3f} ms, "
-                      f"SDPA {r['ms']['SDPA, contiguous']:.3f} ms ({r['ratio_to_sdpa']:.2f}x)", flush=True)
-    torch.cuda.empty_cache()
-    e2e = end_to_end()
-    res = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-           "copy_GBps": bw, "heads": f"{HQ} query / {HK} KV heads, block size {BLOCK}, bf16",
-           "decode": decode, "prefill": prefill, "end_to_end": e2e}
+    if "decode" in parts:
+        res["decode"] = []
+        for D in (64, 128):
+            for B in (1, 16, 64, 256):
+                for ctx in (512, 2048, 8192, 32768):
+                    r = decode_case(B, ctx, D)
+                    res["decode"].append(r)
+                    print(f"D={D} B={B:>3} ctx={ctx:>5}: " + "  ".join(
+                        f"{k.split(',')[0][:14]} {v / bw:4.0%}" for k, v in r["GBps"].items()) +
+                          f"  copy, same bytes {r['copy_same_bytes_GBps'] / bw:4.0%}", flush=True)
+        res["copy_GBps"] = bw  # the percentages are of this run's copy bandwidth
+    if "prefill" in parts:
+        res["prefill"] = []
+        for D in (64, 128):
+            for B, T in ((4, 1024), (1, 8192)):
+                for cached in (0, 512):
+                    r = prefill_case(B, T, cached, D)
+                    res["prefill"].append(r)
+                    print(f"prefill D={D} {B}x{T} cached {cached}: ours {r['ms']['triton (ours)']:.3f} ms, "
+                          f"SDPA {r['ms']['SDPA, contiguous']:.3f} ms ({r['ratio_to_sdpa']:.2f}x)", flush=True)
+        torch.cuda.empty_cache()
+    if "e2e" in parts:
+        res["end_to_end"] = end_to_end()
+    res.update({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+                "heads": f"{HQ} query / {HK} KV heads, block size {BLOCK}, bf16"})
+    res.setdefault("copy_GBps", bw)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
-    plot(res, out_path.removesuffix(".json") + ".png")
+    if "decode" in res:
+        plot(res, out_path.removesuffix(".json") + ".png")
 
 
 def plot(res: dict, path: str) -> None:
@@ -267,21 +307,19 @@ def tune(which: str) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for D in (64, 128) if which == "decode" else ():
         for B, ctx in ((1, 32768), (1, 4096), (16, 2048), (16, 8192), (64, 2048), (256, 2048), (64, 8192)):
-            k_cache, v_cache, tables = paged_pool(B, ctx, D)
-            lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-            q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
-            nbytes = 2 * B * ctx * HK * D * 2
-            auto = mi.kernels.decode_splits(B, HK, ctx, sms)
+            nbytes, worlds = decode_worlds(B, ctx, D)
+            auto = mi.kernels.decode_config(B, HK, D, ctx, sms)["num_splits"]
 
             def pct(**cfg):
                 try:
-                    t = quick(lambda: mi.kernels.paged_attention(q, k_cache, v_cache, tables, lens, D ** -0.5, **cfg))
-                except Exception as e:  # noqa: BLE001  (out of resources)
+                    t = graph_ms([lambda w=w: mi.kernels.paged_attention(
+                        w["q"], w["k_cache"], w["v_cache"], w["tables"], w["lens"], D ** -0.5, **cfg) for w in worlds])
+                except Exception:  # noqa: BLE001  (a configuration out of resources)
                     return 0.0
                 return nbytes / (t * 1e-3) / 1e9 / bw
 
             configs = sorted(((pct(num_splits=auto, tile=t, num_warps=w, num_stages=st), t, w, st)
-                              for t in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)), reverse=True)
+                              for t in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)), reverse=True)
             default = pct(num_splits=auto)
             _, t, w, st = configs[0]
             splits = sorted((pct(num_splits=n, tile=t, num_warps=w, num_stages=st), n)
@@ -289,7 +327,7 @@ def tune(which: str) -> None:
             print(f"decode D={D} B={B} ctx={ctx}: default (split {auto}) {default:.1%}; best configs " +
                   ", ".join(f"{p:.1%} t{t} w{w} st{st}" for p, t, w, st in configs[:4]) +
                   " | splits: " + ", ".join(f"{n}:{p:.0%}" for p, n in sorted(splits, key=lambda x: x[1])), flush=True)
-            del k_cache, v_cache
+            del worlds
             torch.cuda.empty_cache()
     for D in (64, 128) if which == "prefill" else ():
         for B, T, cached in ((4, 1024, 0), (1, 8192, 0), (4, 1024, 512)):
@@ -326,4 +364,4 @@ def check() -> None:
 
 
 if __name__ == "__main__":
-    {"run": lambda: main(sys.argv[2]), "tune": lambda: tune(sys.argv[2]), "check": check}[sys.argv[1]]()
+    {"run": lambda: main(sys.argv[2], sys.argv[3:] or ["decode", "prefill", "e2e"]), "tune": lambda: tune(sys.argv[2]), "check": check}[sys.argv[1]]()

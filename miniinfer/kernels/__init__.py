@@ -3,8 +3,8 @@
 Importing it registers chapter 04's ops backend ("triton") and chapter 05's attention kernels.
 """
 
-from miniinfer.kernels.attention import decode_splits, paged_attention, prefill_attention, store_kv
+from miniinfer.kernels.attention import decode_config, paged_attention, prefill_attention, store_kv
 from miniinfer.kernels.norm_rope import apply_rope, fused_add_rms_norm, rms_norm
 
-__all__ = ["apply_rope", "decode_splits", "fused_add_rms_norm", "paged_attention", "prefill_attention",
+__all__ = ["apply_rope", "decode_config", "fused_add_rms_norm", "paged_attention", "prefill_attention",
            "rms_norm", "store_kv"]

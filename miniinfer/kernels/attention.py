@@ -110,11 +110,21 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def decode_splits(batch: int, kv_heads: int, max_len: int, multiprocessors: int, tile: int = 64) -> int:
-    """Programs per (sequence, KV head): about four programs per multiprocessor, but none with
-    fewer than four tiles of the longest context to read."""
-    want = -(-4 * multiprocessors // (batch * kv_heads))
-    return max(1, min(want, -(-max_len // (4 * tile)), 64))
+def decode_config(batch: int, kv_heads: int, head_dim: int, max_len: int, multiprocessors: int) -> dict:
+    """Split, tile and warps of the decode kernel, from a sweep on the H200 (docs/benchmarks).
+
+    While the batch leaves most multiprocessors idle, a program reads tiles of 8K values (16 KB in
+    bf16) with 4 warps, about 4 such programs fit on a multiprocessor, and the context is split to
+    make that many. When the batch alone fills the GPU, half-size tiles and 2 warps let about 8
+    programs share a multiprocessor. A split never gets fewer than 2 tiles.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    pairs = batch * kv_heads
+    small = pairs < 2 * multiprocessors
+    tile = max(16, min(128, (8192 if small else 4096) // block_d))
+    splits = round((4 if small else 8) * multiprocessors / pairs)
+    return dict(num_splits=max(1, min(splits, 128, -(-max_len // (2 * tile)))), tile=tile,
+                num_warps=4 if small else 2)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -124,19 +134,21 @@ def _precision(dtype: torch.dtype) -> str:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, max_len: int | None = None,
-                    num_splits: int | None = None, tile: int = 64, num_warps: int = 4,
+                    num_splits: int | None = None, tile: int | None = None, num_warps: int | None = None,
                     num_stages: int = 2) -> torch.Tensor:
     """Decode attention through the block tables: q [B, Hq, D], each sequence's newest token, over
     its context_lens[b] tokens in the pools [num_blocks, block_size, Hk, D] -> [B, Hq, D].
 
     max_len, the longest context (a host int), sets the split; without it, it is read from the
-    device. num_splits forces a split; tile, num_warps and num_stages tune the kernel.
+    device. num_splits, tile and num_warps override decode_config's choice.
     """
     B, Hq, D = q.shape
     Hk = k_cache.shape[2]
-    if num_splits is None:
-        max_len = int(context_lens.max()) if max_len is None else max_len
-        num_splits = decode_splits(B, Hk, max_len, _multiprocessors(q.device), tile)
+    if max_len is None and None in (num_splits, tile, num_warps):
+        max_len = int(context_lens.max())
+    config = decode_config(B, Hk, D, max_len or 1, _multiprocessors(q.device))
+    num_splits, tile, num_warps = (config[k] if v is None else v for k, v in
+                                   (("num_splits", num_splits), ("tile", tile), ("num_warps", num_warps)))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     split = num_splits > 1
@@ -153,6 +165,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _merge_kernel[(B * Hq,)](part, lse, out, num_splits, HEAD_DIM=D,
                                  BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D)
     return out
+
+
+@triton.jit
+def _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr, n0, end, q_pos, qk_scale, block_size, h, d,
+                  HK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One key tile's online-softmax update; CAUSAL masks keys past each row's position."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    k, v = _kv_tile(k_ptr, v_ptr, table_ptr, pos, valid, block_size, h, d, HK, HEAD_DIM)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if CAUSAL:
+        scores = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -180,31 +211,34 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, qsl_ptr, lens_ptr,
         m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
-        end = tl.minimum(length, cached + (tile + 1) * BLOCK_Q)  # keys after the tile's last query
-        for n0 in range(0, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            k, v = _kv_tile(k_ptr, v_ptr, tables_ptr + b * table_stride, pos, valid, block_size, h, d, HK, HEAD_DIM)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            scores = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
-        # Every row sees key 0 in the first tile, so l > 0 (padding rows included).
+        table = tables_ptr + b * table_stride
+        # Key tiles that every row of this query tile sees in full need no mask; only the last few,
+        # along the diagonal, do. Keys past the tile's last query are never read.
+        first_q = cached + tile * BLOCK_Q
+        full = (first_q + 1) // BLOCK_N * BLOCK_N
+        end = tl.minimum(length, first_q + BLOCK_Q)
+        for n0 in range(0, full, BLOCK_N):
+            m, l, acc = _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table, n0, end, q_pos, qk_scale, block_size,
+                                      h, d, HK, HEAD_DIM, BLOCK_N, False, PRECISION)
+        for n0 in range(full, end, BLOCK_N):
+            m, l, acc = _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table, n0, end, q_pos, qk_scale, block_size,
+                                      h, d, HK, HEAD_DIM, BLOCK_N, True, PRECISION)
+        # Every row sees key 0, so l > 0 (padding rows included).
         out_offs = ((q_start + tok)[:, None] * (HK * GROUP) + head[:, None]) * HEAD_DIM + d[None, :]
         tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                      scale: float, max_query_len: int, block_m: int = 64, block_n: int = 64,
-                      num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                      scale: float, max_query_len: int, block_m: int | None = None, block_n: int | None = None,
+                      num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """Causal attention of a varlen batch q [N, Hq, D] over its cached and new K/V, read through
-    the block tables -> [N, Hq, D]. A tile is block_m (token, head) rows x block_n keys."""
+    the block tables -> [N, Hq, D]. A tile is block_m (token, head) rows x block_n keys; the
+    defaults are the best of a sweep on the H200 for head_dim 64 and 128."""
     N, Hq, D = q.shape
+    wide = D > 64
+    block_m, block_n = block_m or (128 if wide else 64), block_n or (32 if wide else 64)
+    num_warps = num_warps or (8 if wide else 4)
     Hk = k_cache.shape[2]
     GROUP_P = triton.next_power_of_2(Hq // Hk)
     BLOCK_Q = max(1, block_m // GROUP_P)
