@@ -98,13 +98,19 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
     times, notes = {}, {}
     ref = gather_sdpa(worlds[0])
     notes["rel_err_ours_vs_sdpa"] = rel_err(ours(worlds[0]), ref)
-    impls = {"triton (ours)": ours, "gather, then SDPA": gather_sdpa, "chapter 03: gather, then einsum": ch03}
+    impls = {"triton (ours)": ours, "gather, then SDPA": gather_sdpa}
     for name, fn in impls.items():
         try:
             times[name] = graph_ms([lambda w=w: fn(w) for w in worlds])
         except torch.OutOfMemoryError:
             notes[name] = "out of memory"
         torch.cuda.empty_cache()
+    try:  # it reads the longest context back to the host: no CUDA graph, host time included
+        times["chapter 03: gather, then einsum"] = ms(lambda: ch03(worlds[-1]))
+        notes["chapter 03: gather, then einsum"] = "timed with do_bench (not graphable): host time included"
+    except torch.OutOfMemoryError:
+        notes["chapter 03: gather, then einsum"] = "out of memory"
+    torch.cuda.empty_cache()
     try:  # SDPA on a contiguous copy of each world's cache (made before timing)
         for w in worlds:
             w["k"], w["v"] = (t.contiguous() for t in contiguous(w))
@@ -121,8 +127,8 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
         notes["FlexAttention, paged"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     del worlds
     torch.cuda.empty_cache()
-    # What any kernel moving this many bytes can reach: a copy of nbytes (read + written), same copies.
-    pairs = [(torch.empty(nbytes // 4, device="cuda"), torch.empty(nbytes // 4, device="cuda")) for _ in range(copies)]
+    # What any kernel moving this many bytes can reach: a copy moving nbytes (half read, half written).
+    pairs = [(torch.empty(nbytes // 8, device="cuda"), torch.empty(nbytes // 8, device="cuda")) for _ in range(copies)]
     copy_ms = graph_ms([lambda x=x, y=y: y.copy_(x) for x, y in pairs])
     del pairs
     return {"batch": B, "context": ctx, "head_dim": D, "kv_bytes": nbytes, "copies": copies, "ms": times,
@@ -146,7 +152,8 @@ def flex_decode(w: dict, B: int, ctx: int, D: int, scale: float):
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     n_pages = w["k_cache"].shape[0]
     paged = PagedAttention(n_pages, BLOCK, B, device="cuda")
-    paged.reserve(torch.arange(B, device="cuda"), torch.full((B,), ctx, device="cuda"))
+    for b in range(B):  # reserve() takes one sequence at a time
+        paged.reserve(torch.tensor(b, device="cuda"), torch.tensor(ctx, device="cuda"))
     pool_k = torch.empty(1, HK, n_pages * BLOCK, D, device="cuda", dtype=DT)
     pool_v = torch.empty_like(pool_k)
     pos = torch.arange(ctx, device="cuda").expand(B, ctx)
@@ -219,10 +226,20 @@ def end_to_end(n: int = 64) -> dict:
         seconds = time.perf_counter() - t0
         res[name] = {"seconds": seconds, "output_tokens_per_s": n * new / seconds}
         print(f"{name:>45}: {n * new / seconds:8.0f} output tokens/s", flush=True)
-    agree = sum(x == y for r, s in zip(outs[0], outs[1]) for x, y in zip(r, s)) / (n * new)
+    def common_prefix(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+    # bf16 paths that round differently pick different tokens once two logits nearly tie (random
+    # weights make near-ties common); from there the continuations differ.
+    agree = {f"{a} vs {b}": {"first_token_equal": sum(x[0] == y[0] for x, y in zip(outs[i], outs[j])) / n,
+                             "median_tokens_equal_before_first_difference": sorted(
+                                 common_prefix(x, y) for x, y in zip(outs[i], outs[j]))[n // 2]}
+             for (i, a), (j, b) in [((0, "gather"), (1, "varlen")), ((1, "varlen"), (2, "static")),
+                                    ((0, "gather"), (2, "static"))]}
+    print(agree, flush=True)
     return {"requests": n, "prompt_tokens": sum(p for p, _ in lengths), "max_tokens_each": new,
             "note": "one max_tokens (the mean output length of the n requests) for all: generate_paged takes one",
-            "results": res, "greedy_tokens_equal_gather_vs_varlen": agree}
+            "results": res, "greedy_agreement": agree}
 
 
 def main(out_path: str, parts: list[str]) -> None:
