@@ -5,6 +5,7 @@ Hand-written tool.
     python tools/bench_attention.py run docs/benchmarks/attention_h200.json [decode prefill e2e]
     python tools/bench_attention.py tune decode|prefill                       # kernel configurations
     python tools/bench_attention.py check                                     # bf16 agreement on the GPU
+    python tools/bench_attention.py plot docs/benchmarks/attention_h200.json  # redraw the PNGs
 """
 
 import datetime
@@ -280,8 +281,14 @@ def main(out_path: str, parts: list[str]) -> None:
     res.setdefault("copy_GBps", bw)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
+    plots(res, out_path)
+
+
+def plots(res: dict, out_path: str) -> None:
     if "decode" in res:
         plot(res, out_path.removesuffix(".json") + ".png")
+    if "prefill" in res and "end_to_end" in res:
+        plot_prefill_e2e(res, out_path.removesuffix(".json") + "_prefill_e2e.png")
 
 
 def plot(res: dict, path: str) -> None:
@@ -310,6 +317,40 @@ def plot(res: dict, path: str) -> None:
     axes[0, 0].legend(fontsize=7)
     fig.suptitle(f"Paged decode attention, K/V bytes read / time, {res['gpu']} "
                  f"(copy {bw:.0f} GB/s), {res['heads']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_prefill_e2e(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    rows = res["prefill"]
+    labels = [f"D{r['head_dim']} {r['batch']}x{r['new_tokens']}" + (f"\n+{r['cached']} cached" if r["cached"] else "")
+              for r in rows]
+    x = range(len(rows))
+    for off, name, color in ((-0.2, "triton (ours)", "tab:blue"), (0.2, "SDPA, contiguous", "tab:orange")):
+        ax1.bar([i + off for i in x], [r["TFLOPs"][name] for r in rows], 0.4, label=name, color=color)
+    for i, r in enumerate(rows):
+        ax1.text(i, max(r["TFLOPs"].values()) + 5, f"{r['ratio_to_sdpa']:.2f}x", ha="center", fontsize=8)
+    ax1.set_xticks(list(x), labels, fontsize=7)
+    ax1.set_ylabel("TFLOP/s (causal)")
+    ax1.set_title("prefill attention: time ratio ours / SDPA above the bars", fontsize=10)
+    ax1.legend(fontsize=8)
+    e2e = res["end_to_end"]
+    names = list(e2e["results"])
+    rates = [e2e["results"][n]["output_tokens_per_s"] for n in names]
+    ax2.barh(names, rates, color=["tab:gray", "tab:blue", "tab:green"])
+    for i, r in enumerate(rates):
+        ax2.text(r, i, f" {r:,.0f}", va="center", fontsize=8)
+    ax2.set_xlim(0, max(rates) * 1.25)
+    ax2.set_xlabel("output tokens/s")
+    ax2.set_title(f"Llama-3.2-1B shape, {e2e['requests']} requests x {e2e['max_tokens_each']} new tokens",
+                  fontsize=10)
+    fig.suptitle(f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -381,4 +422,5 @@ def check() -> None:
 
 
 if __name__ == "__main__":
-    {"run": lambda: main(sys.argv[2], sys.argv[3:] or ["decode", "prefill", "e2e"]), "tune": lambda: tune(sys.argv[2]), "check": check}[sys.argv[1]]()
+    {"run": lambda: main(sys.argv[2], sys.argv[3:] or ["decode", "prefill", "e2e"]), "tune": lambda: tune(sys.argv[2]), "check": check,
+     "plot": lambda: plots(json.load(open(sys.argv[2])), sys.argv[2])}[sys.argv[1]]()
