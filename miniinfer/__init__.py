@@ -16,12 +16,16 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 from miniinfer import testing  # noqa: E402
 from miniinfer.block_manager import BlockCopy, BlockManager, OutOfBlocks, draw_pool, replay  # noqa: E402
 from miniinfer.course_model import course_model_path  # noqa: E402
+from miniinfer.engine import EngineConfig, LLMEngine  # noqa: E402
 from miniinfer.generate import generate_naive  # noqa: E402
 from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
 from miniinfer.model import ModelConfig, Transformer  # noqa: E402
 from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, generate_paged, paged_attention_ref,  # noqa: E402
                                    paged_utilization, slot_mapping)
+from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
 from miniinfer.sampling import SamplingParams, sample  # noqa: E402
+from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulingPolicy  # noqa: E402
+from miniinfer.sequence import RequestOutput, Sequence, Status  # noqa: E402
 from miniinfer.varlen import VarlenBatch, VarlenKVCache, prefill_attention_ref, store_kv_ref  # noqa: E402
 from miniinfer.static_cache import (StaticBatchGenerator, StaticKVCache, benchmark_lengths, generate_cached,  # noqa: E402
                                     generate_static_batch, left_pad, static_batch_waste,
@@ -38,4 +42,5 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "benchmark_lengths", "course_model_path", "generate_cached", "generate_naive",
            "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
            "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",
-           "prefill_attention_ref", "store_kv_ref"]
+           "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "SamplingBatch", "sample_batch",
+           "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestOutput", "Sequence", "Status"]

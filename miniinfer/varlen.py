@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from miniinfer.model import ModelConfig, Transformer, attention, attention_mask
@@ -29,26 +30,29 @@ class VarlenBatch:
               block_size: int, device=None) -> "VarlenBatch":
         """Sequence b's new tokens[b] continue its num_cached[b] tokens already in the pool: one
         token (decode), a whole prompt (prefill) or a piece of one after a cached prefix."""
+        # NumPy on the host: this runs every step, and at batch 256 torch's per-call overhead on
+        # small tensors and its nested-list conversion cost milliseconds.
         B = len(tokens)
-        q_lens = torch.tensor([len(t) for t in tokens])
-        cached = torch.tensor(num_cached)
+        q_lens = np.fromiter(map(len, tokens), np.int64, B)
+        cached = np.asarray(num_cached, dtype=np.int64)
         seq_lens = cached + q_lens
-        capacity = torch.tensor([len(t) for t in block_tables]) * block_size
-        if B == 0 or not (q_lens >= 1).all() or not (seq_lens <= capacity).all():
+        widths = np.fromiter(map(len, block_tables), np.int64, B)
+        if B == 0 or (q_lens < 1).any() or (seq_lens > widths * block_size).any():
             raise ValueError("each sequence needs at least one new token and blocks for all its tokens")
-        qsl = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])
+        qsl = np.concatenate([[0], q_lens.cumsum()])
         N = int(qsl[-1])
-        seq = torch.repeat_interleave(torch.arange(B), q_lens, output_size=N)  # each token's sequence
-        positions = cached[seq] + torch.arange(N) - qsl[seq]
-        width = max(map(len, block_tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables])
+        seq = np.repeat(np.arange(B), q_lens)  # each token's sequence
+        positions = cached[seq] + np.arange(N) - qsl[seq]
+        tables = np.zeros((B, widths.max()), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), np.int64, widths.sum())
         slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        ids = np.fromiter(itertools.chain.from_iterable(tokens), np.int64, N)
         # One host-to-device copy for everything, then views into it.
-        host = [torch.tensor(list(itertools.chain.from_iterable(tokens))), positions, slots, qsl, seq_lens,
-                tables.flatten()]
-        ids, pos, slots, qsl, lens, flat_tables = torch.cat(host).to(torch.int32).to(device).split(
-            [len(h) for h in host])
-        return cls(ids, pos, slots, qsl, lens, flat_tables.view(B, width), int(q_lens.max()),
+        host = [ids, positions, slots, qsl, seq_lens, tables.ravel()]
+        ids, pos, slots, qsl, lens, flat_tables = torch.from_numpy(np.concatenate(host).astype(np.int32)).to(
+            device).split([len(h) for h in host])
+        return cls(ids, pos, slots, qsl, lens, flat_tables.view(tables.shape), int(q_lens.max()),
                    int(seq_lens.max()))
 
 

@@ -1,0 +1,315 @@
+"""Chapter 06 GPU benchmark: the continuous-batching engine on COURSE.md's end-to-end workload
+(256 requests, prompt and output lengths uniform in 100..1024, random bf16 weights), against our
+chapter-02 static batching, transformers' `generate_batch` and static-batch `generate`, and the floor.
+
+Hand-written tool. Parts (any of them, in one run; results merge into the JSON):
+    ours      LLMEngine on the Llama-3.2-1B shape, with a per-step trace and a late arrival's TTFT
+    static    chapter 02's static batching (batches of 64, each to its longest request)
+    hf        transformers generate_batch (all 256) and static generate (the first 64)
+    qwen3     LLMEngine and transformers generate_batch on the Qwen3-0.6B shape
+    batch1    one request: decode tokens/s against the weight-read floor
+    profile   host and device time of decode steps
+    python tools/bench_engine.py run docs/benchmarks/engine_h200.json [parts...]
+    python tools/bench_engine.py plot docs/benchmarks/engine_h200.json
+"""
+
+import datetime
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import miniinfer as mi
+from bench_static_decode import LLAMA_3_2_1B
+from copy_bandwidth import copy_bandwidth
+
+DT = torch.bfloat16
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters={"rope_type": "default",
+                                                                                "rope_theta": 1000000.0})
+SHAPES = {"llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3_2_1B),
+          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_0_6B)}
+MAX_MODEL_LEN = 2048
+
+
+def models(shape: str):
+    """transformers and miniinfer models of one shape, with the same random bf16 weights."""
+    cfg_cls, model_cls, kwargs = SHAPES[shape]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).to(DT).eval()
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        ours = mi.load_model(folder, device="cuda", dtype=DT)
+    return hf, ours
+
+
+def workload(n: int = 256):
+    """COURSE.md's protocol: lengths from benchmark_lengths, prompt tokens uniform in 0..10000."""
+    random.seed(0)
+    lengths = mi.benchmark_lengths(n)
+    prompts = [[random.randint(0, 10000) for _ in range(p)] for p, _ in lengths]
+    return prompts, [o for _, o in lengths]
+
+
+def greedy(n: int) -> mi.SamplingParams:
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def engine_for(model, **kw) -> mi.LLMEngine:
+    return mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN, **kw), model=model)
+
+
+def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = None) -> dict:
+    """Serve the workload step by step, recording each step; `late` arrives after 2 s."""
+    for p, o in zip(prompts, outs):
+        engine.add_request(p, greedy(o))
+    trace, late_id, late_t0, ttft = [], None, None, None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter() - t0
+        s = engine.last_step
+        trace.append((round(now, 5), len(s.seqs), s.num_batched_tokens, len(s.preempted)))
+        if late and late_id is None and now > 2.0:
+            late_id, late_t0 = engine.add_request(late, greedy(16)), now
+        if late_id is not None and ttft is None and any(o.request_id == late_id for o in outputs):
+            ttft = now - late_t0
+    seconds = time.perf_counter() - t0
+    res = {"seconds": seconds, "output_tokens_per_s": sum(outs) / seconds,
+           "total_tokens_per_s": (sum(outs) + sum(map(len, prompts))) / seconds,
+           "num_blocks": engine.block_manager.num_blocks, "steps": len(trace),
+           "preemptions": sum(t[3] for t in trace), "trace": trace}
+    if late:
+        res["late_arrival"] = {"prompt_tokens": len(late), "arrives_at_s": late_t0, "ttft_s": ttft,
+                               "running_when_it_arrived": next(t[1] for t in trace if t[0] >= late_t0)}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return res
+
+
+def ours(model, prompts, outs) -> dict:
+    engine = engine_for(model)
+    engine.generate(prompts[:8], greedy(8), use_tqdm=False)  # warm-up: Triton compiles its prefill kernels
+    res = run_engine(engine, prompts, outs, late=prompts[0][:512])
+    print(f"ours: {res['output_tokens_per_s']:.0f} output tok/s, {res['steps']} steps, "
+          f"{res['num_blocks']} blocks, late TTFT {res['late_arrival']['ttft_s']}", flush=True)
+    return res
+
+
+def static(model, prompts, outs, batch: int = 64) -> dict:
+    """Chapter 02: batches of 64 in arrival order, each decoding to its longest request; a request's
+    tokens past its own length are wasted work, not output."""
+    gen = mi.StaticBatchGenerator(model, batch, MAX_MODEL_LEN)
+    gen.generate(prompts[:batch], greedy(4))  # warm-up and graph capture
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        gen.generate(prompts[i:i + batch], greedy(max(outs[i:i + batch])))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    print(f"static: {sum(outs) / seconds:.0f} output tok/s", flush=True)
+    return {"seconds": seconds, "output_tokens_per_s": sum(outs) / seconds, "batch": batch}
+
+
+def hf_generate_batch(hf, prompts, outs) -> dict:
+    """transformers continuous batching; its API takes one max_new_tokens: the mean, for all."""
+    new = round(statistics.mean(outs))
+    cfg = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    hf.generate_batch(prompts[:8], generation_config=cfg)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    results = hf.generate_batch(prompts, generation_config=cfg)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.generated_tokens) for r in results.values())
+    print(f"hf generate_batch: {tokens / seconds:.0f} output tok/s", flush=True)
+    return {"seconds": seconds, "output_tokens_per_s": tokens / seconds, "max_new_tokens_each": new,
+            "output_tokens": tokens}
+
+
+def hf_static(hf, prompts, outs, batch: int = 64) -> dict:
+    """transformers static batching: the first 64 requests, left-padded, the mean length for all."""
+    new = round(statistics.mean(outs[:batch]))
+    width = max(map(len, prompts[:batch]))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts[:batch]], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts[:batch]], device="cuda")
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    hf.generate(ids[:2], attention_mask=mask[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf.generate(ids, attention_mask=mask, **kw)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    print(f"hf static: {batch * new / seconds:.0f} output tok/s", flush=True)
+    return {"seconds": seconds, "output_tokens_per_s": batch * new / seconds, "requests": batch,
+            "max_new_tokens_each": new}
+
+
+def matmul_tflops() -> float:
+    a, b = torch.randn(8192, 8192, device="cuda", dtype=DT), torch.randn(8192, 8192, device="cuda", dtype=DT)
+    from triton.testing import do_bench
+    return 2 * 8192 ** 3 / (do_bench(lambda: a @ b, rep=300) * 1e-3) / 1e12
+
+
+def floor(model, prompts, outs, gbps: float, tflops: float) -> dict:
+    """The time no engine can beat on this GPU: every prompt prefilled at the matmul peak (2 FLOPs
+    per parameter per token), then every step with all unfinished requests together, each step
+    reading all weights once and each request's K/V once at the copy bandwidth."""
+    cfg = model.cfg
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = params * 2
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    prefill_s = 2 * params * sum(map(len, prompts)) / (tflops * 1e12)
+    decode_s = 0.0
+    for step in range(max(outs)):
+        ctx = sum(len(p) + step for p, o in zip(prompts, outs) if o > step)
+        decode_s += (weight_bytes + kv_token * ctx) / (gbps * 1e9)
+    s = prefill_s + decode_s
+    return {"seconds": s, "output_tokens_per_s": sum(outs) / s, "prefill_s": prefill_s, "decode_s": decode_s,
+            "weight_bytes": weight_bytes, "batch1_tokens_per_s": gbps * 1e9 / weight_bytes}
+
+
+def batch1(model, gbps: float) -> dict:
+    engine = engine_for(model, max_num_seqs=8)
+    prompt = list(range(100, 132))
+    list(engine.stream(prompt, greedy(16)))  # warm-up
+    times = []
+    for _ in engine.stream(prompt, greedy(256)):
+        times.append(time.perf_counter())
+    itl = statistics.median(b - a for a, b in zip(times, times[1:]))
+    weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+    res = {"tokens_per_s": 1 / itl, "floor_tokens_per_s": gbps * 1e9 / weight_bytes}
+    res["fraction_of_floor"] = res["tokens_per_s"] / res["floor_tokens_per_s"]
+    print(f"batch 1: {res['tokens_per_s']:.0f} tok/s, {100 * res['fraction_of_floor']:.0f}% of floor", flush=True)
+    return res
+
+
+def profile(model, prompts, outs) -> dict:
+    """Where a decode step's time goes: scheduler, host batch building + device work (execute),
+    bookkeeping after, against the graph replay alone."""
+    engine = engine_for(model)
+    engine.generate(prompts[:8], greedy(8), use_tqdm=False)
+    for p in prompts:
+        engine.add_request(p, greedy(1024 - 100))
+    rows = []
+    while engine.has_unfinished_requests() and len(rows) < 400:
+        t0 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        tokens = engine.runner.execute(out)
+        t2 = time.perf_counter()
+        for seq, n, t in zip(out.seqs, out.num_new_tokens, tokens):  # the engine's bookkeeping
+            seq.num_computed_tokens += n
+            seq.append(t, [])
+            mi.RequestOutput.of(seq)
+        t3 = time.perf_counter()
+        if out.num_batched_tokens == len(out.seqs):
+            rows.append((len(out.seqs), t1 - t0, t2 - t1, t3 - t2))
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    g = engine.runner.graphs
+    b = g.buckets[-1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        g.graphs[b].replay()
+    end.record()
+    torch.cuda.synchronize()
+    full = [r for r in rows if r[0] == b]
+    res = {"batch": b, "decode_steps": len(full),
+           "schedule_ms": 1e3 * statistics.median(r[1] for r in full),
+           "execute_ms": 1e3 * statistics.median(r[2] for r in full),
+           "bookkeeping_ms": 1e3 * statistics.median(r[3] for r in full),
+           "graph_replay_ms": start.elapsed_time(end) / 20}
+    print("profile:", res, flush=True)
+    return res
+
+
+def main(out_path: str, parts: list[str]) -> None:
+    path = Path(out_path)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+               transformers=transformers.__version__, date=datetime.date.today().isoformat())
+    gbps = res["copy_GBps"] = copy_bandwidth()
+    prompts, outs = workload()
+    res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs)}
+    if set(parts) & {"ours", "static", "hf", "batch1", "profile"}:
+        hf, model = models("llama")
+        llama = res.setdefault("llama", {})
+        if "floor" not in llama:
+            res["matmul_TFLOPs"] = matmul_tflops()
+            llama["floor"] = floor(model, prompts, outs, gbps, res["matmul_TFLOPs"])
+        if "ours" in parts:
+            llama["ours"] = ours(model, prompts, outs)
+        if "profile" in parts:
+            llama["profile"] = profile(model, prompts, outs)
+        if "batch1" in parts:
+            llama["batch1"] = batch1(model, gbps)
+        if "static" in parts:
+            llama["static_ch02"] = static(model, prompts, outs)
+        if "hf" in parts:
+            llama["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
+            llama["hf_static"] = hf_static(hf, prompts, outs)
+        del hf, model
+        torch.cuda.empty_cache()
+    if "qwen3" in parts:
+        hf, model = models("qwen3")
+        qwen = res.setdefault("qwen3", {})
+        qwen["floor"] = floor(model, prompts, outs, gbps, res.get("matmul_TFLOPs") or matmul_tflops())
+        qwen["ours"] = ours(model, prompts, outs)
+        qwen["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
+    path.write_text(json.dumps(res, indent=1))
+
+
+def plot(out_path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(out_path).read_text())
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1.4]})
+    names = {"ours": "miniinfer LLMEngine", "static_ch02": "ours, static batch (ch02)",
+             "hf_generate_batch": "transformers generate_batch", "hf_static": "transformers static batch",
+             "floor": "floor"}
+    for i, shape in enumerate(s for s in ("llama", "qwen3") if s in res):
+        rows = [(names[k], res[shape][k]["output_tokens_per_s"]) for k in names if k in res[shape]]
+        ys = [j + 0.4 * i for j in range(len(rows))]
+        ax1.barh(ys, [v for _, v in rows], height=0.4, label={"llama": "Llama-3.2-1B shape",
+                                                                "qwen3": "Qwen3-0.6B shape"}[shape])
+        for y, (_, v) in zip(ys, rows):
+            ax1.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+        if i == 0:
+            ax1.set_yticks(ys, [n for n, _ in rows])
+    ax1.set_xlabel("output tokens/s")
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"256 requests, {res['gpu']}", fontsize=10)
+    trace = res["llama"]["ours"]["trace"]
+    t = [r[0] for r in trace]
+    ax2.plot(t, [r[1] for r in trace], label="running sequences")
+    ax2.set_xlabel("seconds")
+    ax2.set_ylabel("sequences in the step")
+    rate = ax2.twinx()
+    window = 20
+    tps = [(trace[i][0], sum(1 for r in trace[i - window:i] for _ in [0] if r[2] == r[1]) and
+            sum(r[1] for r in trace[i - window:i] if r[2] == r[1]) / (trace[i][0] - trace[i - window][0]))
+           for i in range(window, len(trace))]
+    rate.plot([x for x, _ in tps], [y for _, y in tps], color="C1", label="decode tokens/s")
+    rate.set_ylabel("decode tokens/s (20-step window)")
+    ax2.set_title("the engine over time (Llama-3.2-1B shape)", fontsize=10)
+    fig.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    if sys.argv[1] == "plot":
+        plot(sys.argv[2])
+    else:
+        main(sys.argv[2], sys.argv[3:])
