@@ -73,6 +73,12 @@ def profile_num_blocks(model: Transformer, config: EngineConfig, max_model_len: 
     cache.run(model, [[0] * n for n in lens], tables, [0] * len(lens))
     torch.cuda.synchronize()
     activations = torch.cuda.max_memory_allocated() - before - cache.k.nbytes - cache.v.nbytes
+    # Kernels compile (Triton) or load (cuBLAS) a variant per size class on first use, which takes
+    # up to a second: meet every class now, with prompts of halving length, not while serving.
+    n = min(lens[0], max_model_len) // 2
+    while n >= 1:
+        cache.run(model, [[0] * n], tables[:1], [0])
+        n //= 2
     del cache
     torch.cuda.empty_cache()
     usable = total * config.gpu_memory_utilization - (total - free) - activations

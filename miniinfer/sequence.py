@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Callable
-
 from miniinfer.sampling import SamplingParams
 
 
@@ -53,26 +50,35 @@ class Sequence:
             self.finish_reason = "length"
 
 
-@dataclass
 class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]       # all generated so far
-    new_token_ids: list[int]   # generated since the previous output of this request
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    num_cached_tokens: int = 0
-    detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
+    """What a request has produced so far, as of one step."""
+
+    def __init__(self, seq: Sequence, new_token_ids: list[int], detokenize=None):
+        self.request_id, self.prompt_token_ids = seq.request_id, seq.prompt_token_ids
+        self.new_token_ids = new_token_ids  # generated since the previous output of this request
+        self.finished, self.finish_reason = seq.status is Status.FINISHED, seq.finish_reason
+        self.num_cached_tokens = seq.num_cached_tokens
+        # The sequence's output list only ever grows: its first n tokens are this snapshot's, and
+        # copying them is left to whoever reads token_ids (an engine step makes 256 outputs).
+        self._outputs, self._n, self._detokenize = seq.output_token_ids, len(seq.output_token_ids), detokenize
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All tokens generated so far."""
+        return self._outputs[:self._n]
 
     @property
     def text(self) -> str:
-        """The generated text, decoded when asked for: most outputs of most steps are never read."""
-        return self.detokenize(self.token_ids) if self.detokenize else ""
+        """The generated text, decoded when asked for."""
+        return self._detokenize(self.token_ids) if self._detokenize else ""
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r})")
 
     @classmethod
     def of(cls, seq: Sequence, detokenize=None) -> "RequestOutput":
         """A snapshot of seq; it advances what the next snapshot reports as new."""
         new = seq.output_token_ids[seq.num_reported:]
         seq.num_reported = len(seq.output_token_ids)
-        return cls(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new,
-                   seq.status is Status.FINISHED, seq.finish_reason, seq.num_cached_tokens, detokenize)
+        return cls(seq, new, detokenize)

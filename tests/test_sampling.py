@@ -83,3 +83,56 @@ def test_prompt_that_cannot_fit_is_refused(course):
         mi.generate_naive(model, [1] * (ctx - 3), mi.SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="the prompt is empty"):
         mi.generate_naive(model, [], mi.SamplingParams())
+
+
+# Chapter 06: the engine's vectorized sampler.
+
+def batch_of(params: list[mi.SamplingParams], seeds: list[int], steps: list[int], vocab: int) -> mi.SamplingBatch:
+    seqs = [mi.Sequence(str(i), [1], p, seed=s) for i, (p, s) in enumerate(zip(params, seeds))]
+    for seq, n in zip(seqs, steps):
+        seq.output_token_ids = [0] * n
+    return mi.SamplingBatch.build(seqs, vocab, "cpu")
+
+
+def test_exponential_race_samples_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+    n = 20000
+    b = batch_of([mi.SamplingParams(temperature=1.0)] * n, list(range(n)), [0] * n, 6)
+    counts = torch.bincount(mi.sample_batch(logits.expand(n, -1), b), minlength=6).float()
+    p = logits.softmax(-1)
+    assert ((counts / n - p).abs() < 4 * (p * (1 - p) / n).sqrt() + 1e-3).all(), (counts / n, p)
+
+
+def allowed_tokens(logits: torch.Tensor, p: mi.SamplingParams) -> set[int]:
+    """The tokens chapter 01's single-request sampler can pick under p (its filters, in its order)."""
+    if p.temperature == 0:
+        return {logits.argmax().item()}
+    x = logits.float() / p.temperature
+    if p.top_k:
+        x = x.masked_fill(x < x.topk(p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1:
+        x = top_p_filter(x[None], p.top_p)[0]
+    return set(torch.isfinite(x).nonzero().flatten().tolist())
+
+
+def test_rows_follow_their_own_parameters():
+    torch.manual_seed(0)
+    vocab, n = 50, 400
+    logits = torch.randn(1, vocab).expand(n, -1) * 3
+    kinds = [mi.SamplingParams(temperature=0), mi.SamplingParams(temperature=1.0, top_k=3),
+             mi.SamplingParams(temperature=0.7, top_p=0.5), mi.SamplingParams(temperature=2.0, top_k=10, top_p=0.8)]
+    params = [kinds[i % 4] for i in range(n)]
+    tokens = mi.sample_batch(logits, batch_of(params, list(range(n)), [0] * n, vocab))
+    for i, p in enumerate(params):
+        assert tokens[i].item() in allowed_tokens(logits[0], p), (p, tokens[i].item())
+    assert (tokens[0::4] == logits[0].argmax()).all()
+    assert len(set(tokens[1::4].tolist())) == 3  # top-k 3: all three show up in 100 draws
+
+
+def test_noise_depends_on_seed_and_step_only():
+    vocab = 1000
+    a = mi.sampler.exponential_noise(torch.tensor([5, 7, 5]), torch.tensor([3, 3, 4]), vocab)
+    b = mi.sampler.exponential_noise(torch.tensor([1, 5]), torch.tensor([0, 3]), vocab)
+    assert torch.equal(a[0], b[1]) and not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert (a > 0).all() and torch.isfinite(a).all()
+    assert abs(a.mean().item() - 1) < 0.05  # Exponential(1) has mean 1

@@ -14,6 +14,7 @@ Hand-written tool. Parts (any of them, in one run; results merge into the JSON):
 """
 
 import datetime
+import gc
 import json
 import random
 import statistics
@@ -64,6 +65,8 @@ def greedy(n: int) -> mi.SamplingParams:
 
 
 def engine_for(model, **kw) -> mi.LLMEngine:
+    gc.collect()  # the previous part's engine: its pool and graphs go before this one sizes its pool
+    torch.cuda.empty_cache()
     return mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN, **kw), model=model)
 
 
@@ -193,42 +196,45 @@ def batch1(model, gbps: float) -> dict:
 
 
 def profile(model, prompts, outs) -> dict:
-    """Where a decode step's time goes: scheduler, host batch building + device work (execute),
-    bookkeeping after, against the graph replay alone."""
+    """Where a full decode step's time goes: the scheduler, building the batch on the host,
+    the graph replay (with its input copies), sampling, and the engine's bookkeeping after."""
+    from miniinfer.sampler import SamplingBatch, sample_batch
+    from miniinfer.varlen import VarlenBatch
+
     engine = engine_for(model)
     engine.generate(prompts[:8], greedy(8), use_tqdm=False)
     for p in prompts:
         engine.add_request(p, greedy(1024 - 100))
-    rows = []
-    while engine.has_unfinished_requests() and len(rows) < 400:
+    runner, rows = engine.runner, []
+    while len(rows) < 100:
         t0 = time.perf_counter()
         out = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        tokens = engine.runner.execute(out)
-        t2 = time.perf_counter()
-        for seq, n, t in zip(out.seqs, out.num_new_tokens, tokens):  # the engine's bookkeeping
+        seqs = out.seqs
+        if out.num_batched_tokens > len(seqs):  # a prefill step: run it, time nothing
+            tokens = runner.execute(out)
+        else:
+            batch = VarlenBatch.build([[s.output_token_ids[-1]] for s in seqs], out.block_tables,
+                                      [s.num_computed_tokens for s in seqs], runner.block_size, runner.device)
+            sampling = SamplingBatch.build(seqs, model.cfg.vocab_size, runner.device)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            logits = runner.graphs(batch)
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            tokens = sample_batch(logits, sampling).tolist()
+            t4 = time.perf_counter()
+        for seq, n, t in zip(seqs, out.num_new_tokens, tokens):  # the engine's bookkeeping
             seq.num_computed_tokens += n
             seq.append(t, [])
             mi.RequestOutput.of(seq)
-        t3 = time.perf_counter()
-        if out.num_batched_tokens == len(out.seqs):
-            rows.append((len(out.seqs), t1 - t0, t2 - t1, t3 - t2))
+        if out.num_batched_tokens == len(seqs):
+            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4, len(seqs)))
     for rid in list(engine.requests):
         engine.abort(rid)
-    g = engine.runner.graphs
-    b = g.buckets[-1]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        g.graphs[b].replay()
-    end.record()
-    torch.cuda.synchronize()
-    full = [r for r in rows if r[0] == b]
-    res = {"batch": b, "decode_steps": len(full),
-           "schedule_ms": 1e3 * statistics.median(r[1] for r in full),
-           "execute_ms": 1e3 * statistics.median(r[2] for r in full),
-           "bookkeeping_ms": 1e3 * statistics.median(r[3] for r in full),
-           "graph_replay_ms": start.elapsed_time(end) / 20}
+    keys = ["schedule_ms", "build_batch_ms", "graph_replay_ms", "sample_ms", "bookkeeping_ms"]
+    res = {"batch": statistics.median(r[-1] for r in rows), "decode_steps": len(rows),
+           **{k: 1e3 * statistics.median(r[i] for r in rows) for i, k in enumerate(keys)}}
     print("profile:", res, flush=True)
     return res
 

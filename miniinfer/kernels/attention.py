@@ -46,7 +46,9 @@ def _kv_tile(k_ptr, v_ptr, table_ptr, pos, valid, block_size, h, d, HK: tl.const
     return tl.load(k_ptr + offs, mask=mask, other=0.0), tl.load(v_ptr + offs, mask=mask, other=0.0)
 
 
-@triton.jit
+# Lengths and table widths change every step: specializing on them (Triton compiles a variant
+# for a value of 1 or a multiple of 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["table_stride", "num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, qk_scale,
                    q_stride_b, q_stride_h, table_stride, block_size, num_splits,
                    HK: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -89,7 +91,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0)  # one (sequence, query head)
@@ -186,7 +188,7 @@ def _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr, n0, end, q_pos, qk_scal
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["table_stride", "num_tiles"])  # as the decode kernel
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, qsl_ptr, lens_ptr, qk_scale,
                     q_stride_t, q_stride_h, table_stride, block_size, num_tiles,
                     HK: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_P: tl.constexpr,
