@@ -17,8 +17,8 @@ from miniinfer.model import Transformer
 from miniinfer.model_runner import ModelRunner
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import Scheduler
-from miniinfer.sequence import RequestOutput, Sequence, Status
-from miniinfer.varlen import VarlenBatch, VarlenKVCache
+from miniinfer.sequence import RequestOutput, Sequence
+from miniinfer.varlen import VarlenKVCache
 
 CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
 
@@ -173,11 +173,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; its last output, or None if it is not running."""
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         return RequestOutput.of(seq, self.detokenize)
+
+    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.tables.release(seq)
+        del self.requests[seq.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -200,8 +205,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             seq.append(token, eos)
             if seq.finish_reason:
-                self.scheduler.finish(seq)
-                del self.requests[seq.request_id]
+                self._finish(seq)
             outputs.append(RequestOutput.of(seq, self.detokenize))
         return outputs
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from miniinfer.model import Transformer
 from miniinfer.sampler import SamplingBatch, sample_batch
 from miniinfer.scheduler import SchedulerOutput
+from miniinfer.sequence import Sequence
 from miniinfer.varlen import VarlenBatch, VarlenKVCache
 
 
@@ -58,6 +60,40 @@ class DecodeGraphs:
         return self.logits[b][:B]
 
 
+class BlockTableRows:
+    """The running sequences' block tables as rows of one NumPy array, kept from step to step. A
+    table only grows while its sequence runs (by a block every block_size decode steps), so a step
+    copies the new entries instead of flattening every table again: at batch 256 that flattening
+    was the largest host cost of a decode step."""
+
+    def __init__(self, max_num_seqs: int, max_blocks: int):
+        self.rows = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.widths = [0] * max_num_seqs
+        self.free = list(range(max_num_seqs))
+        self.row_of: dict[Sequence, int] = {}
+
+    def release(self, seq: Sequence) -> None:
+        """seq stopped running (finished, aborted, preempted): its next table starts over."""
+        row = self.row_of.pop(seq, None)
+        if row is not None:
+            self.free.append(row)
+
+    def gather(self, seqs: list[Sequence], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The tables of seqs, padded into [B, W], and their widths [B]."""
+        index = []
+        for seq, table in zip(seqs, tables):
+            row = self.row_of.get(seq)
+            if row is None:
+                row = self.row_of[seq] = self.free.pop()
+                self.widths[row] = 0
+            if len(table) != self.widths[row]:
+                self.rows[row, self.widths[row]:len(table)] = table[self.widths[row]:]
+                self.widths[row] = len(table)
+            index.append(row)
+        widths = np.array([self.widths[r] for r in index])
+        return self.rows[index, :widths.max()], widths
+
+
 class ModelRunner:
     """Runs the scheduler's steps on the model: block moves, one varlen forward, sampling."""
 
@@ -74,6 +110,7 @@ class ModelRunner:
                                               dtype=w.dtype, pin_memory=pin) for _ in range(2))
         use_graphs = cuda_graph and self.device.type == "cuda"
         self.graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_model_len) if use_graphs else None
+        self.tables = BlockTableRows(max_num_seqs, -(-max_model_len // block_size))
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         for pairs, src, dst in ((out.swap_out, (self.cache.k, self.cache.v), (self.cpu_k, self.cpu_v)),
@@ -88,12 +125,15 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run one step; returns the token sampled for each sequence of out.seqs, in order."""
+        for seq in out.preempted + (list(self.tables.row_of) if out.copies else []):
+            self.tables.release(seq)  # a preempted table is rebuilt; a copy-on-write changed one
         self.move_blocks(out)
         seqs = out.seqs
         tokens = [s.token_ids(s.num_computed_tokens, s.num_computed_tokens + n)
                   for s, n in zip(seqs, out.num_new_tokens)]
-        batch = VarlenBatch.build(tokens, out.block_tables,
-                                  [s.num_computed_tokens for s in seqs], self.block_size, self.device)
+        tables, widths = self.tables.gather(seqs, out.block_tables)
+        batch = VarlenBatch.from_arrays(tokens, tables, widths, [s.num_computed_tokens for s in seqs],
+                                        self.block_size, self.device)
         sampling = SamplingBatch.build(seqs, self.model.cfg.vocab_size, self.device)
         if self.graphs is not None and batch.max_query_len == 1:
             logits = self.graphs(batch)

@@ -32,21 +32,28 @@ class VarlenBatch:
         token (decode), a whole prompt (prefill) or a piece of one after a cached prefix."""
         # NumPy on the host: this runs every step, and at batch 256 torch's per-call overhead on
         # small tensors and its nested-list conversion cost milliseconds.
+        widths = np.fromiter(map(len, block_tables), np.int64, len(block_tables))
+        tables = np.zeros((len(block_tables), widths.max(initial=1)), dtype=np.int64)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), np.int64, widths.sum())
+        return cls.from_arrays(tokens, tables, widths, num_cached, block_size, device)
+
+    @classmethod
+    def from_arrays(cls, tokens: list[list[int]], tables: np.ndarray, widths: np.ndarray,
+                    num_cached: list[int], block_size: int, device=None) -> "VarlenBatch":
+        """`build` for block tables already padded into an array [B, W], widths[b] entries valid in
+        row b (chapter 06's model runner keeps them so from step to step)."""
         B = len(tokens)
         q_lens = np.fromiter(map(len, tokens), np.int64, B)
         cached = np.asarray(num_cached, dtype=np.int64)
         seq_lens = cached + q_lens
-        widths = np.fromiter(map(len, block_tables), np.int64, B)
-        if B == 0 or (q_lens < 1).any() or (seq_lens > widths * block_size).any():
+        if B == 0 or len(widths) != B or (q_lens < 1).any() or (seq_lens > widths * block_size).any():
             raise ValueError("each sequence needs at least one new token and blocks for all its tokens")
         qsl = np.concatenate([[0], q_lens.cumsum()])
         N = int(qsl[-1])
         seq = np.repeat(np.arange(B), q_lens)  # each token's sequence
         positions = cached[seq] + np.arange(N) - qsl[seq]
-        tables = np.zeros((B, widths.max()), dtype=np.int64)
-        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), np.int64, widths.sum())
-        slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        slots = tables[seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
         ids = np.fromiter(itertools.chain.from_iterable(tokens), np.int64, N)
         # One host-to-device copy for everything, then views into it.
         host = [ids, positions, slots, qsl, seq_lens, tables.ravel()]

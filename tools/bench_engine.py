@@ -2,14 +2,15 @@
 (256 requests, prompt and output lengths uniform in 100..1024, random bf16 weights), against our
 chapter-02 static batching, transformers' `generate_batch` and static-batch `generate`, and the floor.
 
-Hand-written tool. Parts (any of them, in one run; results merge into the JSON):
-    ours      LLMEngine on the Llama-3.2-1B shape, with a per-step trace and a late arrival's TTFT
-    static    chapter 02's static batching (batches of 64, each to its longest request)
-    hf        transformers generate_batch (all 256) and static generate (the first 64)
-    qwen3     LLMEngine and transformers generate_batch on the Qwen3-0.6B shape
-    batch1    one request: decode tokens/s against the weight-read floor
-    profile   host and device time of decode steps
-    python tools/bench_engine.py run docs/benchmarks/engine_h200.json [parts...]
+Hand-written tool. Parts (any of them, in one run, in the order given; results merge into the JSON),
+each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PART:
+    ours       LLMEngine, with a per-step trace and a late arrival's time to first token
+    static     chapter 02's static batching (batches of 64, each to its longest request)
+    hf         transformers generate_batch (all 256)
+    hf_static  transformers static-batch generate (the first 64)
+    batch1     one request: decode tokens/s against the weight-read floor
+    profile    host and device time of decode steps
+    python tools/bench_engine.py run docs/benchmarks/engine_h200.json ours qwen3:ours ...
     python tools/bench_engine.py plot docs/benchmarks/engine_h200.json
 """
 
@@ -214,8 +215,9 @@ def profile(model, prompts, outs) -> dict:
         if out.num_batched_tokens > len(seqs):  # a prefill step: run it, time nothing
             tokens = runner.execute(out)
         else:
-            batch = VarlenBatch.build([[s.output_token_ids[-1]] for s in seqs], out.block_tables,
-                                      [s.num_computed_tokens for s in seqs], runner.block_size, runner.device)
+            tables, widths = runner.tables.gather(seqs, out.block_tables)
+            batch = VarlenBatch.from_arrays([[s.output_token_ids[-1]] for s in seqs], tables, widths,
+                                            [s.num_computed_tokens for s in seqs], runner.block_size, runner.device)
             sampling = SamplingBatch.build(seqs, model.cfg.vocab_size, runner.device)
             torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -232,47 +234,60 @@ def profile(model, prompts, outs) -> dict:
             rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4, len(seqs)))
     for rid in list(engine.requests):
         engine.abort(rid)
+    replay = {}
+    for b in (1, runner.graphs.buckets[-1]):  # the device time alone: back-to-back replays
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(50):
+            runner.graphs.graphs[b].replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay[b] = start.elapsed_time(end) / 50
     keys = ["schedule_ms", "build_batch_ms", "graph_replay_ms", "sample_ms", "bookkeeping_ms"]
     res = {"batch": statistics.median(r[-1] for r in rows), "decode_steps": len(rows),
-           **{k: 1e3 * statistics.median(r[i] for r in rows) for i, k in enumerate(keys)}}
+           **{k: 1e3 * statistics.median(r[i] for r in rows) for i, k in enumerate(keys)},
+           "device_ms_per_replay_by_batch": replay}
     print("profile:", res, flush=True)
     return res
 
 
 def main(out_path: str, parts: list[str]) -> None:
+    """Run the parts in the order given; the JSON is rewritten after each, so a run cut short keeps
+    what it finished."""
     path = Path(out_path)
     res = json.loads(path.read_text()) if path.exists() else {}
     res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
                transformers=transformers.__version__, date=datetime.date.today().isoformat())
     gbps = res["copy_GBps"] = copy_bandwidth()
+    res.setdefault("matmul_TFLOPs", matmul_tflops())
     prompts, outs = workload()
     res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs)}
-    if set(parts) & {"ours", "static", "hf", "batch1", "profile"}:
-        hf, model = models("llama")
-        llama = res.setdefault("llama", {})
-        if "floor" not in llama:
-            res["matmul_TFLOPs"] = matmul_tflops()
-            llama["floor"] = floor(model, prompts, outs, gbps, res["matmul_TFLOPs"])
-        if "ours" in parts:
-            llama["ours"] = ours(model, prompts, outs)
-        if "profile" in parts:
-            llama["profile"] = profile(model, prompts, outs)
-        if "batch1" in parts:
-            llama["batch1"] = batch1(model, gbps)
-        if "static" in parts:
-            llama["static_ch02"] = static(model, prompts, outs)
-        if "hf" in parts:
-            llama["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
-            llama["hf_static"] = hf_static(hf, prompts, outs)
-        del hf, model
-        torch.cuda.empty_cache()
-    if "qwen3" in parts:
-        hf, model = models("qwen3")
-        qwen = res.setdefault("qwen3", {})
-        qwen["floor"] = floor(model, prompts, outs, gbps, res.get("matmul_TFLOPs") or matmul_tflops())
-        qwen["ours"] = ours(model, prompts, outs)
-        qwen["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
-    path.write_text(json.dumps(res, indent=1))
+    loaded = {}
+    for part in parts:
+        shape, part = part.split(":") if ":" in part else ("llama", part)
+        if shape not in loaded:
+            loaded.clear()  # one shape's models on the device at a time
+            gc.collect()
+            torch.cuda.empty_cache()
+            loaded[shape] = models(shape)
+            res.setdefault(shape, {})["floor"] = floor(loaded[shape][1], prompts, outs, gbps, res["matmul_TFLOPs"])
+        hf, model = loaded[shape]
+        r = res[shape]
+        if part == "ours":
+            r["ours"] = ours(model, prompts, outs)
+        elif part == "profile":
+            r["profile"] = profile(model, prompts, outs)
+        elif part == "batch1":
+            r["batch1"] = batch1(model, gbps)
+        elif part == "static":
+            r["static_ch02"] = static(model, prompts, outs)
+        elif part == "hf":
+            r["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
+        elif part == "hf_static":
+            r["hf_static"] = hf_static(hf, prompts, outs)
+        else:
+            raise ValueError(f"unknown part {part!r}")
+        path.write_text(json.dumps(res, indent=1))
 
 
 def plot(out_path: str) -> None:
@@ -280,35 +295,34 @@ def plot(out_path: str) -> None:
 
     res = json.loads(Path(out_path).read_text())
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1.4]})
-    names = {"ours": "miniinfer LLMEngine", "static_ch02": "ours, static batch (ch02)",
-             "hf_generate_batch": "transformers generate_batch", "hf_static": "transformers static batch",
-             "floor": "floor"}
-    for i, shape in enumerate(s for s in ("llama", "qwen3") if s in res):
-        rows = [(names[k], res[shape][k]["output_tokens_per_s"]) for k in names if k in res[shape]]
-        ys = [j + 0.4 * i for j in range(len(rows))]
-        ax1.barh(ys, [v for _, v in rows], height=0.4, label={"llama": "Llama-3.2-1B shape",
-                                                                "qwen3": "Qwen3-0.6B shape"}[shape])
-        for y, (_, v) in zip(ys, rows):
-            ax1.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
-        if i == 0:
-            ax1.set_yticks(ys, [n for n, _ in rows])
-    ax1.set_xlabel("output tokens/s")
+    names = {"floor": "floor", "ours": "miniinfer LLMEngine", "static_ch02": "ours, static batch (ch02)",
+             "hf_generate_batch": "transformers generate_batch", "hf_static": "transformers static batch"}
+    labels = {"llama": "Llama-3.2-1B shape", "qwen3": "Qwen3-0.6B shape"}
+    for i, shape in enumerate(s for s in labels if s in res):
+        for j, key in enumerate(names):
+            if key in res[shape]:
+                v = res[shape][key]["output_tokens_per_s"]
+                ax1.barh(j + 0.4 * i, v, height=0.4, color=f"C{i}", label=labels[shape] if j == 1 else None)
+                ax1.text(v, j + 0.4 * i, f" {v:,.0f}", va="center", fontsize=8)
+    ax1.set_yticks([j + 0.2 for j in range(len(names))], list(names.values()))
+    ax1.invert_yaxis()
+    ax1.set_xscale("log")
+    ax1.set_xlabel("output tokens/s (log scale)")
     ax1.legend(fontsize=8)
     ax1.set_title(f"256 requests, {res['gpu']}", fontsize=10)
-    trace = res["llama"]["ours"]["trace"]
-    t = [r[0] for r in trace]
-    ax2.plot(t, [r[1] for r in trace], label="running sequences")
+    # Every sequence in a step, prefill or decode, produces one output token.
+    t, running = zip(*((r[0], r[1]) for r in res["llama"]["ours"]["trace"]))
+    ax2.plot(t, running, label="sequences in the step")
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("sequences in the step")
+    w = 20
     rate = ax2.twinx()
-    window = 20
-    tps = [(trace[i][0], sum(1 for r in trace[i - window:i] for _ in [0] if r[2] == r[1]) and
-            sum(r[1] for r in trace[i - window:i] if r[2] == r[1]) / (trace[i][0] - trace[i - window][0]))
-           for i in range(window, len(trace))]
-    rate.plot([x for x, _ in tps], [y for _, y in tps], color="C1", label="decode tokens/s")
-    rate.set_ylabel("decode tokens/s (20-step window)")
+    rate.plot(t[w:], [sum(running[i - w + 1:i + 1]) / (t[i] - t[i - w]) for i in range(w, len(t))],
+              color="C1", label=f"output tokens/s ({w}-step window)")
+    rate.set_ylabel("output tokens/s")
     ax2.set_title("the engine over time (Llama-3.2-1B shape)", fontsize=10)
-    fig.legend(loc="lower right", fontsize=8)
+    lines = ax2.get_lines() + rate.get_lines()
+    rate.legend(lines, [line.get_label() for line in lines], loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)
 
