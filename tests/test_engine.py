@@ -221,3 +221,28 @@ def test_seeded_request_samples_the_same_alone_or_in_any_batch(course_engine):
     assert outs[1].token_ids == alone
     other_seed = mi.SamplingParams(**{**seeded.__dict__, "seed": 99})
     assert busy.generate([[1, 2, 3]], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_timeline_records_every_step(course_engine):
+    prompts, params = workload(8, seed=3)
+    num_blocks = 12  # block size 4: some requests wait, some are preempted and recomputed
+    engine = mi.LLMEngine(mi.EngineConfig(block_size=4, num_blocks=num_blocks, max_num_seqs=4),
+                          model=course_engine.model)
+    steps = mi.trace_steps(engine, prompts, params)
+    preempted = [r for s in steps for r in s.preempted]
+    assert preempted and steps[-1].free_blocks == num_blocks
+    for rid, (p, sp) in enumerate(zip(prompts, params)):
+        rid, in_pool, generated = str(rid), False, 0
+        for s in steps:  # a preemption (before the forward) drops its K/V: the next run recomputes
+            in_pool = in_pool and rid not in s.preempted
+            if rid in s.ran:
+                assert s.ran[rid] == (1 if in_pool else len(p) + generated)
+                in_pool, generated = True, generated + 1  # every step it runs in yields a token
+        assert generated == sp.max_tokens
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    mi.draw_timeline(steps, ax)
+    assert len(ax.get_yticks()) == len(prompts)
+    plt.close(fig)
