@@ -70,3 +70,31 @@ def test_training_script_runs_tiny_on_cpu(tmp_path):
     model, tok = mi.load_model(tmp_path), mi.load_tokenizer(tmp_path)
     assert model.cfg.vocab_size == len(tok) and tok.eos_token == "<|endoftext|>"
     assert isinstance(model(torch.tensor([tok("x = 1").input_ids])), torch.Tensor)
+
+
+def test_corpus_builder_filters_dedups_and_splits_by_package(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import course_corpus
+    finally:
+        sys.path.pop(0)
+    import zipfile
+
+    def fake_wheel(name, version, dest):  # what pip would download, without the network
+        path = dest / f"{name}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"{name}/__init__.py", f"NAME = {name!r}\n")
+            z.writestr(f"{name}/shared.py", "def shared():\n    return 1\n")  # in both: kept once
+            z.writestr(f"{name}/table.py", "DATA = '" + "x" * 5000 + "'\n")    # generated: dropped
+            z.writestr(f"{name}/empty.py", "\n")
+            z.writestr(f"{name}-{version}.dist-info/METADATA", "Name: x\nLicense-Expression: MIT\n\n")
+        return path
+
+    monkeypatch.setattr(course_corpus, "download", fake_wheel)
+    monkeypatch.setattr(course_corpus, "PACKAGES", [("alpha", "1.0", "MIT"), ("click", "2.0", "MIT")])
+    manifest = course_corpus.build(tmp_path, only=["alpha", "click"])
+    train, val = course_corpus.read_split(tmp_path, "train"), course_corpus.read_split(tmp_path, "val")
+    assert [d["path"] for d in train] == ["alpha/__init__.py", "alpha/shared.py"]
+    assert [d["path"] for d in val] == ["click/__init__.py"]  # held out; its shared.py is a duplicate
+    assert [s["license_in_metadata"] for s in manifest["sources"]] == ["MIT", "MIT"]
+    assert manifest["sources"][1]["duplicates_dropped"] == 1
