@@ -5,6 +5,9 @@ Hand-written tool (not exported from a notebook). Reproducible from a clean chec
     python tools/train_course_model.py --out /tmp/pycoder            # the real run (GPU, a few minutes)
     python tools/train_course_model.py --out /tmp/pycoder --stdlib /usr/lib/python3.11   # another stdlib
     python tools/train_course_model.py --tiny --out /tmp/t --device cpu   # smoke test (seconds)
+    # version 2 (issue 11): the corpus of tools/course_corpus.py, then the draft with the same tokenizer
+    python tools/train_course_model.py --corpus corpus --out /tmp/pycoder --compare miniinfer/assets/pycoder
+    python tools/train_course_model.py --corpus corpus --draft --tokenizer /tmp/pycoder --out /tmp/pycoder-draft
 
 Steps: corpus (the running interpreter's standard library), byte-level BPE tokenizer, a
 `transformers.LlamaForCausalLM` with grouped-query attention and tied embeddings, bf16 training with a
@@ -50,9 +53,13 @@ class TrainConfig:
     eval_batches: int = 16
     val_fraction: float = 0.05
     max_files: int = 0  # 0: every file
+    tokenizer_chars: int = 60_000_000  # the BPE is trained on an even sample of this many characters
     seed: int = 0
 
 
+# The draft model for speculative decoding: same tokenizer, about 2.4M parameters (under 5 MB in bf16).
+DRAFT = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
+             num_key_value_heads=2)
 TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, seq_len=64,
             batch_size=4, steps=4, warmup=1, eval_every=2, eval_batches=2, max_files=40)
@@ -78,11 +85,18 @@ def read_documents(files: list[Path]) -> list[str]:
 
 
 def train_tokenizer(docs: list[str], vocab_size: int, max_len: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # A newline is its own piece, and so is the indentation that starts a line: then a prompt cut at
+    # any line break (what a person types) is a sequence of pieces the model saw in training. The
+    # first tokenizer merged "\n" with the next line's indentation, and prompts ending in "\n" were
+    # out of distribution.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(r"^[ \t]+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -150,7 +164,24 @@ def evaluate(model, val_batches, autocast) -> float:
     return sum(losses) / len(losses)
 
 
-SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n"]
+@torch.no_grad()
+def bits_per_byte(model, tokenizer, docs: list[str], seq_len: int, device: str, autocast) -> float:
+    """Cross-entropy of every token of docs (EOS-joined, in windows of seq_len) per UTF-8 byte, in
+    bits: unlike loss per token, it compares models whose tokenizers differ."""
+    model.eval()
+    stream = encode(tokenizer, docs)
+    nats = 0.0
+    for start in range(0, len(stream) - 1, seq_len):
+        chunk = stream[start:start + seq_len + 1].to(device)[None]
+        with autocast:
+            logits = model(input_ids=chunk[:, :-1]).logits
+        nats += torch.nn.functional.cross_entropy(logits.float()[0], chunk[0, 1:], reduction="sum").item()
+    model.train()
+    n_bytes = sum(len(d.encode()) + 1 for d in docs)  # + 1: the document separator
+    return nats / math.log(2) / n_bytes
+
+
+SAMPLE_PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n"]
 
 
 @torch.no_grad()
@@ -188,26 +219,39 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="a tiny configuration for smoke tests")
     ap.add_argument("--steps", type=int)
+    ap.add_argument("--corpus", type=Path, help="a folder built by tools/course_corpus.py (train and held-out "
+                    "splits); without it, the standard library alone, split by file")
+    ap.add_argument("--draft", action="store_true", help="the small draft model's shape")
+    ap.add_argument("--tokenizer", type=Path, help="reuse this checkpoint's tokenizer (the draft shares the main one's)")
+    ap.add_argument("--compare", type=Path, help="also report this checkpoint's bits per byte on the held-out files")
     ap.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="standard library folder to train on (default: this interpreter's)")
     args = ap.parse_args(argv)
-    cfg = TrainConfig(**(TINY if args.tiny else {}))
+    cfg = TrainConfig(**(TINY if args.tiny else {}), **(DRAFT if args.draft else {}))
     if args.steps:
         cfg.steps = args.steps
 
     t0 = time.time()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    files = corpus_files(args.stdlib, cfg.max_files)
-    docs = read_documents(files)
-    # Split by file, so validation measures completion of code the model never saw.
-    order = list(range(len(docs)))
-    random.Random(cfg.seed).shuffle(order)
-    n_val = max(1, int(len(docs) * cfg.val_fraction))
-    val_docs = [docs[i] for i in order[:n_val]]
-    train_docs = [docs[i] for i in order[n_val:]]
+    if args.corpus:  # validation: whole packages that no training file comes from
+        from course_corpus import read_split
+        train_docs, val_docs = ([d["text"] for d in read_split(args.corpus, s)] for s in ("train", "val"))
+    else:  # split by file, so validation measures completion of code the model never saw
+        docs = read_documents(corpus_files(args.stdlib, cfg.max_files))
+        order = list(range(len(docs)))
+        random.Random(cfg.seed).shuffle(order)
+        n_val = max(1, int(len(docs) * cfg.val_fraction))
+        val_docs = [docs[i] for i in order[:n_val]]
+        train_docs = [docs[i] for i in order[n_val:]]
+    docs, n_val = train_docs + val_docs, len(val_docs)
 
-    tokenizer = train_tokenizer(train_docs, cfg.vocab_size, cfg.max_position_embeddings)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        every = max(1, sum(map(len, train_docs)) // cfg.tokenizer_chars)
+        tokenizer = train_tokenizer(train_docs[::every], cfg.vocab_size, cfg.max_position_embeddings)
     train_ids, val_ids = encode(tokenizer, train_docs), encode(tokenizer, val_docs)
     n_chars = sum(map(len, docs))
     print(f"corpus: {len(docs)} files, {n_chars / 1e6:.1f}M chars, "
@@ -264,10 +308,19 @@ def main(argv: list[str] | None = None) -> dict:
     tok_cfg.update(tokenizer_class="PreTrainedTokenizerFast")
     tok_cfg.pop("backend", None)
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    val_bpb = bits_per_byte(model, tokenizer, val_docs, cfg.seq_len, args.device, autocast)
+    print(f"held-out bits per byte: {val_bpb:.4f}", flush=True)
+    if args.compare:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        old = AutoModelForCausalLM.from_pretrained(args.compare).to(args.device)
+        log["compare"] = {"checkpoint": str(args.compare), "val_bits_per_byte": bits_per_byte(
+            old, AutoTokenizer.from_pretrained(args.compare), val_docs, cfg.seq_len, args.device, autocast)}
+        print(f"{args.compare}: {log['compare']['val_bits_per_byte']:.4f} bits per byte", flush=True)
     samples = complete(model.float(), tokenizer, SAMPLE_PROMPTS, args.device)
     for prompt, text in samples.items():
         print(f"--- {prompt!r}\n{prompt}{text}", flush=True)
     log.update(config=asdict(cfg), parameters=n_params, best_val_loss=best, best_step=best_step,
+               val_bits_per_byte=val_bpb, corpus=str(args.corpus or args.stdlib),
                train_seconds=round(train_seconds, 1), total_seconds=round(time.time() - t0, 1),
                files=len(docs), val_files=n_val, chars=n_chars,
                train_tokens=len(train_ids), val_tokens=len(val_ids),
