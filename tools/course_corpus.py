@@ -62,8 +62,6 @@ HELD_OUT = {"flask", "click", "requests", "attrs"}
 MAX_FILE_CHARS = 300_000  # larger files are generated tables, not code anyone writes
 MAX_LINE_CHARS = 1_000    # so are files with such lines (embedded data, minified literals)
 EOS = "<|endoftext|>"
-# The platform whose wheels are read where a package ships compiled ones (its .py files are the same).
-PLATFORM = ["--platform", "manylinux_2_28_x86_64", "--python-version", "3.12", "--implementation", "cp"]
 
 
 def keep(text: str) -> bool:
@@ -105,8 +103,10 @@ def wheel_files(wheel: Path) -> tuple[list[tuple[str, str]], str]:
 
 
 def download(name: str, version: str, dest: Path) -> Path:
+    # The wheel for this interpreter and platform; where a package ships compiled wheels, their .py
+    # files are the same on every platform.
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-                    *PLATFORM, "--dest", str(dest), f"{name}=={version}"], check=True)
+                    "--dest", str(dest), f"{name}=={version}"], check=True)
     stem = name.replace("-", "_").lower()
     return next(p for p in dest.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}"))
 
@@ -114,7 +114,7 @@ def download(name: str, version: str, dest: Path) -> Path:
 def build(out: Path, only: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()  # sha256 of every text kept: the first copy wins (stdlib first)
-    manifest = {"python": sys.version.split()[0], "max_file_chars": MAX_FILE_CHARS,
+    manifest = {"python": sys.version.split()[0], "platform": sysconfig.get_platform(), "max_file_chars": MAX_FILE_CHARS,
                 "max_line_chars": MAX_LINE_CHARS, "sources": []}
     writers = {split: lzma.open(out / f"{split}.jsonl.xz", "wt", encoding="utf-8", preset=9)
                for split in ("train", "val")}
