@@ -98,3 +98,21 @@ def test_corpus_builder_filters_dedups_and_splits_by_package(tmp_path, monkeypat
     assert [d["path"] for d in val] == ["click/__init__.py"]  # held out; its shared.py is a duplicate
     assert [s["license_in_metadata"] for s in manifest["sources"]] == ["MIT", "MIT"]
     assert manifest["sources"][1]["duplicates_dropped"] == 1
+
+
+def test_completion_scorer_cuts_at_the_dedent_and_counts_statements():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import eval_course_model as ev
+    finally:
+        sys.path.pop(0)
+    assert len(ev.PROMPTS) == 20 and all(p.endswith('"""\n') and p.count("\n") == 2 for p in ev.PROMPTS)
+    prompt = ev.PROMPTS[14]  # is_prime
+    good = "    if n < 2:\n        return False\n    return all(n % d for d in range(2, n))\n\ndef other():\n    pas"
+    assert ev.writes_a_body(ev.cut_body(prompt, good, finished=False))
+    cut_mid_line = "    if n < 2:\n        return False\n    return all(n % d for d in ra"
+    assert ev.cut_body(prompt, cut_mid_line, finished=False).endswith("return False\n")
+    assert ev.writes_a_body(ev.cut_body(prompt, cut_mid_line, finished=False))
+    assert not ev.writes_a_body(ev.cut_body(prompt, "    return n\n    return n\n", finished=True))  # one statement
+    assert not ev.writes_a_body(ev.cut_body(prompt, "\n# a comment\ndef f():\n", finished=True))    # no body
+    assert not ev.writes_a_body(ev.cut_body(prompt, "    if n:\n", finished=True))                 # no parse
