@@ -1,6 +1,7 @@
 # make lab   set up .venv and open the course in JupyterLab
 # make test  set up .venv and run every check CI runs
 # make demo  complete a prompt with the embedded course model
+SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -26,7 +27,7 @@ test: $(STAMP)
 	$(PY) -m pytest --nbval -n 2 --dist loadfile
 
 demo: $(STAMP)
-	$(PY) -m miniinfer generate "def fibonacci(n):"
+	$(PY) -m miniinfer generate $$'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 # After editing a lesson or a solution notebook:
 export: $(STAMP)

@@ -1,11 +1,13 @@
 """The embedded course model: what ships, that transformers loads it offline, and its pinned output."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import miniinfer as mi
@@ -14,20 +16,43 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Greedy continuations of the shipped checkpoint: any change to weights or tokenizer shows here.
 PINNED = {
-    "def fibonacci(n):": [278, 388, 323, 199, 199, 534, 293, 8, 88, 289, 278, 388, 596, 199, 199, 534],
-    "import os\n": [604, 656, 199, 604, 3063, 199, 604, 941, 199, 618, 345, 14, 1173, 568, 550, 63],
+    "def fibonacci(n):": [199, 258, 361, 199, 258, 900, 301, 1251, 371, 290, 2184, 262, 991, 1152, 371, 703],
+    "import os\n": [752, 1859, 199, 752, 3802, 199, 444, 436, 14, 2001, 461, 1318, 63, 2759, 199, 444],
 }
+MODELS = [("pycoder", 25e6), ("pycoder-draft", 6e6)]  # name, size limit in bytes
 
 
-def test_checkpoint_files_and_size():
-    folder = mi.course_model_path()
+def tool(name: str):
+    """A module of tools/ (hand-written scripts, not part of the package)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize("name,limit", MODELS)
+def test_checkpoint_files_and_size(name, limit):
+    folder = mi.course_model_path(name)
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json"} <= names
-    assert sum(p.stat().st_size for p in folder.iterdir()) < 25e6
+    assert sum(p.stat().st_size for p in folder.iterdir()) < limit
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]  # GQA, for the course to teach
     assert cfg["tie_word_embeddings"] and cfg["max_position_embeddings"] >= 1024
+
+
+def test_default_and_unknown_names():
+    assert mi.course_model_path() == mi.course_model_path("pycoder")
+    with pytest.raises(ValueError, match="pycoder-draft"):
+        mi.course_model_path("pycoder-large")
+
+
+def test_draft_shares_the_tokenizer():
+    main, draft = (mi.course_model_path(n) for n in ("pycoder", "pycoder-draft"))
+    assert (main / "tokenizer.json").read_bytes() == (draft / "tokenizer.json").read_bytes()
+    assert (draft / "model.safetensors").stat().st_size < (main / "model.safetensors").stat().st_size / 3
 
 
 def test_pinned_greedy_completion():
@@ -37,20 +62,33 @@ def test_pinned_greedy_completion():
         assert mi.generate_naive(model, tok(prompt).input_ids, params) == expected, prompt
 
 
-def test_transformers_loads_it_offline():
+@pytest.mark.parametrize("name", [n for n, _ in MODELS])
+def test_transformers_loads_it_offline_and_agrees(name):
     code = (
-        "import torch, miniinfer as mi\n"
+        "import sys, torch, miniinfer as mi\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "p = mi.course_model_path()\n"
+        "p = mi.course_model_path(sys.argv[1])\n"
         "tok = AutoTokenizer.from_pretrained(p)\n"
         "m = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)\n"
         "ids = tok('import os\\n', return_tensors='pt').input_ids\n"
         "out = m.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:]\n"
         "print(out.tolist(), tok.eos_token)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code, name], env=env, capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == f"{PINNED['import os' + chr(10)]} <|endoftext|>"
+    folder = mi.course_model_path(name)
+    ours = mi.generate_naive(mi.load_model(folder), mi.load_tokenizer(folder)("import os\n").input_ids,
+                             mi.SamplingParams(temperature=0, max_tokens=16))
+    assert out.strip() == f"{ours} <|endoftext|>"
+    if name == "pycoder":
+        assert ours == PINNED["import os\n"]
+
+
+def test_course_model_writes_function_bodies():
+    """Issue 11's acceptance: greedy completions of 20 held-out signatures with docstrings give a
+    parsing body of two or more statements at least 14 times (the first course model: 0 times)."""
+    n, sources = tool("eval_course_model").score()
+    assert n >= 14, "\n\n".join(sources)
 
 
 def test_package_data_ships_the_checkpoint():
@@ -59,12 +97,7 @@ def test_package_data_ships_the_checkpoint():
 
 
 def test_training_script_runs_tiny_on_cpu(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import train_course_model
-    finally:
-        sys.path.pop(0)
-    log = train_course_model.main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
+    log = tool("train_course_model").main(["--tiny", "--device", "cpu", "--out", str(tmp_path)])
     assert log["val_loss"][-1][1] < log["val_loss"][0][1]  # it learns something in 4 steps
     assert (tmp_path / "val_loss.png").exists()
     model, tok = mi.load_model(tmp_path), mi.load_tokenizer(tmp_path)
@@ -73,11 +106,7 @@ def test_training_script_runs_tiny_on_cpu(tmp_path):
 
 
 def test_corpus_builder_filters_dedups_and_splits_by_package(tmp_path, monkeypatch):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import course_corpus
-    finally:
-        sys.path.pop(0)
+    course_corpus = tool("course_corpus")
     import zipfile
 
     def fake_wheel(name, version, dest):  # what pip would download, without the network
@@ -101,11 +130,7 @@ def test_corpus_builder_filters_dedups_and_splits_by_package(tmp_path, monkeypat
 
 
 def test_completion_scorer_cuts_at_the_dedent_and_counts_statements():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import eval_course_model as ev
-    finally:
-        sys.path.pop(0)
+    ev = tool("eval_course_model")
     assert len(ev.PROMPTS) == 20 and all(p.endswith('"""\n') and p.count("\n") == 2 for p in ev.PROMPTS)
     prompt = ev.PROMPTS[14]  # is_prime
     good = "    if n < 2:\n        return False\n    return all(n % d for d in range(2, n))\n\ndef other():\n    pas"

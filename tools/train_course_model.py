@@ -18,13 +18,17 @@ held-out split. The checkpoint with the lowest validation loss is saved together
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
+import multiprocessing
 import random
 import sys
 import sysconfig
+import textwrap
 import time
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -84,6 +88,28 @@ def read_documents(files: list[Path]) -> list[str]:
     return docs
 
 
+def functions_of(text: str) -> list[str]:
+    """The functions of one file that have a docstring and a body of 2 to 20 statements, each cut out
+    and dedented to column 0: a standalone view of the same code, shaped like a person's prompt (a
+    signature, a docstring, then the body to write)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    return [textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno]))
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node)
+            and 3 <= len(node.body) <= 21]
+
+
+def function_documents(docs: list[str]) -> list[str]:
+    """functions_of every document, without duplicates, in a fixed order."""
+    with multiprocessing.Pool() as pool:
+        found = pool.map(functions_of, docs, chunksize=16)
+    return list(dict.fromkeys(f for funcs in found for f in funcs))
+
+
 def train_tokenizer(docs: list[str], vocab_size: int, max_len: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -134,11 +160,15 @@ def build_model(cfg: TrainConfig, tokenizer):
     return model
 
 
-def batches(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator, device: str):
-    """Random windows of seq_len + 1 tokens (inputs and shifted targets)."""
+def batches(stream: torch.Tensor, cfg: TrainConfig, gen: torch.Generator, device: str,
+            line_ends: list[int]):
+    """Random windows of seq_len + 1 tokens (inputs and shifted targets), each starting at the
+    beginning of a line: a prompt starts at one too, and its first line's indentation (or its lack of
+    any) is then as unambiguous to the model as it was in training."""
     n = cfg.seq_len + 1
+    after = torch.nonzero(torch.isin(stream[:-n], torch.tensor(line_ends))).flatten() + 1
     while True:
-        starts = torch.randint(0, len(stream) - n, (cfg.batch_size,), generator=gen)
+        starts = after[torch.randint(0, len(after), (cfg.batch_size,), generator=gen)]
         chunk = torch.stack([stream[s:s + n] for s in starts.tolist()]).to(device, non_blocking=True)
         yield chunk[:, :-1], chunk[:, 1:]
 
@@ -223,6 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "splits); without it, the standard library alone, split by file")
     ap.add_argument("--draft", action="store_true", help="the small draft model's shape")
     ap.add_argument("--tokenizer", type=Path, help="reuse this checkpoint's tokenizer (the draft shares the main one's)")
+    ap.add_argument("--functions", action="store_true", help="also train on each documented function of the "
+                    "training files, cut out and dedented (see functions_of)")
+    ap.add_argument("--time-limit", type=float, default=float("inf"),
+                    help="stop training after this many seconds (the learning-rate schedule is cut short)")
     ap.add_argument("--compare", type=Path, help="also report this checkpoint's bits per byte on the held-out files")
     ap.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="standard library folder to train on (default: this interpreter's)")
@@ -252,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         every = max(1, sum(map(len, train_docs)) // cfg.tokenizer_chars)
         tokenizer = train_tokenizer(train_docs[::every], cfg.vocab_size, cfg.max_position_embeddings)
+    if args.functions:
+        train_docs = train_docs + function_documents(train_docs)
     train_ids, val_ids = encode(tokenizer, train_docs), encode(tokenizer, val_docs)
     n_chars = sum(map(len, docs))
     print(f"corpus: {len(docs)} files, {n_chars / 1e6:.1f}M chars, "
@@ -259,6 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"({time.time() - t0:.0f}s)", flush=True)
 
     model = build_model(cfg, tokenizer).to(args.device)
+    # Compiled on the GPU: the elementwise work of a model this small is fused into few kernels
+    forward = torch.compile(model) if args.device.startswith("cuda") else model
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
     use_bf16 = args.device.startswith("cuda")
@@ -270,28 +308,29 @@ def main(argv: list[str] | None = None) -> dict:
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), fused=use_bf16)
 
+    line_ends = [tokenizer.backend_tokenizer.encode("\n").ids[0], tokenizer.eos_token_id]
     gen = torch.Generator().manual_seed(cfg.seed)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    val_batches = [b for _, b in zip(range(cfg.eval_batches), batches(val_ids, cfg, val_gen, args.device))]
+    val_batches = list(islice(batches(val_ids, cfg, val_gen, args.device, line_ends), cfg.eval_batches))
     log = {"train_loss": [], "val_loss": []}
     best = float("inf")
     t_train = time.time()
-    train_iter = batches(train_ids, cfg, gen, args.device)
+    train_iter = batches(train_ids, cfg, gen, args.device, line_ends)
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            val = evaluate(model, val_batches, autocast)
+            val = evaluate(forward, val_batches, autocast)
             log["val_loss"].append((step, val))
             print(f"step {step:5d}  val {val:.4f}  ({time.time() - t_train:.0f}s)", flush=True)
             if val < best:  # keep the best weights, in the bf16 they ship in
                 best, best_step = val, step
                 best_state = {k: v.detach().to("cpu", torch.bfloat16, copy=True)
                               for k, v in model.state_dict().items()}
-        if step == cfg.steps:
+        if step == cfg.steps or time.time() - t_train > args.time_limit:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         x, y = next(train_iter)
-        loss = loss_of(model, x, y, autocast)
+        loss = loss_of(forward, x, y, autocast)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -306,7 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
     tok_cfg_path = args.out / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text())
     tok_cfg.update(tokenizer_class="PreTrainedTokenizerFast")
-    tok_cfg.pop("backend", None)
+    for key in ("backend", "is_local", "local_files_only"):  # where this run read it from: not for users
+        tok_cfg.pop(key, None)
     tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2) + "\n")
     val_bpb = bits_per_byte(model, tokenizer, val_docs, cfg.seq_len, args.device, autocast)
     print(f"held-out bits per byte: {val_bpb:.4f}", flush=True)
@@ -319,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     samples = complete(model.float(), tokenizer, SAMPLE_PROMPTS, args.device)
     for prompt, text in samples.items():
         print(f"--- {prompt!r}\n{prompt}{text}", flush=True)
-    log.update(config=asdict(cfg), parameters=n_params, best_val_loss=best, best_step=best_step,
+    log.update(config=asdict(cfg), parameters=n_params, best_val_loss=best, best_step=best_step, steps_trained=step,
                val_bits_per_byte=val_bpb, corpus=str(args.corpus or args.stdlib),
                train_seconds=round(train_seconds, 1), total_seconds=round(time.time() - t0, 1),
                files=len(docs), val_files=n_val, chars=n_chars,
