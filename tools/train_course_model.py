@@ -226,18 +226,21 @@ def complete(model, tokenizer, prompts: list[str], device: str, max_new_tokens: 
     return out
 
 
-def plot(log: dict, path: Path) -> None:
+def plot(logs: dict[str, dict], path: Path) -> None:
+    """Training and validation curves of one or more runs (name -> train_log.json contents)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(*zip(*log["train_loss"]), label="train (per step)", alpha=0.5)
-    ax.plot(*zip(*log["val_loss"]), "o-", label="validation (held-out files)")
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for name, log in logs.items():
+        line, = ax.plot(*zip(*log["train_loss"][::10]), alpha=0.3, label=f"{name}: train (every 10th step)")
+        ax.plot(*zip(*log["val_loss"]), "o-", ms=2, color=line.get_color(), label=f"{name}: held-out files")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylim(top=4)
     ax.set_title("Course model training")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -260,7 +263,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--compare", type=Path, help="also report this checkpoint's bits per byte on the held-out files")
     ap.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="standard library folder to train on (default: this interpreter's)")
+    ap.add_argument("--plot", nargs="+", type=Path, metavar="TRAIN_LOG",
+                    help="only draw these runs' train_log.json curves into the file --out and stop")
     args = ap.parse_args(argv)
+    if args.plot:
+        return plot({p.stem.removesuffix("_train_log"): json.loads(p.read_text()) for p in args.plot}, args.out)
     cfg = TrainConfig(**(TINY if args.tiny else {}), **(DRAFT if args.draft else {}))
     if args.steps:
         cfg.steps = args.steps
@@ -367,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
                stdlib=str(args.stdlib), python=sys.version.split()[0], torch=torch.__version__,
                device=torch.cuda.get_device_name() if use_bf16 else "cpu", samples=samples)
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
-    plot(log, args.out / "val_loss.png")
+    plot({args.out.name: log}, args.out / "val_loss.png")
     print(f"best val {best:.4f} at step {best_step}; trained {train_seconds:.0f}s", flush=True)
     return log
 
