@@ -142,6 +142,12 @@ def test_bare_pytest_never_collects_unfilled_exercises():
 
 
 def test_cli_generates_a_completion():
-    res = run("-m", "miniinfer", "generate", "def fibonacci(n):", "--max-tokens", "8")
+    import miniinfer as mi
+
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'  # make demo's
+    res = run("-m", "miniinfer", "generate", prompt, "--max-tokens", "8")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("def fibonacci(n):\n    return n") and "[8 tokens in" in res.stdout
+    tok = mi.load_tokenizer()
+    greedy = mi.generate_cached(mi.load_model(), tok(prompt).input_ids,
+                                mi.SamplingParams(temperature=0, max_tokens=8))
+    assert res.stdout.startswith(prompt + tok.decode(greedy)) and "[8 tokens in" in res.stdout
