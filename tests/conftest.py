@@ -68,3 +68,14 @@ def eos_is(model, token: int):
         yield
     finally:
         model.cfg.eos_token_ids = saved
+
+
+def unchanged_on_error(snapshot, fn, *args):
+    """Call fn(*args); if it raises a documented error, snapshot() must be exactly as before."""
+    from miniinfer.block_manager import OutOfBlocks
+
+    before = snapshot()
+    try:
+        return fn(*args)
+    except (OutOfBlocks, KeyError, ValueError):
+        assert snapshot() == before, f"{fn.__name__}{args} failed but changed the state"

@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conftest import unchanged_on_error
+
 from miniinfer import BlockCopy, BlockManager, OutOfBlocks
 
 IDS = st.integers(0, 7)
@@ -22,12 +24,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks=12, block_size=4)
 
     def attempt(self, fn, *args):
-        """Call fn; if it raises a documented error, the state must be exactly as before."""
-        before = state(self.bm)
-        try:
-            return fn(*args)
-        except (OutOfBlocks, KeyError, ValueError):
-            assert state(self.bm) == before, f"{fn.__name__}{args} failed but changed the state"
+        return unchanged_on_error(lambda: state(self.bm), fn, *args)
 
     @rule(seq=IDS, n=st.integers(0, 30))
     def allocate(self, seq, n):
