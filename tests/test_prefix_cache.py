@@ -1,16 +1,17 @@
 """Prefix caching in the block manager: a hypothesis state machine over allocate / append / fork /
-free / cache, and the cases engines have broken on."""
+free / cache, the cases engines have broken on, and the radix-tree reference."""
 
 import copy
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conftest import unchanged_on_error
 
 from miniinfer.prefix_cache import ROOT_HASH, PrefixCachingBlockManager, chain_hash
+from miniinfer.radix import RadixTree, common_prefix
 
 IDS = st.integers(0, 5)
 # Few distinct tokens and short prompts, so that prefixes repeat and the cache gets hits.
@@ -135,3 +136,14 @@ def test_bad_allocation_changes_nothing(bad):
     with pytest.raises(ValueError):
         bm.allocate("a", **bad)
     assert state(bm) == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(stored=st.lists(st.lists(st.integers(0, 2), max_size=12), max_size=8),
+       query=st.lists(st.integers(0, 2), max_size=12))
+def test_radix_tree_matches_the_longest_stored_prefix(stored, query):
+    tree = RadixTree()
+    for tokens in stored:
+        tree.insert(tokens)
+    assert tree.match(query) == max((common_prefix(query, t) for t in stored), default=0)
+    assert tree.num_tokens() == len({tuple(t[:i]) for t in stored for i in range(1, len(t) + 1)})
