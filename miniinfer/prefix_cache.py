@@ -34,19 +34,13 @@ class PrefixCachingBlockManager(BlockManager):
         return len(self.free_list) + len(self.evictable)
 
     def _take(self, n: int) -> list[int]:
-        if n > self.num_free_blocks:
-            raise OutOfBlocks(f"{n} blocks needed, {self.num_free_blocks} of {self.num_blocks} free")
-        blocks = []
-        for _ in range(n):
-            if self.free_list:
-                blocks.append(self.free_list.pop())
-            else:  # evict the least recently used cached block
-                b, _ = self.evictable.popitem(last=False)
-                parent, tokens = self.key.pop(b)
-                del self.cached[chain_hash(parent, tokens)]
-                blocks.append(b)
-            self.ref_count[blocks[-1]] = 1
-        return blocks
+        """n blocks: truly free ones first; when there are too few, the least recently used cached
+        blocks are evicted (their hashes forgotten) onto the free list, unless n cannot be met."""
+        while n <= self.num_free_blocks and len(self.free_list) < n:
+            b, _ = self.evictable.popitem(last=False)
+            del self.cached[chain_hash(*self.key.pop(b))]
+            self.free_list.append(b)
+        return super()._take(n)
 
     def match(self, token_ids: list[int]) -> list[int]:
         """The cached blocks that hold the longest prefix of token_ids, in order. The block of the
@@ -101,7 +95,7 @@ class PrefixCachingBlockManager(BlockManager):
         for i in range(len(hashes), len(token_ids) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
-            if h not in self.cached and table[i] not in self.key:
+            if h not in self.cached:
                 self.cached[h], self.key[table[i]] = table[i], (parent, tokens)
             hashes.append(h)
             parent = h
