@@ -5,6 +5,7 @@ Hand-written tool. The prompts were written for this check and are kept out of t
 corpus is library source; none of these functions is copied from one).
 
     python tools/eval_course_model.py [CHECKPOINT_FOLDER]    # default: the embedded course model
+    python tools/eval_course_model.py --speed docs/benchmarks/course_model_cpu.json   # CPU timing
 """
 
 from __future__ import annotations
@@ -74,8 +75,57 @@ def score(folder=None) -> tuple[int, list[str]]:
     return sum(map(writes_a_body, sources)), sources
 
 
+def speed(threads: int = 2) -> dict:
+    """Seconds for 64 greedy tokens after make demo's prompt on this CPU, float32, best of 3 after a
+    warm-up: miniinfer's cached and naive paths and transformers' generate, for both course models."""
+    import platform
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+    params = mi.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    result = {"cpu": platform.processor() or platform.machine(), "threads": threads, "torch": torch.__version__,
+              "transformers": transformers.__version__, "tokens": 64, "seconds": {}}
+    for name in ("pycoder", "pycoder-draft"):
+        path = mi.course_model_path(name)
+        model, ids = mi.load_model(path), mi.load_tokenizer(path)(prompt).input_ids
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        runs = {"generate_cached": lambda: mi.generate_cached(model, ids, params),
+                "generate_naive": lambda: mi.generate_naive(model, ids, params),
+                "transformers_generate": lambda: hf.generate(torch.tensor([ids]), max_new_tokens=64,
+                                                             min_new_tokens=64, do_sample=False)}
+        for run in runs.values():
+            run()
+        result["seconds"][name] = {k: min(timed(run) for _ in range(3)) for k, run in runs.items()}
+    return result
+
+
+def timed(fn) -> float:
+    import time
+
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 if __name__ == "__main__":
-    n, sources = score(sys.argv[1] if len(sys.argv) > 1 else None)
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", nargs="?", help="checkpoint folder (default: the embedded course model)")
+    ap.add_argument("--speed", metavar="JSON", help="instead, time 64 greedy tokens of both course models "
+                    "on this CPU and write the seconds here")
+    args = ap.parse_args()
+    if args.speed:
+        res = speed()
+        with open(args.speed, "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps(res["seconds"], indent=1))
+        sys.exit()
+    n, sources = score(args.folder)
     for s in sources:
         print(s, "-" * 40, sep="\n")
     print(f"{n} of {len(PROMPTS)} prompts completed with a function body that parses")
