@@ -14,12 +14,15 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from miniinfer import testing  # noqa: E402
+from miniinfer.chunked_prefill import ChunkedPrefillScheduler  # noqa: E402
 from miniinfer.block_manager import BlockCopy, BlockManager, OutOfBlocks, draw_pool, replay  # noqa: E402
 from miniinfer.course_model import course_model_path  # noqa: E402
 from miniinfer.engine import EngineConfig, LLMEngine  # noqa: E402
 from miniinfer.generate import generate_naive  # noqa: E402
 from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
 from miniinfer.model import ModelConfig, Transformer  # noqa: E402
+from miniinfer.prefix_cache import PrefixCachingBlockManager, chain_hash  # noqa: E402
+from miniinfer.radix import RadixTree  # noqa: E402
 from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, generate_paged, paged_attention_ref,  # noqa: E402
                                    paged_utilization, slot_mapping)
 from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
@@ -45,4 +48,5 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",
            "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "SamplingBatch", "sample_batch",
            "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestOutput", "Sequence", "Status",
-           "StepRecord", "draw_timeline", "trace_steps"]
+           "StepRecord", "draw_timeline", "trace_steps", "ChunkedPrefillScheduler", "PrefixCachingBlockManager",
+           "chain_hash", "RadixTree"]

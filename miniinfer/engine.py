@@ -12,9 +12,11 @@ import torch
 from tqdm.auto import tqdm
 
 from miniinfer.block_manager import BlockManager, blocks_needed
+from miniinfer.chunked_prefill import ChunkedPrefillScheduler
 from miniinfer.loader import load_model, load_tokenizer
 from miniinfer.model import Transformer
 from miniinfer.model_runner import ModelRunner
+from miniinfer.prefix_cache import PrefixCachingBlockManager
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import Scheduler
 from miniinfer.sequence import RequestOutput, Sequence
@@ -37,6 +39,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     num_cpu_blocks: int | None = None  # swap space; None: as many as device blocks (swap mode only)
     policy: str = "fcfs"  # or "priority"
+    enable_prefix_caching: bool = False  # chapter 07
+    enable_chunked_prefill: bool = False  # chapter 07: prompts in pieces under max_num_batched_tokens
     cuda_graph: bool = True
     kernels: str | None = None  # attention kernels, "torch" or "triton"; None: triton on CUDA
 
@@ -102,9 +106,9 @@ class LLMEngine:
         cfg = model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         budget = config.max_num_batched_tokens or max(self.max_model_len, 8192)
-        if budget < self.max_model_len:
+        if budget < self.max_model_len and not config.enable_chunked_prefill:
             raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={self.max_model_len}: a prompt "
-                             "must fit one step's budget (until chunked prefill, chapter 07)")
+                             "must fit one step's budget, or set enable_chunked_prefill=True")
         num_blocks = config.num_blocks
         if num_blocks is None:
             if model.lm_head.weight.device.type == "cuda":
@@ -116,9 +120,16 @@ class LLMEngine:
                              "gpu_memory_utilization")
         cpu_blocks = config.num_cpu_blocks if config.preemption_mode == "swap" else 0
         cpu_blocks = num_blocks if cpu_blocks is None else cpu_blocks
-        self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size), config.max_num_seqs, budget,
-                                   config.policy, config.preemption_mode,
-                                   BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None)
+        cpu_bm = BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None
+        if config.enable_prefix_caching or config.enable_chunked_prefill:  # chapter 07
+            bm = (PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager)(num_blocks,
+                                                                                              config.block_size)
+            self.scheduler = ChunkedPrefillScheduler(bm, config.max_num_seqs, budget, config.policy,
+                                                     config.preemption_mode, cpu_bm,
+                                                     chunked=config.enable_chunked_prefill)
+        else:
+            self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size), config.max_num_seqs,
+                                       budget, config.policy, config.preemption_mode, cpu_bm)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
                                   cpu_blocks, config.cuda_graph, config.kernels)
         self.requests: dict[str, Sequence] = {}  # unfinished, by request id
@@ -203,6 +214,8 @@ class LLMEngine:
         outputs = []
         for seq, n, token in zip(out.seqs, out.num_new_tokens, tokens):
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:  # a piece of a prompt (chapter 07): no token yet
+                continue
             seq.append(token, eos)
             if seq.finish_reason:
                 self._finish(seq)

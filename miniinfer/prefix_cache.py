@@ -55,12 +55,9 @@ class PrefixCachingBlockManager(BlockManager):
             parent = chain_hash(parent, tokens)
         return blocks
 
-    def blocks_to_allocate(self, token_ids: list[int]) -> int:
-        """Free blocks that allocating token_ids would use up: new ones, and cached hits that were
-        counted free."""
-        return self._cost(self.match(token_ids), len(token_ids))
-
-    def _cost(self, hits: list[int], num_tokens: int) -> int:
+    def blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
+        """Free blocks that allocating num_tokens tokens would use up when the cached blocks hits
+        (from match) are shared: the new ones, and the hits that were counted free."""
         return self.blocks_for(num_tokens) - len(hits) + sum(b in self.evictable for b in hits)
 
     def allocate(self, seq_id, num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
@@ -71,9 +68,9 @@ class PrefixCachingBlockManager(BlockManager):
         hits = self.match(token_ids) if token_ids is not None else []
         if seq_id in self.tables:  # checked before the hits are claimed, so that nothing leaks
             raise ValueError(f"sequence {seq_id!r} is already allocated")
-        if self._cost(hits, num_tokens) > self.num_free_blocks:
-            raise OutOfBlocks(f"{self._cost(hits, num_tokens)} blocks needed, "
-                              f"{self.num_free_blocks} of {self.num_blocks} free")
+        need = self.blocks_to_allocate(num_tokens, hits)
+        if need > self.num_free_blocks:
+            raise OutOfBlocks(f"{need} blocks needed, {self.num_free_blocks} of {self.num_blocks} free")
         for b in hits:  # claimed first: taking the new blocks must not evict them
             self.evictable.pop(b, None)
             self.ref_count[b] += 1

@@ -85,41 +85,61 @@ class Scheduler:
         out = SchedulerOutput()
         self.running.sort(key=self.policy.key)
         self._preempt_for_urgent(out)
-        bm = self.block_manager
-        decoding, self.running, short = self.running, [], False
-        while decoding:  # 1. every running sequence decodes one token, most urgent first
-            seq = decoding.pop(0)
-            while not bm.can_append(seq):
-                victim = decoding.pop() if decoding else seq
+        todo, self.running, short = self.running, [], False
+        while todo:  # 1. every running sequence continues, most urgent first
+            seq = todo.pop(0)
+            while not self._can_continue(seq):
+                victim = todo.pop() if todo else seq
                 self._preempt(victim, out)
                 short = True
                 if victim is seq:
                     break
             else:
-                copy = bm.append_token(seq)
-                if copy:
-                    out.copies.append(copy)
-                self._run(seq, 1, out)
-        if short:  # the pool ran out: an admission now would be preempted at the next step
-            return out
-        while self.swapped and self._fits(self.swapped[0].num_computed_tokens + 1, 1, out):
-            self._swap_in(self.swapped.pop(0), out)  # 2. swapped sequences come back first,
-        while self.waiting and self._fits(self.waiting[0].num_tokens, self.waiting[0].num_tokens, out):
-            seq = self.waiting.pop(0)  # 3. then waiting ones are admitted: the whole prompt at once
-            bm.allocate(seq, seq.num_tokens)
-            self._run(seq, seq.num_tokens, out)
+                self._continue(seq, out)
+        if not short:  # the pool ran out: an admission now would be preempted at the next step
+            self._admit(out)
         return out
 
-    def _fits(self, num_slots: int, num_new_tokens: int, out: SchedulerOutput) -> bool:
-        """Whether a sequence of num_slots tokens, computing num_new_tokens of them, can join."""
+    def _can_continue(self, seq: Sequence) -> bool:
+        return self.block_manager.can_append(seq)
+
+    def _continue(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A running sequence decodes: a slot for its pending token (after a copy on write, if its
+        last block is shared), which it computes."""
+        copy = self.block_manager.append_token(seq)
+        if copy:
+            out.copies.append(copy)
+        self._run(seq, 1, out)
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """2. Swapped sequences come back first, 3. then waiting ones are admitted, while they fit."""
+        bm = self.block_manager
+        while self.swapped and self._fits(bm.blocks_for(self.swapped[0].num_computed_tokens + 1), 1, out):
+            self._swap_in(self.swapped.pop(0), out)
+        while self.waiting and self._fits(*self._admission(self.waiting[0]), out):
+            self._prefill(self.waiting.pop(0), out)
+
+    def _admission(self, seq: Sequence) -> tuple[int, int]:
+        """What admitting seq takes: (free blocks, tokens of the step's budget). Here: its whole prompt."""
+        return self.block_manager.blocks_for(seq.num_tokens), seq.num_tokens
+
+    def _prefill(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.allocate(seq, seq.num_tokens)
+        self._run(seq, seq.num_tokens, out)
+
+    def _fits(self, num_blocks: int, num_new_tokens: int, out: SchedulerOutput) -> bool:
+        """Whether a sequence that takes num_blocks free blocks and computes num_new_tokens can join."""
         reserve = self.watermark if self.running else 0
         return (len(self.running) < self.max_num_seqs
                 and out.num_batched_tokens + num_new_tokens <= self.max_num_batched_tokens
-                and self.block_manager.blocks_for(num_slots) + reserve <= self.block_manager.num_free_blocks)
+                and num_blocks + reserve <= self.block_manager.num_free_blocks)
 
     def _run(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
         seq.status = Status.RUNNING
         self.running.append(seq)
+        self._compute(seq, num_new_tokens, out)
+
+    def _compute(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new_tokens)
         out.block_tables.append(self.block_manager.tables[seq])
@@ -129,7 +149,9 @@ class Scheduler:
         """Make seq give its device blocks back: swapped to CPU memory, or dropped to be recomputed."""
         bm, cpu = self.block_manager, self.cpu_block_manager
         out.preempted.append(seq)
-        if self.preemption_mode == "swap" and cpu.can_allocate(seq.num_computed_tokens):
+        # Only a decoding sequence is swapped; one in the middle of its prompt (chapter 07) is recomputed.
+        decoding = seq.num_tokens - seq.num_computed_tokens == 1
+        if self.preemption_mode == "swap" and decoding and cpu.can_allocate(seq.num_computed_tokens):
             out.swap_out += zip(bm.block_table(seq), cpu.allocate(seq, seq.num_computed_tokens))
             bm.free(seq)
             seq.status = Status.SWAPPED
@@ -151,11 +173,10 @@ class Scheduler:
         and does not fit (under FCFS a waiting sequence never outranks a running one)."""
         key = self.policy.key
         while self.waiting and self.running and key(self.waiting[0]) < key(self.running[-1]):
-            head = self.waiting[0]
-            bm, n = self.block_manager, len(self.running)
-            # Room for its prompt once each running sequence has taken one more block.
-            fits = (n < self.max_num_seqs and n + head.num_tokens <= self.max_num_batched_tokens
-                    and bm.blocks_for(head.num_tokens) + n + self.watermark <= bm.num_free_blocks)
+            (blocks, tokens), n = self._admission(self.waiting[0]), len(self.running)
+            # Room for it once each running sequence has taken one more block.
+            fits = (n < self.max_num_seqs and n + tokens <= self.max_num_batched_tokens
+                    and blocks + n + self.watermark <= self.block_manager.num_free_blocks)
             if fits:
                 return
             self._preempt(self.running.pop(), out)

@@ -26,7 +26,7 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the pool
         self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached (chapter 07)
         self.num_reported = 0  # output tokens already handed out in a RequestOutput
 
     @property
@@ -57,7 +57,7 @@ class RequestOutput:
         self.request_id, self.prompt_token_ids = seq.request_id, seq.prompt_token_ids
         self.new_token_ids = new_token_ids  # generated since the previous output of this request
         self.finished, self.finish_reason = seq.status is Status.FINISHED, seq.finish_reason
-        self.num_cached_tokens = seq.num_cached_tokens
+        self.num_cached_tokens = seq.num_cached_tokens or 0
         # The sequence's output list only ever grows: its first n tokens are this snapshot's, and
         # copying them is left to whoever reads token_ids (an engine step makes 256 outputs).
         self._outputs, self._n, self._detokenize = seq.output_token_ids, len(seq.output_token_ids), detokenize

@@ -20,10 +20,11 @@ def workload(n: int = 24, seed: int = 0, vocab: int = 301):
     return prompts, params
 
 
-def oracle(kind: str, hf, prompts, params) -> list[list[int]]:
-    if kind not in ORACLE:
-        ORACLE[kind] = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
-    return ORACLE[kind]
+def oracle(key, hf, prompts, params) -> list[list[int]]:
+    """transformers' greedy tokens for a workload, computed once per key (model kind, workload)."""
+    if key not in ORACLE:
+        ORACLE[key] = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    return ORACLE[key]
 
 
 def run_steps(engine) -> tuple[dict, int]:

@@ -1,5 +1,6 @@
-"""Chapter 06: the scheduler as a hypothesis state machine (random arrivals, lengths, aborts, pool
-sizes, both policies and both preemption modes), with a fake model that emits token 7."""
+"""Chapters 06 and 07: the scheduler as a hypothesis state machine (random arrivals, lengths, aborts,
+pool sizes, both policies, both preemption modes, prefix caching and chunked prefill on or off),
+with a fake model that emits token 7 and a fake pool that records which token each slot holds."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -10,30 +11,40 @@ from miniinfer.block_manager import blocks_needed
 
 
 def check_pool(bm: mi.BlockManager) -> None:
-    """Each block is free or owned: reference counts match the tables, nothing is in both."""
+    """Each block is free (or cached and unused) or owned: reference counts match the tables,
+    nothing is in two places."""
     owners = [0] * bm.num_blocks
     for table in bm.tables.values():
         for b in table:
             owners[b] += 1
     assert owners == bm.ref_count
-    assert len(set(bm.free_list)) == len(bm.free_list) and all(owners[b] == 0 for b in bm.free_list)
-    assert len(bm.free_list) + sum(o > 0 for o in owners) == bm.num_blocks
-    assert max(owners, default=0) <= 1  # no forks here: a block has at most one owner
+    unused = bm.free_list + list(getattr(bm, "evictable", []))
+    assert len(set(unused)) == len(unused) == bm.num_free_blocks and all(owners[b] == 0 for b in unused)
+    assert bm.num_free_blocks + sum(o > 0 for o in owners) == bm.num_blocks
+    if not hasattr(bm, "cached"):
+        assert max(owners, default=0) <= 1  # no forks here: only a cached block has two owners
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 16]),
                 max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 40),
                 policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
-                cpu_blocks=st.integers(1, 20))
-    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, policy, mode, cpu_blocks):
-        self.bm = mi.BlockManager(num_blocks, block_size)
+                cpu_blocks=st.integers(1, 20), caching=st.booleans(), chunked=st.booleans())
+    def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, policy, mode, cpu_blocks, caching,
+              chunked):
+        self.bm = (mi.PrefixCachingBlockManager if caching else mi.BlockManager)(num_blocks, block_size)
         self.cpu = mi.BlockManager(cpu_blocks, block_size) if mode == "swap" else None
-        # As LLMEngine: the budget holds any admissible request whole (its prompt + outputs - 1).
         self.capacity = min(num_blocks * block_size, 24)
-        self.budget = max(max_num_seqs, self.capacity) + extra_budget
-        self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, policy, mode, self.cpu)
+        # As LLMEngine: unchunked, the budget holds any admissible request whole (prompt + outputs - 1).
+        self.budget = max_num_seqs + extra_budget if chunked else max(max_num_seqs, self.capacity) + extra_budget
+        if caching or chunked:
+            self.s = mi.ChunkedPrefillScheduler(self.bm, max_num_seqs, self.budget, policy, mode, self.cpu,
+                                                chunked=chunked)
+        else:
+            self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, policy, mode, self.cpu)
         self.seqs: list[mi.Sequence] = []
+        self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds
+        self.cpu_pool: dict[int, int] = {}
 
     def unfinished(self) -> list[mi.Sequence]:
         return [s for s in self.seqs if s.status is not mi.Status.FINISHED]
@@ -41,8 +52,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), priority=st.integers(0, 3))
     def add(self, data, priority):
         total = data.draw(st.integers(2, self.capacity))
-        prompt = data.draw(st.integers(1, total - 1))
-        seq = mi.Sequence(str(len(self.seqs)), [1] * prompt, mi.SamplingParams(max_tokens=total - prompt),
+        prompt = data.draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=total - 1))  # prefixes repeat
+        seq = mi.Sequence(str(len(self.seqs)), prompt, mi.SamplingParams(max_tokens=total - len(prompt)),
                           priority, arrival=len(self.seqs))
         self.seqs.append(seq)
         self.s.add(seq)
@@ -52,16 +63,40 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data):
         self.s.finish(data.draw(st.sampled_from(self.unfinished())), "abort")
 
+    def slot(self, seq, position: int) -> int:
+        return self.bm.tables[seq][position // self.bm.block_size] * self.bm.block_size + position % self.bm.block_size
+
+    def move(self, pairs, src: dict, dst: dict) -> None:
+        bs = self.bm.block_size
+        for a, b in pairs:
+            for i in range(bs):
+                if a * bs + i in src:
+                    dst[b * bs + i] = src[a * bs + i]
+
     @rule()
     def step(self):
+        admitted = set(self.s.waiting)
         out = self.s.schedule()
         assert out.num_batched_tokens == sum(out.num_new_tokens) <= self.budget
-        assert len(out.seqs) == len(set(map(id, out.seqs))) == len(self.s.running) <= self.s.max_num_seqs
+        assert len(out.seqs) == len(set(map(id, out.seqs))) <= len(self.s.running) <= self.s.max_num_seqs
+        self.move(out.swap_out, self.pool, self.cpu_pool)
+        self.move(out.swap_in, self.cpu_pool, self.pool)
         for seq, n, table in zip(out.seqs, out.num_new_tokens, out.block_tables):
-            assert seq.status is mi.Status.RUNNING and table == self.bm.tables[seq]
-            assert self.bm.lengths[seq] == seq.num_computed_tokens + n == seq.num_tokens
-        for seq, n in zip(out.seqs, out.num_new_tokens):  # the model "runs": each gets token 7
+            assert seq.status is mi.Status.RUNNING and table == self.bm.tables[seq] and n >= 1
+            assert seq.num_computed_tokens + n <= self.bm.lengths[seq] == seq.num_tokens
+            # The K/V it attends to, whether computed, swapped back or found in the cache, are its own
+            # tokens': a cached block is never handed out for other tokens.
+            assert [self.pool.get(self.slot(seq, i)) for i in range(seq.num_computed_tokens)] == \
+                seq.token_ids(0, seq.num_computed_tokens)
+            if seq in admitted and hasattr(self.bm, "cached"):  # it starts after its cached prefix
+                assert seq.num_computed_tokens == self.bm.num_cached_tokens(seq)
+        for seq, n in zip(out.seqs, out.num_new_tokens):  # the model "runs": a whole prompt gets token 7
+            for i in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                assert self.bm.ref_count[self.bm.tables[seq][i // self.bm.block_size]] == 1  # never a shared block
+                self.pool[self.slot(seq, i)] = seq.token_ids(i, i + 1)[0]
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
             seq.append(7, [])
             if seq.finish_reason:
                 self.s.finish(seq)
@@ -81,8 +116,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             on_device = seq in self.bm.tables
             assert on_device == (seq.status is mi.Status.RUNNING)
             assert (self.cpu is not None and seq in self.cpu.tables) == (seq.status is mi.Status.SWAPPED)
-            if on_device:
-                assert self.bm.lengths[seq] == seq.num_computed_tokens
+            if on_device:  # decoding: slots up to its computed tokens; inside a prompt: the whole prompt
+                assert self.bm.lengths[seq] in (seq.num_computed_tokens, seq.num_tokens)
             if seq.status is mi.Status.WAITING:
                 assert seq.num_computed_tokens == 0
         for queue in queues.values():  # each queue in policy order
