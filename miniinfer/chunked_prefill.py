@@ -19,10 +19,21 @@ class ChunkedPrefillScheduler(Scheduler):
         self.prefilling: list[Sequence] = []  # this step's running sequences still inside their prompt
 
     def schedule(self) -> SchedulerOutput:
-        for seq in self.running:  # the previous step computed their new tokens' K/V
-            self._cache(seq)
+        if self.caching:  # the blocks that the previous step filled join the cache
+            bm = self.block_manager
+            for seq in [s for s in self.running if s.num_computed_tokens // bm.block_size > len(bm.hashes[s])]:
+                self._cache(seq)
+        out = super().schedule()
+        self.running += self.prefilling  # left over when the pool ran short: no piece this step
         self.prefilling = []
-        return super().schedule()
+        return out
+
+    def _cache(self, seq: Sequence) -> None:
+        """Register the blocks that seq's computed tokens fill and the cache does not know yet."""
+        bm = self.block_manager
+        if self.caching and seq.num_computed_tokens // bm.block_size > len(bm.hashes[seq]):
+            start = len(bm.hashes[seq]) * bm.block_size
+            bm.cache_blocks(seq, seq.token_ids(start, seq.num_computed_tokens), start)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         # What a finished request computed outlives it. An aborted one is skipped: it may be the
@@ -31,29 +42,26 @@ class ChunkedPrefillScheduler(Scheduler):
             self._cache(seq)
         super().finish(seq, reason)
 
-    def _cache(self, seq: Sequence) -> None:
-        bm = self.block_manager
-        if self.caching and seq.num_computed_tokens // bm.block_size > len(bm.hashes[seq]):
-            bm.cache_blocks(seq, seq.token_ids(0, seq.num_computed_tokens))
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._cache(seq)  # recomputed later, it finds its own blocks again
+        super()._preempt(seq, out)
 
-    def _in_prompt(self, seq: Sequence) -> bool:
-        # Its slots run ahead of its computed tokens: admission allocated the whole prompt.
-        return self.block_manager.num_tokens(seq) > seq.num_computed_tokens
-
-    def _can_continue(self, seq: Sequence) -> bool:
-        return self._in_prompt(seq) or super()._can_continue(seq)  # a prompt's blocks are all there
-
-    def _continue(self, seq: Sequence, out: SchedulerOutput) -> None:
-        if not self._in_prompt(seq):
-            return super()._continue(seq, out)
-        self.running.append(seq)  # its next piece is scheduled once every decode has its token
+    def _continue(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        if self.block_manager.lengths[seq] == seq.num_computed_tokens:
+            return super()._continue(seq, out)  # a decode
+        # Inside its prompt (its slots were all allocated at admission): its next piece is
+        # scheduled once every decode has its token.
         self.prefilling.append(seq)
+        return True
 
     def _admit(self, out: SchedulerOutput) -> None:
         for seq in self.prefilling:
             n = min(seq.num_tokens - seq.num_computed_tokens, self._budget_left(out))
             if n:
-                self._compute(seq, n, out)
+                self._run(seq, n, out)
+            else:
+                self.running.append(seq)
+        self.prefilling = []
         super()._admit(out)
 
     def _budget_left(self, out: SchedulerOutput) -> int:

@@ -84,13 +84,18 @@ class PrefixCachingBlockManager(BlockManager):
         """Tokens of seq_id whose K/V came from the cache at allocation or were cached since."""
         return len(self.hashes[seq_id]) * self.block_size
 
-    def cache_blocks(self, seq_id, token_ids: list[int]) -> None:
-        """Register the full blocks of seq_id that token_ids (its tokens whose K/V are now computed)
-        fill. A block whose prefix another block already caches stays private."""
+    def cache_blocks(self, seq_id, token_ids: list[int], start: int = 0) -> None:
+        """Register the full blocks of seq_id that its tokens whose K/V are now computed fill:
+        token_ids are those tokens from position `start` on, which may skip blocks already
+        registered (the engine passes only the new ones: a long sequence is not copied at every
+        block). A block whose prefix another block already caches stays private."""
         hashes, table, bs = self.hashes[seq_id], self._table(seq_id), self.block_size
+        if start % bs or start > len(hashes) * bs:
+            raise ValueError(f"start={start} must be a block boundary at or before the first unregistered "
+                             f"block ({len(hashes) * bs})")
         parent = hashes[-1] if hashes else ROOT_HASH
-        for i in range(len(hashes), len(token_ids) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+        for i in range(len(hashes), (start + len(token_ids)) // bs):
+            tokens = tuple(token_ids[i * bs - start:(i + 1) * bs - start])
             h = chain_hash(parent, tokens)
             if h not in self.cached:
                 self.cached[h], self.key[table[i]] = table[i], (parent, tokens)

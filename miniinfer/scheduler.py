@@ -88,28 +88,27 @@ class Scheduler:
         todo, self.running, short = self.running, [], False
         while todo:  # 1. every running sequence continues, most urgent first
             seq = todo.pop(0)
-            while not self._can_continue(seq):
+            while not self._continue(seq, out):
                 victim = todo.pop() if todo else seq
                 self._preempt(victim, out)
                 short = True
                 if victim is seq:
                     break
-            else:
-                self._continue(seq, out)
         if not short:  # the pool ran out: an admission now would be preempted at the next step
             self._admit(out)
         return out
 
-    def _can_continue(self, seq: Sequence) -> bool:
-        return self.block_manager.can_append(seq)
-
-    def _continue(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _continue(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """A running sequence decodes: a slot for its pending token (after a copy on write, if its
-        last block is shared), which it computes."""
-        copy = self.block_manager.append_token(seq)
+        last block is shared), which it computes. False if the pool has no block for it."""
+        bm = self.block_manager
+        if not bm.can_append(seq):
+            return False
+        copy = bm.append_token(seq)
         if copy:
             out.copies.append(copy)
         self._run(seq, 1, out)
+        return True
 
     def _admit(self, out: SchedulerOutput) -> None:
         """2. Swapped sequences come back first, 3. then waiting ones are admitted, while they fit."""
@@ -137,9 +136,6 @@ class Scheduler:
     def _run(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
         seq.status = Status.RUNNING
         self.running.append(seq)
-        self._compute(seq, num_new_tokens, out)
-
-    def _compute(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new_tokens)
         out.block_tables.append(self.block_manager.tables[seq])

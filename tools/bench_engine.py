@@ -68,7 +68,8 @@ def greedy(n: int) -> mi.SamplingParams:
 def engine_for(model, **kw) -> mi.LLMEngine:
     gc.collect()  # the previous part's engine: its pool and graphs go before this one sizes its pool
     torch.cuda.empty_cache()
-    return mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN, **kw), model=model)
+    return mi.LLMEngine(mi.EngineConfig(**{"device": "cuda", "dtype": DT, "max_model_len": MAX_MODEL_LEN, **kw}),
+                        model=model)
 
 
 def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = None) -> dict:
