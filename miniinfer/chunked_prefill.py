@@ -17,6 +17,8 @@ class ChunkedPrefillScheduler(Scheduler):
         self.chunked = chunked
         self.caching = isinstance(self.block_manager, PrefixCachingBlockManager)
         self.prefilling: list[Sequence] = []  # this step's running sequences still inside their prompt
+        # Each sequence's block keys, hashed once: a waiting request is looked up at every step.
+        self.keys: dict[Sequence, list] = {}
 
     def schedule(self) -> SchedulerOutput:
         if self.caching:  # the blocks that the previous step filled join the cache
@@ -40,6 +42,7 @@ class ChunkedPrefillScheduler(Scheduler):
         # victim of a failed step, whose block moves never happened.
         if reason != "abort" and seq in self.block_manager.tables:
             self._cache(seq)
+        self.keys.pop(seq, None)
         super().finish(seq, reason)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -67,19 +70,24 @@ class ChunkedPrefillScheduler(Scheduler):
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.max_num_batched_tokens - out.num_batched_tokens
 
+    def _tokens_and_keys(self, seq: Sequence) -> tuple[list[int], list]:
+        tokens = seq.token_ids(0, seq.num_tokens)
+        self.keys[seq] = self.block_manager.block_keys(tokens, self.keys.get(seq))  # (longer after a preemption)
+        return tokens, self.keys[seq]
+
     def _admission(self, seq: Sequence) -> tuple[int, int]:
         bm = self.block_manager
         if not self.caching:
             blocks, cached = bm.blocks_for(seq.num_tokens), 0
         else:
-            hits = bm.match(seq.token_ids(0, seq.num_tokens))
+            hits = bm.match(*self._tokens_and_keys(seq))
             blocks, cached = bm.blocks_to_allocate(seq.num_tokens, hits), len(hits) * bm.block_size
         return blocks, 1 if self.chunked else seq.num_tokens - cached
 
     def _prefill(self, seq: Sequence, out: SchedulerOutput) -> None:
         bm = self.block_manager
         if self.caching:
-            bm.allocate(seq, seq.num_tokens, seq.token_ids(0, seq.num_tokens))
+            bm.allocate(seq, seq.num_tokens, *self._tokens_and_keys(seq))
             seq.num_computed_tokens = bm.num_cached_tokens(seq)
         else:
             bm.allocate(seq, seq.num_tokens)

@@ -42,17 +42,27 @@ class PrefixCachingBlockManager(BlockManager):
             self.free_list.append(b)
         return super()._take(n)
 
-    def match(self, token_ids: list[int]) -> list[int]:
-        """The cached blocks that hold the longest prefix of token_ids, in order. The block of the
-        last token is never matched: its logits are needed, so at least that token is computed."""
-        bs, blocks, parent = self.block_size, [], ROOT_HASH
-        for start in range(0, len(token_ids) - bs, bs):  # full blocks that leave a token after them
+    def block_keys(self, token_ids: list[int], known: list | None = None) -> list[tuple[int, tuple]]:
+        """(hash, (parent hash, tokens)) of each full block of token_ids that leaves a token after
+        it, continuing `known` (the keys of a shorter prefix of the same tokens) instead of starting over."""
+        bs, keys = self.block_size, list(known or [])
+        parent = keys[-1][0] if keys else ROOT_HASH
+        for start in range(len(keys) * bs, len(token_ids) - bs, bs):
             tokens = tuple(token_ids[start:start + bs])
-            b = self.cached.get(chain_hash(parent, tokens))
-            if b is None or self.key[b] != (parent, tokens):  # a miss, or a hash collision
+            keys.append((chain_hash(parent, tokens), (parent, tokens)))
+            parent = keys[-1][0]
+        return keys
+
+    def match(self, token_ids: list[int], keys: list | None = None) -> list[int]:
+        """The cached blocks that hold the longest prefix of token_ids, in order. The block of the
+        last token is never matched: its logits are needed, so at least that token is computed.
+        keys: block_keys(token_ids), from a caller that asks for the same tokens again and again."""
+        blocks = []
+        for h, key in self.block_keys(token_ids) if keys is None else keys:
+            b = self.cached.get(h)
+            if b is None or self.key[b] != key:  # a miss, or a hash collision
                 break
             blocks.append(b)
-            parent = chain_hash(parent, tokens)
         return blocks
 
     def blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
@@ -60,12 +70,18 @@ class PrefixCachingBlockManager(BlockManager):
         (from match) are shared: the new ones, and the hits that were counted free."""
         return self.blocks_for(num_tokens) - len(hits) + sum(b in self.evictable for b in hits)
 
-    def allocate(self, seq_id, num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
-        """Like BlockManager.allocate; given the tokens, the longest cached prefix is shared
-        instead of allocated. num_cached_tokens(seq_id) says how many tokens that saves."""
+    def allocate(self, seq_id, num_tokens: int, token_ids: list[int] | None = None,
+                 keys: list | None = None) -> list[int]:
+        """Like BlockManager.allocate; given the tokens (and perhaps their block keys), the longest
+        cached prefix is shared instead of allocated. num_cached_tokens(seq_id) says how many
+        tokens that saves."""
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ValueError(f"{len(token_ids)} token ids for {num_tokens} tokens")
-        hits = self.match(token_ids) if token_ids is not None else []
+        if token_ids is None:
+            keys = []
+        elif keys is None:
+            keys = self.block_keys(token_ids)
+        hits = self.match(token_ids, keys)
         if seq_id in self.tables:  # checked before the hits are claimed, so that nothing leaks
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         need = self.blocks_to_allocate(num_tokens, hits)
@@ -77,7 +93,7 @@ class PrefixCachingBlockManager(BlockManager):
         super().allocate(seq_id, num_tokens - len(hits) * self.block_size)  # the blocks after them
         self.tables[seq_id][:0] = hits
         self.lengths[seq_id] = num_tokens
-        self.hashes[seq_id] = [chain_hash(*self.key[b]) for b in hits]
+        self.hashes[seq_id] = [h for h, _ in keys[:len(hits)]]
         return list(self.tables[seq_id])
 
     def num_cached_tokens(self, seq_id) -> int:

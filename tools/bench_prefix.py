@@ -28,7 +28,7 @@ import transformers
 from bench_engine import engine_for, greedy, hf_generate_batch, models, run_engine, workload
 from copy_bandwidth import copy_bandwidth
 
-LONG_PROMPT, LONG_ARRIVAL_S = 16384, 1.5
+LONG_PROMPT, LONG_ARRIVAL_S = 16384, 2.5  # by 2.5 s every decoder decodes, at any budget
 
 
 def shared_workload(n: int = 256, groups: int = 8, seed: int = 0):
@@ -106,11 +106,11 @@ def shared(model, budgets=(8192, 16384)) -> dict:
 
 
 def interference(model, num_decoders: int = 64, length: int = 1024, budgets=(2048, 512)) -> dict:
-    """num_decoders requests of `length` prompt and output tokens, then the long prompt."""
+    """num_decoders requests of `length` prompt tokens and twice that many output tokens, then the long prompt."""
     rng = random.Random(1)
-    decoders = [(0.0, [rng.randint(0, 4000) for _ in range(length)], length) for _ in range(num_decoders)]
+    decoders = [(0.0, [rng.randint(0, 4000) for _ in range(length)], 2 * length) for _ in range(num_decoders)]
     long = (LONG_ARRIVAL_S, [rng.randint(0, 4000) for _ in range(LONG_PROMPT)], 16)
-    res = {"workload": {"decoders": num_decoders, "decoder_prompt": length, "decoder_output": length,
+    res = {"workload": {"decoders": num_decoders, "decoder_prompt": length, "decoder_output": 2 * length,
                         "long_prompt": LONG_PROMPT, "long_arrives_at_s": LONG_ARRIVAL_S}}
     configs = [("off", None)] + [(f"chunk_{b}", b) for b in budgets]
     for name, budget in configs:
@@ -123,7 +123,7 @@ def interference(model, num_decoders: int = 64, length: int = 1024, budgets=(204
         window = [b - a for t in r["times"][:-1] for a, b in zip(t, t[1:]) if b > start and a < first]
         every = [b - a for t in r["times"][:-1] for a, b in zip(t, t[1:])]
         res[name] = {"budget": budget or LONG_PROMPT + 512, "seconds": r["seconds"],
-                     "total_tokens_per_s": (num_decoders * 2 * length + LONG_PROMPT + 16) / r["seconds"],
+                     "total_tokens_per_s": (num_decoders * 3 * length + LONG_PROMPT + 16) / r["seconds"],
                      "long_ttft_s": first - start, "itl_window": [start, first],
                      "itl_p50_ms": 1e3 * float(np.percentile(window, 50)),
                      "itl_p99_ms": 1e3 * float(np.percentile(window, 99)), "itl_max_ms": 1e3 * max(window),
