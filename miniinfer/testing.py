@@ -409,3 +409,105 @@ def check_varlen_metadata(fn: Callable) -> None:
         return tokens, tables, cached, bs
     check("varlen_metadata", lambda *a: tuple(torch.as_tensor(x).long() for x in fn(*a)), _varlen_ref,
           inputs, cases=20)
+
+
+def _chain_hashes_ref(tokens, block_size):
+    from miniinfer.prefix_cache import ROOT_HASH, chain_hash
+    hashes, parent = [], ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(tokens[start:start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+def check_chain_hashes(fn: Callable) -> None:
+    """fn(tokens, block_size) -> the chained hash of each full block, in order."""
+    def inputs(gen):
+        return [_randint(gen, 0, 3) for _ in range(_randint(gen, 0, 30))], _randint(gen, 1, 5)
+    check("chain_hashes", _as_tensor(fn), _as_tensor(_chain_hashes_ref), inputs, cases=40)
+
+
+def _longest_cached_prefix_ref(tokens, cached, block_size):
+    hashes = _chain_hashes_ref(tokens[:-1], block_size)  # the last token's block is always computed
+    blocks = []
+    for h in hashes:
+        if h not in cached:
+            break
+        blocks.append(cached[h])
+    return blocks
+
+
+def check_longest_cached_prefix(fn: Callable) -> None:
+    """fn(tokens, cached {hash: block}, block_size) -> the cached blocks of the longest prefix,
+    leaving at least the last token to compute."""
+    def inputs(gen):
+        bs = _randint(gen, 1, 4)
+        stored = [[_randint(gen, 0, 2) for _ in range(_randint(gen, 0, 16))] for _ in range(3)]
+        cached = {h: _randint(gen, 0, 99) for s in stored for h in _chain_hashes_ref(s, bs)}
+        query = stored[0][:_randint(gen, 0, 16)] + [_randint(gen, 0, 2) for _ in range(_randint(gen, 1, 6))]
+        return query, cached, bs
+    check("longest_cached_prefix", _as_tensor(fn), _as_tensor(_longest_cached_prefix_ref), inputs, cases=60)
+
+
+def _lru_evictions_ref(free, ops):
+    lru, evicted = [], []
+    for op, arg in ops:
+        if op == "release":
+            lru.append(arg)
+        elif op == "hit":
+            if arg in lru:
+                lru.remove(arg)
+        else:  # take arg blocks
+            use = min(arg, len(free))
+            del free[:use]
+            evicted += lru[:arg - use]
+            del lru[:arg - use]
+    return evicted
+
+
+def check_lru_evictions(fn: Callable) -> None:
+    """fn(free, ops) -> the cached blocks evicted, in order. ops: ("release", b): cached block b
+    loses its last user; ("hit", b): a request reuses cached block b; ("take", n): n blocks are
+    needed, from the free list first (front first), then by evicting the least recently used."""
+    def inputs(gen):
+        free = list(range(_randint(gen, 0, 4)))
+        left, lru, in_use, ops = len(free), [], list(range(10, 10 + _randint(gen, 0, 8))), []
+        for _ in range(_randint(gen, 0, 14)):  # only valid ops: a take never asks for more than there is
+            kind = _randint(gen, 0, 2)
+            if kind == 0 and in_use:
+                b = in_use.pop(_randint(gen, 0, len(in_use) - 1))
+                ops.append(("release", b))
+                lru.append(b)
+            elif kind == 1 and lru:
+                b = lru.pop(_randint(gen, 0, len(lru) - 1))
+                ops.append(("hit", b))
+                in_use.append(b)
+            elif left + len(lru):
+                n = _randint(gen, 1, left + len(lru))
+                ops.append(("take", n))
+                del lru[:n - min(n, left)]
+                left -= min(n, left)
+        return free, ops
+    check("lru_evictions", _as_tensor(fn), _as_tensor(_lru_evictions_ref), inputs, cases=60)
+
+
+def _prefill_plan_ref(num_decoders, prompt_lens, budget):
+    left, steps = list(prompt_lens), []
+    while any(left):
+        room, step = budget - num_decoders, []
+        for i, n in enumerate(left):
+            take = min(n, room)
+            step.append(take)
+            left[i], room = n - take, room - take
+        steps.append(step)
+    return steps
+
+
+def check_prefill_plan(fn: Callable) -> None:
+    """fn(num_decoders, prompt_lens, budget) -> for each step until every prompt is computed, the
+    tokens of each prompt computed in it: the decoders take one token each first, the prompts share
+    what is left in queue order."""
+    def inputs(gen):
+        d = _randint(gen, 0, 5)
+        return d, [_randint(gen, 1, 40) for _ in range(_randint(gen, 0, 4))], d + _randint(gen, 1, 12)
+    check("prefill_plan", _as_tensor(fn), _as_tensor(_prefill_plan_ref), inputs, cases=60)

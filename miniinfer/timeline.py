@@ -15,12 +15,17 @@ class StepRecord:
     free_blocks: int      # after the step
 
 
-def trace_steps(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[StepRecord]:
-    """Serve prompts to the end on engine, recording what each step did."""
-    for p, sp in zip(prompts, params):
-        engine.add_request(p, sp)
+def trace_steps(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
+                arrive_at: list[int] | None = None) -> list[StepRecord]:
+    """Serve prompts to the end on engine, recording what each step did; request i arrives
+    before step arrive_at[i] (default: all before the first)."""
+    arrive_at = arrive_at or [0] * len(prompts)
+    pending = sorted(range(len(prompts)), key=arrive_at.__getitem__)
     steps = []
-    while engine.has_unfinished_requests():
+    while pending or engine.has_unfinished_requests():
+        while pending and arrive_at[pending[0]] <= len(steps):
+            i = pending.pop(0)
+            engine.add_request(prompts[i], params[i], request_id=str(i))
         engine.step()
         s = engine.last_step
         steps.append(StepRecord({q.request_id: n for q, n in zip(s.seqs, s.num_new_tokens)},

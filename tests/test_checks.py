@@ -49,3 +49,30 @@ def test_reference_scheduler_helpers_agree_with_the_engine_scheduler():
         sched.add(mi.Sequence(str(i), [1] * n, mi.SamplingParams(max_tokens=1), arrival=i))
     out = sched.schedule()
     assert len(out.seqs) == testing._admit_ref(lens, 10, 4, 3, 30) == 3
+
+
+def hashes_without_the_chain(tokens, block_size):
+    return [hash(tuple(tokens[i:i + block_size])) for i in range(0, len(tokens) - block_size + 1, block_size)]
+
+
+def prefix_matching_the_last_block_too(tokens, cached, block_size):
+    return testing._longest_cached_prefix_ref(tokens + [0], cached, block_size)
+
+
+def evicting_before_the_free_list_is_used_up(free, ops):
+    return testing._lru_evictions_ref([], ops)
+
+
+def prefill_before_decodes(num_decoders, prompt_lens, budget):
+    return testing._prefill_plan_ref(0, prompt_lens, budget)
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_chain_hashes, hashes_without_the_chain),
+    (testing.check_longest_cached_prefix, prefix_matching_the_last_block_too),
+    (testing.check_lru_evictions, evicting_before_the_free_list_is_used_up),
+    (testing.check_prefill_plan, prefill_before_decodes),
+])
+def test_chapter_07_checks_reject_wrong_answers(check, wrong):
+    with pytest.raises(AssertionError):
+        check(wrong)

@@ -8,7 +8,9 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     hf_shared     transformers generate_batch on the same workload (one max_new_tokens: the mean)
     interference  64 requests decoding, then one 16,384-token prompt arrives: the decoders'
                   inter-token latency while it is prefilled, chunking off and at budgets 2,048 and 512
-    noregress     chapter 06's workload (random prompts, no hits), both features off and on, twice
+    noregress     chapter 06's workload (random prompts, no hits), both features off and on, three times
+    parity        the course model's greedy tokens on the GPU, both features off and on
+    step_profile  device time of one forward for the shared-prefix run's step shapes
     python tools/bench_prefix.py run docs/benchmarks/prefix_h200.json shared interference noregress
     python tools/bench_prefix.py plot docs/benchmarks/prefix_h200.json
 """
@@ -196,6 +198,32 @@ def step_profile(model) -> dict:
     return res
 
 
+def parity() -> dict:
+    """Greedy tokens of the course model (trained weights, float32, Triton kernels) on the GPU with
+    both features on and off: random bf16 weights give near-tied logits, where any change of batch
+    shape may flip a token, so this is the end-to-end exactness check on the device."""
+    import miniinfer as mi
+
+    model = mi.load_model(None, device="cuda", dtype=torch.float32)
+    tok = mi.load_tokenizer(None)
+    rng = random.Random(3)
+    heads = [tok(f'"""Module {i}: helpers."""\nimport os\nimport sys\n\n\n').input_ids * 8 for i in range(4)]
+    prompts = [rng.choice(heads) + tok(f"def f{i}(x, y):\n").input_ids for i in range(64)]
+    outs = {}
+    for name, kw in (("off", {}), ("on", dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+                                             max_num_batched_tokens=256, block_size=8))):
+        engine = mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=torch.float32, max_model_len=1024, num_blocks=8192,
+                                              **kw),
+                              model=model, tokenizer=tok)
+        outs[name] = [o.token_ids for o in engine.generate(prompts, greedy(48), use_tqdm=False)]
+        outs[name] += [o.token_ids for o in engine.generate(prompts, greedy(48), use_tqdm=False)]  # again: hits
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        del engine
+    same = sum(a == b for a, b in zip(outs["off"], outs["on"]))
+    print(f"parity: {same} of {len(outs['on'])} requests give the same tokens with both features on", flush=True)
+    return {"requests": len(outs["on"]), "same_tokens": same}
+
+
 def main(out_path: str, parts: list[str]) -> None:
     path = Path(out_path)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -213,6 +241,8 @@ def main(out_path: str, parts: list[str]) -> None:
             res["interference"] = interference(model)
         elif part == "noregress":
             res["noregress"] = noregress(model)
+        elif part == "parity":
+            res["parity"] = parity()
         elif part == "step_profile":
             res["step_profile"] = step_profile(model)
         else:
