@@ -13,6 +13,11 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+# `make test` runs two pytest workers on two cores: with torch's default of a thread per core each,
+# four threads contend for two cores, and the engine tests' many small steps run several times slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
