@@ -17,6 +17,7 @@ from miniinfer import testing  # noqa: E402
 from miniinfer.chunked_prefill import ChunkedPrefillScheduler  # noqa: E402
 from miniinfer.block_manager import BlockCopy, BlockManager, OutOfBlocks, draw_pool, replay  # noqa: E402
 from miniinfer.course_model import course_model_path  # noqa: E402
+from miniinfer.detokenize import IncrementalDetokenizer  # noqa: E402
 from miniinfer.engine import EngineConfig, LLMEngine  # noqa: E402
 from miniinfer.generate import generate_naive  # noqa: E402
 from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
@@ -49,4 +50,4 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "SamplingBatch", "sample_batch",
            "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestOutput", "Sequence", "Status",
            "StepRecord", "draw_timeline", "trace_steps", "ChunkedPrefillScheduler", "PrefixCachingBlockManager",
-           "chain_hash", "RadixTree"]
+           "chain_hash", "RadixTree", "IncrementalDetokenizer"]
