@@ -16,6 +16,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 from miniinfer import testing  # noqa: E402
 from miniinfer.chunked_prefill import ChunkedPrefillScheduler  # noqa: E402
 from miniinfer.block_manager import BlockCopy, BlockManager, OutOfBlocks, draw_pool, replay  # noqa: E402
+from miniinfer.async_engine import AsyncLLMEngine  # noqa: E402
 from miniinfer.course_model import course_model_path  # noqa: E402
 from miniinfer.detokenize import IncrementalDetokenizer  # noqa: E402
 from miniinfer.engine import EngineConfig, LLMEngine  # noqa: E402
@@ -50,4 +51,5 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "SamplingBatch", "sample_batch",
            "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestOutput", "Sequence", "Status",
            "StepRecord", "draw_timeline", "trace_steps", "ChunkedPrefillScheduler", "PrefixCachingBlockManager",
-           "chain_hash", "RadixTree", "IncrementalDetokenizer"]
+           "chain_hash", "RadixTree", "IncrementalDetokenizer",
+           "AsyncLLMEngine"]

@@ -1,0 +1,75 @@
+"""Chapter 08: AsyncLLMEngine serves concurrent streams with the engine's exact tokens, frees the
+blocks of clients that leave, refuses bad requests at once and keeps serving."""
+
+import asyncio
+
+import pytest
+
+import miniinfer as mi
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mi.load_model(None)
+
+
+@pytest.fixture
+def engine(model):
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6), model=model))
+    yield eng
+    eng.close()
+    assert not eng.thread.is_alive()
+
+
+async def collect(engine, prompt, params, leave_after=None):
+    tokens = []
+    async for out in engine.generate(prompt, params):
+        tokens += out.new_token_ids
+        assert tokens == out.token_ids
+        if leave_after is not None and len(tokens) >= leave_after:
+            break
+    return tokens
+
+
+async def drained(engine):
+    for _ in range(500):
+        if not engine.engine.has_unfinished_requests() and engine.commands.empty():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("requests left behind")
+
+
+def test_concurrent_streams_give_the_engines_tokens(engine, model):
+    prompts = [[i + 1, i + 2, 7] for i in range(10)]  # more than max_num_seqs and than the pool holds at once
+    params = mi.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, params) for p in prompts))
+
+    got = asyncio.run(main())
+    assert got == [mi.generate_cached(model, p, params) for p in prompts]
+    assert engine.engine.block_manager.num_free_blocks == 64
+
+
+def test_clients_that_leave_free_their_blocks(engine):
+    params = mi.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        got = await asyncio.gather(*(collect(engine, [5, i], params, leave_after=2) for i in range(8)))
+        await drained(engine)
+        return got
+
+    assert all(len(t) >= 2 for t in asyncio.run(main()))
+    assert engine.engine.block_manager.num_free_blocks == 64 and not engine.engine.requests
+
+
+def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, model):
+    params = mi.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def main():
+        for bad in ([], [1, 10 ** 6]):
+            with pytest.raises(ValueError):
+                await collect(engine, bad, params)
+        return await collect(engine, [3, 4], params)
+
+    assert asyncio.run(main()) == mi.generate_cached(model, [3, 4], params)
