@@ -22,7 +22,6 @@ class AsyncLLMEngine:
         self.commands: queue.Queue = queue.Queue()  # ("add", id, token ids, params) / ("abort", id)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.ids = itertools.count()
-        self.errors = 0  # failed steps (their requests get the exception)
         self.thread = threading.Thread(target=self._run, daemon=True, name="miniinfer-engine")
         self.thread.start()
 
@@ -31,7 +30,7 @@ class AsyncLLMEngine:
         """Outputs of one request as its tokens arrive. A bad request raises ValueError before
         anything is queued; leaving the loop early aborts the request."""
         params = params or SamplingParams()
-        ids = self.engine._check(prompt, params)
+        ids = self.engine.check_request(prompt, params)
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -82,7 +81,6 @@ class AsyncLLMEngine:
             try:
                 outputs = engine.step()
             except Exception as err:  # the engine aborted that step's requests: tell their clients
-                self.errors += 1
                 for rid in list(self.streams):
                     if rid not in engine.requests:
                         self._send(rid, err)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miniinfer.prefix_cache import PrefixCachingBlockManager
+from miniinfer.prefix_cache import ROOT_HASH, PrefixCachingBlockManager, block_keys
 from miniinfer.scheduler import Scheduler, SchedulerOutput
 from miniinfer.sequence import Sequence
 
@@ -71,9 +71,11 @@ class ChunkedPrefillScheduler(Scheduler):
         return self.max_num_batched_tokens - out.num_batched_tokens
 
     def _tokens_and_keys(self, seq: Sequence) -> tuple[list[int], list]:
-        tokens = seq.token_ids(0, seq.num_tokens)
-        self.keys[seq] = self.block_manager.block_keys(tokens, self.keys.get(seq))  # (longer after a preemption)
-        return tokens, self.keys[seq]
+        tokens, keys = seq.token_ids(0, seq.num_tokens), self.keys.setdefault(seq, [])
+        # Tokens only grow (a preempted request comes back with its outputs): hash the new blocks only.
+        keys += block_keys(tokens[len(keys) * self.block_manager.block_size:], self.block_manager.block_size,
+                           keys[-1][0] if keys else ROOT_HASH)
+        return tokens, keys
 
     def _admission(self, seq: Sequence) -> tuple[int, int]:
         bm = self.block_manager

@@ -120,16 +120,14 @@ class LLMEngine:
                              "gpu_memory_utilization")
         cpu_blocks = config.num_cpu_blocks if config.preemption_mode == "swap" else 0
         cpu_blocks = num_blocks if cpu_blocks is None else cpu_blocks
-        cpu_bm = BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None
+        bm = (PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager)(num_blocks,
+                                                                                          config.block_size)
+        args = (bm, config.max_num_seqs, budget, config.policy, config.preemption_mode,
+                BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None)
         if config.enable_prefix_caching or config.enable_chunked_prefill:  # chapter 07
-            bm = (PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager)(num_blocks,
-                                                                                              config.block_size)
-            self.scheduler = ChunkedPrefillScheduler(bm, config.max_num_seqs, budget, config.policy,
-                                                     config.preemption_mode, cpu_bm,
-                                                     chunked=config.enable_chunked_prefill)
+            self.scheduler = ChunkedPrefillScheduler(*args, chunked=config.enable_chunked_prefill)
         else:
-            self.scheduler = Scheduler(BlockManager(num_blocks, config.block_size), config.max_num_seqs,
-                                       budget, config.policy, config.preemption_mode, cpu_bm)
+            self.scheduler = Scheduler(*args)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
                                   cpu_blocks, config.cuda_graph, config.kernels)
         self.requests: dict[str, Sequence] = {}  # unfinished, by request id
@@ -139,7 +137,7 @@ class LLMEngine:
     def block_manager(self) -> BlockManager:
         return self.scheduler.block_manager
 
-    def _check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if this request can never be served."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -168,7 +166,7 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
         params = params or SamplingParams()
-        ids = self._check(prompt, params)
+        ids = self.check_request(prompt, params)
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         arrival = next(self._arrivals)
@@ -230,7 +228,7 @@ class LLMEngine:
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         params = list(params) if many else [params or SamplingParams()] * len(prompts)
         for p, sp in zip(prompts, params):  # all checked before any is queued
-            self._check(p, sp)
+            self.check_request(p, sp)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)

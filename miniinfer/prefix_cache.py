@@ -16,6 +16,17 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
 ROOT_HASH = 0  # the "predecessor" of a sequence's first block
 
 
+def block_keys(token_ids: list[int], block_size: int, parent: int = ROOT_HASH) -> list[tuple[int, tuple]]:
+    """(hash, (parent hash, tokens)) of each full block of token_ids, in order; token_ids start at a
+    block boundary whose predecessor has hash `parent`."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        tokens = tuple(token_ids[start:start + block_size])
+        keys.append((chain_hash(parent, tokens), (parent, tokens)))
+        parent = keys[-1][0]
+    return keys
+
+
 class PrefixCachingBlockManager(BlockManager):
     """A BlockManager whose full, computed blocks stay behind as a cache, found by chained hash.
 
@@ -42,23 +53,14 @@ class PrefixCachingBlockManager(BlockManager):
             self.free_list.append(b)
         return super()._take(n)
 
-    def block_keys(self, token_ids: list[int], known: list | None = None) -> list[tuple[int, tuple]]:
-        """(hash, (parent hash, tokens)) of each full block of token_ids that leaves a token after
-        it, continuing `known` (the keys of a shorter prefix of the same tokens) instead of starting over."""
-        bs, keys = self.block_size, list(known or [])
-        parent = keys[-1][0] if keys else ROOT_HASH
-        for start in range(len(keys) * bs, len(token_ids) - bs, bs):
-            tokens = tuple(token_ids[start:start + bs])
-            keys.append((chain_hash(parent, tokens), (parent, tokens)))
-            parent = keys[-1][0]
-        return keys
-
     def match(self, token_ids: list[int], keys: list | None = None) -> list[int]:
         """The cached blocks that hold the longest prefix of token_ids, in order. The block of the
         last token is never matched: its logits are needed, so at least that token is computed.
-        keys: block_keys(token_ids), from a caller that asks for the same tokens again and again."""
+        keys: block_keys(token_ids, block_size), from a caller that asks for the same tokens again
+        and again."""
+        keys = block_keys(token_ids, self.block_size) if keys is None else keys
         blocks = []
-        for h, key in self.block_keys(token_ids) if keys is None else keys:
+        for h, key in keys[:(len(token_ids) - 1) // self.block_size]:  # the blocks that leave a token after
             b = self.cached.get(h)
             if b is None or self.key[b] != key:  # a miss, or a hash collision
                 break
@@ -78,9 +80,9 @@ class PrefixCachingBlockManager(BlockManager):
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ValueError(f"{len(token_ids)} token ids for {num_tokens} tokens")
         if token_ids is None:
-            keys = []
+            token_ids, keys = [], []
         elif keys is None:
-            keys = self.block_keys(token_ids)
+            keys = block_keys(token_ids, self.block_size)
         hits = self.match(token_ids, keys)
         if seq_id in self.tables:  # checked before the hits are claimed, so that nothing leaks
             raise ValueError(f"sequence {seq_id!r} is already allocated")
@@ -109,14 +111,11 @@ class PrefixCachingBlockManager(BlockManager):
         if start % bs or start > len(hashes) * bs:
             raise ValueError(f"start={start} must be a block boundary at or before the first unregistered "
                              f"block ({len(hashes) * bs})")
-        parent = hashes[-1] if hashes else ROOT_HASH
-        for i in range(len(hashes), (start + len(token_ids)) // bs):
-            tokens = tuple(token_ids[i * bs - start:(i + 1) * bs - start])
-            h = chain_hash(parent, tokens)
+        new = block_keys(token_ids[len(hashes) * bs - start:], bs, hashes[-1] if hashes else ROOT_HASH)
+        for b, (h, key) in zip(table[len(hashes):], new):
             if h not in self.cached:
-                self.cached[h], self.key[table[i]] = table[i], (parent, tokens)
+                self.cached[h], self.key[b] = b, key
             hashes.append(h)
-            parent = h
 
     def fork(self, parent_id, child_id) -> list[int]:
         table = super().fork(parent_id, child_id)

@@ -412,12 +412,8 @@ def check_varlen_metadata(fn: Callable) -> None:
 
 
 def _chain_hashes_ref(tokens, block_size):
-    from miniinfer.prefix_cache import ROOT_HASH, chain_hash
-    hashes, parent = [], ROOT_HASH
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = chain_hash(parent, tuple(tokens[start:start + block_size]))
-        hashes.append(parent)
-    return hashes
+    from miniinfer.prefix_cache import block_keys
+    return [h for h, _ in block_keys(tokens, block_size)]
 
 
 def check_chain_hashes(fn: Callable) -> None:

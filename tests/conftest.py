@@ -84,3 +84,11 @@ def unchanged_on_error(snapshot, fn, *args):
         return fn(*args)
     except (OutOfBlocks, KeyError, ValueError):
         assert snapshot() == before, f"{fn.__name__}{args} failed but changed the state"
+
+
+@pytest.fixture(scope="session")
+def course_model():
+    """The embedded course model, loaded once for the tests that serve it."""
+    import miniinfer as mi
+
+    return mi.load_model(None)

@@ -8,14 +8,10 @@ import pytest
 import miniinfer as mi
 
 
-@pytest.fixture(scope="module")
-def model():
-    return mi.load_model(None)
-
-
 @pytest.fixture
-def engine(model):
-    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6), model=model))
+def engine(course_model):
+    config = mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6)
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(config, model=course_model))
     yield eng
     eng.close()
     assert not eng.thread.is_alive()
@@ -39,7 +35,7 @@ async def drained(engine):
     raise AssertionError("requests left behind")
 
 
-def test_concurrent_streams_give_the_engines_tokens(engine, model):
+def test_concurrent_streams_give_the_engines_tokens(engine, course_model):
     prompts = [[i + 1, i + 2, 7] for i in range(10)]  # more than max_num_seqs and than the pool holds at once
     params = mi.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -47,7 +43,7 @@ def test_concurrent_streams_give_the_engines_tokens(engine, model):
         return await asyncio.gather(*(collect(engine, p, params) for p in prompts))
 
     got = asyncio.run(main())
-    assert got == [mi.generate_cached(model, p, params) for p in prompts]
+    assert got == [mi.generate_cached(course_model, p, params) for p in prompts]
     assert engine.engine.block_manager.num_free_blocks == 64
 
 
@@ -63,7 +59,7 @@ def test_clients_that_leave_free_their_blocks(engine):
     assert engine.engine.block_manager.num_free_blocks == 64 and not engine.engine.requests
 
 
-def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, model):
+def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, course_model):
     params = mi.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
     async def main():
@@ -72,4 +68,4 @@ def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, model):
                 await collect(engine, bad, params)
         return await collect(engine, [3, 4], params)
 
-    assert asyncio.run(main()) == mi.generate_cached(model, [3, 4], params)
+    assert asyncio.run(main()) == mi.generate_cached(course_model, [3, 4], params)

@@ -55,27 +55,23 @@ def test_greedy_equals_transformers_twice_under_preemption(hf_checkpoint, block_
     assert cached[1] > 0 if caching else cached == [0, 0]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return mi.load_model(None)
-
-
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_a_prompt_sent_again_is_cached_but_its_last_token(model, block_size):
+def test_a_prompt_sent_again_is_cached_but_its_last_token(course_model, block_size):
     engine = mi.LLMEngine(mi.EngineConfig(block_size=block_size, num_blocks=64, enable_prefix_caching=True),
-                          model=model)
+                          model=course_model)
     params = mi.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    expected = mi.generate_cached(model, list(range(1, 49)), params)
+    expected = mi.generate_cached(course_model, list(range(1, 49)), params)
     for length in (48, 48, 47):  # 48 is a whole number of blocks: the last block is recomputed
-        out = engine.generate([list(range(1, length + 1))], params, use_tqdm=False)[0]
-        assert out.token_ids == (expected if length == 48 else mi.generate_cached(model, list(range(1, 48)), params))
+        prompt = list(range(1, length + 1))
+        out = engine.generate([prompt], params, use_tqdm=False)[0]
+        assert out.token_ids == (expected if length == 48 else mi.generate_cached(course_model, prompt, params))
         assert engine.block_manager.num_free_blocks == 64
     assert out.num_cached_tokens == (47 - 1) // block_size * block_size  # found again, up to its last token
 
 
-def test_decodes_go_first_while_a_long_prompt_is_chunked(model):
+def test_decodes_go_first_while_a_long_prompt_is_chunked(course_model):
     engine = mi.LLMEngine(mi.EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4, max_num_batched_tokens=10,
-                                          enable_chunked_prefill=True), model=model)
+                                          enable_chunked_prefill=True), model=course_model)
     params = mi.SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     short = [engine.add_request([i + 1, i + 2], params) for i in range(3)]
     engine.step()
@@ -90,9 +86,9 @@ def test_decodes_go_first_while_a_long_prompt_is_chunked(model):
         pieces.append(ran[long_id])
     assert pieces == [7] * 14 + [2] and engine.last_step.num_batched_tokens == 5
     final, _ = run_steps(engine)
-    assert final[long_id].token_ids == mi.generate_cached(model, list(range(1, 101)), long_params)
+    assert final[long_id].token_ids == mi.generate_cached(course_model, list(range(1, 101)), long_params)
     for i, rid in enumerate(short):
-        assert final[rid].token_ids == mi.generate_cached(model, [i + 1, i + 2], params)
+        assert final[rid].token_ids == mi.generate_cached(course_model, [i + 1, i + 2], params)
     assert engine.block_manager.num_free_blocks == 128
 
 
@@ -106,9 +102,9 @@ def test_unchunked_budget_must_hold_a_whole_prompt():
                                                mi.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
 
 
-def test_failure_mid_step_frees_everything_and_caches_nothing_wrong(model):
+def test_failure_mid_step_frees_everything_and_caches_nothing_wrong(course_model):
     engine = mi.LLMEngine(mi.EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=8,
-                                          enable_prefix_caching=True, enable_chunked_prefill=True), model=model)
+                                          enable_prefix_caching=True, enable_chunked_prefill=True), model=course_model)
     params = mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = list(range(1, 30))
     engine.add_request(prompt, params)
@@ -125,4 +121,4 @@ def test_failure_mid_step_frees_everything_and_caches_nothing_wrong(model):
         hook.remove()
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == 64
     out = engine.generate([prompt], params, use_tqdm=False)[0]
-    assert out.token_ids == mi.generate_cached(model, prompt, params)
+    assert out.token_ids == mi.generate_cached(course_model, prompt, params)
