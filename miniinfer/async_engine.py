@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import queue
 import threading
+import time
 from typing import AsyncIterator
 
 from miniinfer.engine import LLMEngine
@@ -22,6 +24,10 @@ class AsyncLLMEngine:
         self.commands: queue.Queue = queue.Queue()  # ("add", id, token ids, params) / ("abort", id)
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.ids = itertools.count()
+        # Read by other threads (metrics): replaced whole after every step, never changed in place.
+        self.stats = self._snapshot()
+        self.generated_tokens = 0
+        self.recent: collections.deque = collections.deque()  # (time, tokens) of the last steps
         self.thread = threading.Thread(target=self._run, daemon=True, name="miniinfer-engine")
         self.thread.start()
 
@@ -41,6 +47,12 @@ class AsyncLLMEngine:
         try:
             while not finished:
                 out = await outputs.get()
+                # A reader slower than the engine gets the tokens of several steps in one output.
+                while not isinstance(out, BaseException) and not outputs.empty():
+                    later = outputs.get_nowait()
+                    if not isinstance(later, BaseException):
+                        later.new_token_ids = out.new_token_ids + later.new_token_ids
+                    out = later
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
@@ -50,16 +62,30 @@ class AsyncLLMEngine:
             if not finished:
                 self.commands.put(("abort", request_id))
 
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Tokens generated per second over the last `window` seconds."""
+        now = time.perf_counter()
+        return sum(n for t, n in list(self.recent) if t > now - window) / window
+
     def close(self) -> None:
         """Stop the stepping thread after the step in flight; unfinished requests are aborted."""
         self.commands.put(("stop",))
         self.thread.join()
 
-    def _send(self, request_id: str, item) -> None:
-        stream = self.streams.get(request_id)
-        if stream is not None:
-            loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        # One hand-over to each event loop per step, not one per request: each costs a wake-up.
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+    def _snapshot(self) -> dict[str, int]:
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
+                "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_total": bm.num_blocks}
 
     def _run(self) -> None:
         engine = self.engine
@@ -70,9 +96,9 @@ class AsyncLLMEngine:
                 while True:
                     command = self.commands.get(block=block)
                     if command[0] == "stop":
+                        self._deliver([(rid, RuntimeError("the engine was closed")) for rid in engine.requests])
                         for rid in list(engine.requests):
                             engine.abort(rid)
-                            self._send(rid, RuntimeError("the engine was closed"))
                         return
                     self._apply(command)
                     block = False
@@ -81,12 +107,16 @@ class AsyncLLMEngine:
             try:
                 outputs = engine.step()
             except Exception as err:  # the engine aborted that step's requests: tell their clients
-                for rid in list(self.streams):
-                    if rid not in engine.requests:
-                        self._send(rid, err)
-                continue
-            for out in outputs:
-                self._send(out.request_id, out)
+                self._deliver([(seq.request_id, err) for seq in engine.last_step.seqs])
+                outputs = []
+            new = sum(len(o.new_token_ids) for o in outputs)
+            self.generated_tokens += new
+            now = time.perf_counter()
+            self.recent.append((now, new))
+            while self.recent and self.recent[0][0] < now - 60:
+                self.recent.popleft()
+            self.stats = self._snapshot()
+            self._deliver([(o.request_id, o) for o in outputs])
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
@@ -94,6 +124,12 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(ids, params, request_id=request_id)
             except ValueError as err:
-                self._send(request_id, err)
+                self._deliver([(request_id, err)])
         else:
             self.engine.abort(command[1])
+        self.stats = self._snapshot()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in batch:
+        outputs.put_nowait(item)

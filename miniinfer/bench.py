@@ -1,0 +1,157 @@
+"""A load generator for any OpenAI-compatible completions endpoint, in the spirit of `vllm bench
+serve`: requests sent at a Poisson rate or at a fixed concurrency, each streamed, and the time to
+first token (TTFT), the gaps between streamed chunks (inter-token latency, ITL) and the throughput
+measured from the client's side. Hand-written module (chapter 08); `miniinfer bench` runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from tqdm.auto import tqdm
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0  # seconds from sending to the first text
+    itl: list[float] = field(default_factory=list)  # seconds between text chunks
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    text: str = ""
+
+
+def random_requests(n: int, input_len: tuple[int, int] = (100, 1024), output_len: tuple[int, int] = (100, 1024),
+                    vocab: int = 10000, seed: int = 0) -> list[tuple[list[int], int]]:
+    """n (prompt token ids, max_tokens) pairs, lengths and tokens uniform in the ranges given."""
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+            for _ in range(n)]
+
+
+def iter_sse(lines: list[str]) -> list[str]:
+    """The data of each Server-Sent Event in a list of lines: multi-line data joined by newlines."""
+    events, data = [], []
+    for line in lines:
+        if line == "":
+            if data:
+                events.append("\n".join(data))
+            data = []
+        elif line.startswith("data:"):
+            data.append(line[6:] if line.startswith("data: ") else line[5:])
+    if data:
+        events.append("\n".join(data))
+    return events
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
+                      max_tokens: int, extra: dict) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0, **extra}
+    r = Result()
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                r.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return r
+            lines = []
+            async for line in response.aiter_lines():
+                lines.append(line)
+                if line:
+                    continue
+                for data in iter_sse(lines):
+                    if data == "[DONE]":
+                        r.ok = True
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        r.error = chunk["error"]["message"]
+                        return r
+                    if chunk.get("usage"):
+                        r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                        r.output_tokens = chunk["usage"]["completion_tokens"]
+                    if chunk["choices"] and chunk["choices"][0]["text"]:
+                        r.text += chunk["choices"][0]["text"]
+                        now = time.perf_counter()
+                        if r.ttft == 0:
+                            r.ttft = now - t0
+                        else:
+                            r.itl.append(now - last)
+                        last = now
+                lines = []
+    except (httpx.HTTPError, OSError) as err:
+        r.error = f"{type(err).__name__}: {err}"
+        return r
+    r.latency = time.perf_counter() - t0
+    return r
+
+
+def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float]:
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    out = {f"p{p}": xs[min(len(xs) - 1, math.ceil(p / 100 * len(xs)) - 1)] for p in ps}
+    return {"mean": statistics.fmean(xs), **out}
+
+
+async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate: float = math.inf,
+                    concurrency: int | None = None, model: str | None = None, extra: dict | None = None,
+                    seed: int = 0, progress: bool = True) -> dict:
+    """Send `requests` ((prompt, max_tokens) pairs) to an OpenAI-compatible server at `url`: Poisson
+    arrivals at `rate` requests/s (inf: all at once), at most `concurrency` in flight; a summary dict."""
+    url = url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        if model is None:
+            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+        gate = asyncio.Semaphore(concurrency or len(requests))
+        bar = tqdm(total=len(requests), desc="requests", disable=not progress)
+        rng = random.Random(seed)
+
+        async def send(prompt, max_tokens) -> Result:
+            async with gate:
+                r = await one_request(client, url, model, prompt, max_tokens, extra or {})
+            bar.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.create_task(send(prompt, max_tokens)))
+            if rate != math.inf:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        bar.close()
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    return {
+        "url": url, "model": model, "rate": rate if rate != math.inf else "inf", "concurrency": concurrency,
+        "requests": len(results), "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(done) / duration,
+        "output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in done)) / duration,
+        "ttft_s": percentiles([r.ttft for r in done]),
+        "itl_s": percentiles([x for r in done for x in r.itl]),
+        "latency_s": percentiles([r.latency for r in done]),
+    }
+
+
+def summary(result: dict) -> str:
+    """A few lines for a terminal."""
+    ms = lambda d: ", ".join(f"{k} {v * 1000:.1f}" for k, v in d.items())
+    return (f"{result['completed']}/{result['requests']} requests in {result['duration_s']:.2f} s "
+            f"({result['request_throughput']:.2f} req/s), {result['output_throughput']:.1f} output tok/s\n"
+            f"TTFT ms:    {ms(result['ttft_s'])}\nITL ms:     {ms(result['itl_s'])}\n"
+            f"latency ms: {ms(result['latency_s'])}"
+            + (f"\nerrors: {result['errors']}" if result["errors"] else ""))

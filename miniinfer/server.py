@@ -1,0 +1,375 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from miniinfer.async_engine import AsyncLLMEngine
+from miniinfer.detokenize import IncrementalDetokenizer
+from miniinfer.engine import LLMEngine
+from miniinfer.sampling import SamplingParams
+
+
+def sse_event(data: str) -> str:
+    """One Server-Sent Event carrying `data`: a `data:` line per line of it, then a blank line."""
+    return "".join(f"data: {line}\n" for line in data.split("\n")) + "\n"
+
+
+def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation: the tokenizer's chat template, or for a model without one (the
+    course model) one "role: content" line per message and then "assistant:" as the cue."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:").input_ids
+
+
+class APIError(Exception):
+    """A request the server refuses, answered as OpenAI does: {"error": {...}} with an HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _field(body: dict, key: str, kind: type | tuple, default=None, check=None, need: str = ""):
+    """body[key] if it has the right type (and passes `check`), `default` if absent or null."""
+    value = body.get(key)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int to Python, never to a JSON client.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds) or \
+            (check is not None and not check(value)):
+        raise APIError(f"'{key}' must be {need or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", param=key)
+    return value
+
+
+# Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "functions", "response_format")
+
+
+class StopStrings:
+    """Cuts streamed text at the first stop string. Text that could be the start of one is held back
+    until the next piece shows whether it is, so no part of a stop string is ever sent."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max(map(len, stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, piece: str, final: bool) -> tuple[str, bool]:
+        """The text that can be sent now, and whether a stop string was found (the text ends there)."""
+        self.pending += piece
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            return self.pending[:min(found)], True
+        cut = len(self.pending) if final else max(len(self.pending) - self.hold, 0)
+        text, self.pending = self.pending[:cut], self.pending[cut:]
+        return text, False
+
+
+class Server:
+    """The OpenAI HTTP API over one AsyncLLMEngine: requests in, choices out, streamed or whole."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.eos = set(engine.engine.model.cfg.eos_token_ids)
+        self.prompt_tokens = 0
+        self.created = int(time.time())
+
+    # ----- parsing: a JSON body -> token ids and sampling parameters, or APIError -----
+
+    def params(self, body: dict, default_max_tokens: int) -> tuple[SamplingParams, int, list[str]]:
+        """Sampling parameters, the number of choices and the stop strings of a request body."""
+        for key in UNSUPPORTED:
+            if body.get(key) not in (None, False, 0, [], {}):
+                raise APIError(f"'{key}' is not supported by this server", param=key)
+        if body.get("best_of") not in (None, 1):
+            raise APIError("'best_of' is not supported by this server", param="best_of")
+        model = _field(body, "model", str, self.model_name)
+        if model != self.model_name:
+            raise APIError(f"the model {model!r} does not exist; this server has {self.model_name!r}",
+                           status=404, param="model", code="model_not_found")
+        top_k = _field(body, "top_k", int, 0, lambda k: k >= -1, "an int >= -1 (-1 or 0: off)")
+        max_tokens = _field(body, "max_completion_tokens", int, None, lambda m: m >= 1, "an int >= 1")
+        max_tokens = _field(body, "max_tokens", int, max_tokens, lambda m: m >= 1, "an int >= 1")
+        stop = _field(body, "stop", (str, list), [], lambda s: isinstance(s, str) and s != "" or
+                      isinstance(s, list) and all(isinstance(x, str) and x for x in s),
+                      "a non-empty string or a list of them")
+        max_n = self.engine.engine.config.max_num_seqs
+        n = _field(body, "n", int, 1, lambda n: 1 <= n <= max_n, f"an int in 1..{max_n}")
+        try:
+            params = SamplingParams(
+                temperature=float(_field(body, "temperature", (int, float), 1.0)),
+                top_p=float(_field(body, "top_p", (int, float), 1.0)),
+                top_k=max(top_k, 0),
+                max_tokens=max_tokens or default_max_tokens,
+                ignore_eos=_field(body, "ignore_eos", bool, False),
+                seed=_field(body, "seed", int, None))
+        except ValueError as err:
+            raise APIError(str(err)) from None
+        return params, n, [stop] if isinstance(stop, str) else stop
+
+    def prompts(self, body: dict) -> list[list[int]]:
+        """The token ids of each prompt of a completions request (text, token ids, or a list of either)."""
+        prompt = body.get("prompt")
+        is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        if isinstance(prompt, str) or is_ids(prompt):
+            prompt = [prompt]
+        if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt)):
+            raise APIError("'prompt' must be a string, a list of token ids, or a non-empty list of either",
+                           param="prompt")
+        return [self.tokenize(p) if isinstance(p, str) else p for p in prompt]
+
+    def chat_ids(self, body: dict) -> list[int]:
+        """The token ids of a chat request's messages."""
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+            raise APIError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+        chat = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text ones can be read here
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError("only text content parts are supported", param="messages")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(m.get("role"), str) or not isinstance(content, str):
+                raise APIError("each message needs a string 'role' and 'content'", param="messages")
+            chat.append({"role": m["role"], "content": content})
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer: use /v1/completions with token ids")
+        try:
+            return chat_prompt(self.tokenizer, chat)
+        except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
+            raise APIError(f"the chat template failed: {err}", param="messages") from None
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer: send token ids", param="prompt")
+        if not text:
+            raise APIError("the prompt is empty", param="prompt")
+        return self.tokenizer(text).input_ids
+
+    # ----- generation: one request's choices as (choice index, text piece, finish reason, tokens) -----
+
+    def requests(self, prompts: list[list[int]], params: SamplingParams, n: int, stops: list[str]):
+        """One stream per choice; every request checked before any starts."""
+        for ids in prompts:
+            try:
+                self.engine.engine.check_request(ids, params)
+            except ValueError as err:
+                raise APIError(str(err), param="prompt") from None
+        self.prompt_tokens += sum(map(len, prompts))
+        streams = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                # The choices of a seeded request differ from each other and are reproducible.
+                seed = None if params.seed is None else params.seed + j
+                p = SamplingParams(**{**vars(params), "seed": seed}) if j else params
+                streams.append(self.choice(i * n + j, ids, p, stops))
+        return streams
+
+    async def choice(self, index: int, ids: list[int], params: SamplingParams, stops: list[str]):
+        detok, stop = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
+        async for out in self.engine.generate(ids, params):
+            new = out.new_token_ids
+            if out.finish_reason == "stop" and new and new[-1] in self.eos:
+                new = new[:-1]  # the end-of-sequence token ends the text; it is not part of it
+            piece = detok.add(new) + (detok.finish() if out.finished else "")
+            piece, stopped = stop.feed(piece, out.finished)
+            if stopped:  # leaving the loop aborts the request
+                yield index, piece, "stop", len(out.token_ids)
+                return
+            yield index, piece, out.finish_reason, len(out.token_ids)
+
+    async def run(self, body: dict, chat: bool) -> dict | AsyncIterator[str]:
+        """A parsed request's response: a JSON body, or (stream=true) an iterator of SSE events."""
+        if chat:
+            prompts = [self.chat_ids(body)]
+            params, n, stops = self.params(body, max(self.max_model_len - len(prompts[0]), 1))
+        else:
+            prompts = self.prompts(body)
+            params, n, stops = self.params(body, 16)
+        stream = _field(body, "stream", bool, False)
+        options = _field(body, "stream_options", dict, {})
+        choices = merge(self.requests(prompts, params, n, stops))
+        usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0}
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.model_name}
+        if stream:
+            return self.events(choices, head, usage, chat, n * len(prompts), bool(options.get("include_usage")))
+        texts, reasons, tokens = {}, {}, {}
+        async for index, piece, reason, count in choices:
+            texts[index] = texts.get(index, "") + piece
+            reasons[index], tokens[index] = reason, count
+        usage["completion_tokens"] = sum(tokens.values())
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if chat:
+            out = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+                    "finish_reason": reasons[i]} for i in sorted(texts)]
+            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
+        out = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]} for i in sorted(texts)]
+        return {**head, "object": "text_completion", "choices": out, "usage": usage}
+
+    async def events(self, choices, head: dict, usage: dict, chat: bool, num_choices: int,
+                     include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
+                c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            return sse_event(json.dumps({**head, "object": obj, "choices": [c]}, separators=(",", ":")))
+
+        tokens = {}
+        try:
+            if chat:
+                for i in range(num_choices):
+                    yield chunk(i, None, None, role=True)
+            async for index, piece, reason, count in choices:
+                tokens[index] = count
+                if piece or reason:
+                    yield chunk(index, piece, reason)
+        except Exception as err:  # the engine failed mid-stream: the status line is long gone
+            yield sse_event(json.dumps(APIError(f"generation failed: {err}", 500, type="server_error").body()))
+            return
+        if include_usage:
+            usage["completion_tokens"] = sum(tokens.values())
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            yield sse_event(json.dumps({**head, "object": obj, "choices": [], "usage": usage}))
+        yield sse_event("[DONE]")
+
+    def metrics(self) -> str:
+        """Prometheus text exposition of the engine's state."""
+        s, lines = self.engine.stats, []
+        for name, kind, value, help in [
+            ("requests_running", "gauge", s["running"], "Requests in the running batch."),
+            ("requests_waiting", "gauge", s["waiting"], "Requests waiting to be admitted."),
+            ("requests_swapped", "gauge", s["swapped"], "Preempted requests whose KV is in CPU memory."),
+            ("kv_blocks_used", "gauge", s["blocks_used"], "KV cache blocks in use."),
+            ("kv_blocks_total", "gauge", s["blocks_total"], "KV cache blocks in the pool."),
+            ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of accepted requests."),
+            ("generation_tokens_total", "counter", self.engine.generated_tokens, "Tokens generated."),
+            ("generation_tokens_per_second", "gauge", round(self.engine.tokens_per_second(), 3),
+             "Tokens generated per second over the last 10 s."),
+        ]:
+            lines += [f"# HELP miniinfer_{name} {help}", f"# TYPE miniinfer_{name} {kind}", f"miniinfer_{name} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    items: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await items.put(item)
+            await items.put(done)
+        except Exception as err:
+            await items.put(err)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await items.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:  # a cancelled pump leaves its request's stream, which aborts the request
+            t.cancel()
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+    """The FastAPI application: the OpenAI routes, /health and /metrics."""
+    server = Server(engine, model_name)
+    app = FastAPI(title="miniinfer")
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)  # unknown routes and methods, in the same shape
+    async def http_error(request: Request, err: HTTPException):
+        return JSONResponse(APIError(str(err.detail), err.status_code).body(), status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception):
+        return JSONResponse(APIError(f"internal error: {err}", 500, type="server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.thread.is_alive():
+            return JSONResponse({"status": "the engine has stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "miniinfer",
+                "max_model_len": server.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+
+    async def generate(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError(f"the body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object")
+        result = await server.run(body, chat)
+        if isinstance(result, dict):
+            return result
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve `engine` over HTTP until interrupted."""
+    import uvicorn
+    async_engine = AsyncLLMEngine(engine)
+    try:
+        uvicorn.run(build_app(async_engine, model_name), host=host, port=port, access_log=False)
+    finally:
+        async_engine.close()

@@ -1,0 +1,249 @@
+"""Chapter 08: the OpenAI-compatible server, as a real process on 127.0.0.1 called by the real
+`openai` client and by raw HTTP: same text streamed or not, the engine's greedy tokens, seeds,
+usage, stop strings, 1,000 concurrent streams, clients that disconnect, and bad requests."""
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+import miniinfer as mi
+from miniinfer.bench import one_request
+from miniinfer.server import build_app, chat_prompt
+from conftest import hf_greedy
+
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# café 日本 🙂\n"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miniinfer", "serve", "--port", str(port), "--num-blocks", "400",
+             "--block-size", "8", "--max-num-seqs", "128"],
+            stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    assert proc.wait(60) == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^miniinfer_(\w+) (\S+)$", text, re.MULTILINE)}
+
+
+def wait_idle(url: str) -> dict[str, float]:
+    """The server's metrics once nothing runs, waits or holds a block (or after 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = metrics(url)
+        if m["requests_running"] + m["requests_waiting"] + m["kv_blocks_used"] == 0 or time.monotonic() > deadline:
+            return m
+
+
+def test_models_health_metrics(url, client):
+    assert [m.id for m in client.models.list().data] == ["pycoder"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    m = metrics(url)
+    assert m["kv_blocks_total"] == 400 and m["requests_running"] == 0
+
+
+def test_completions_match_the_engine(client, course_model):
+    tok = mi.load_tokenizer()
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        expected = tok.decode(mi.generate_cached(course_model, ids, mi.SamplingParams(temperature=0, max_tokens=12,
+                                                                                       ignore_eos=True)))
+        whole = client.completions.create(model="pycoder", prompt=prompt, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == \
+               (len(ids), 12, len(ids) + 12)
+        chunks = list(client.completions.create(model="pycoder", prompt=prompt, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_token_id_prompts_and_batches(client):
+    tok = mi.load_tokenizer()
+    ids = [tok(p).input_ids for p in PROMPTS[:3]]
+    out = client.completions.create(model="pycoder", prompt=ids, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3, 4, 5]
+    for i, p in enumerate(PROMPTS[:3]):  # greedy: both choices of a prompt agree, and text == token ids
+        one = client.completions.create(model="pycoder", prompt=p, max_tokens=6, temperature=0)
+        assert out.choices[2 * i].text == out.choices[2 * i + 1].text == one.choices[0].text
+    assert out.usage.prompt_tokens == sum(map(len, ids))
+
+
+def test_chat_streamed_equals_whole(client):
+    tok = mi.load_tokenizer()
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "a sort"}]
+    whole = client.chat.completions.create(model="pycoder", messages=messages, max_tokens=10, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(chat_prompt(tok, messages))
+    assert whole.usage.completion_tokens <= 10
+    chunks = list(client.chat.completions.create(model="pycoder", messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_seed_is_reproducible(client):
+    ask = lambda seed, n=1: [c.text for c in client.completions.create(
+        model="pycoder", prompt="def f(x):\n", max_tokens=16, temperature=1.5, seed=seed, n=n).choices]
+    assert ask(7) == ask(7)
+    assert ask(7, n=3) == ask(7, n=3)
+    assert ask(7, n=3)[0] == ask(7)[0]
+    assert len({ask(s)[0] for s in range(4)}) > 1  # different seeds, different samples
+
+
+def test_stop_strings(client):
+    for stream in (False, True):
+        out = client.completions.create(model="pycoder", prompt="def add(a, b):\n", max_tokens=30, temperature=0,
+                                        stop=["\n"], stream=stream)
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert text and "\n" not in text
+    full = client.completions.create(model="pycoder", prompt="def add(a, b):\n", max_tokens=30, temperature=0)
+    assert full.choices[0].text.startswith(text + "\n")
+
+
+BAD = [
+    (b"{not json", 400), (b"\xff\xfe", 400), (b"[1, 2]", 400),
+    ({"prompt": "x", "temperature": -1}, 400), ({"prompt": "x", "top_p": 0}, 400),
+    ({"prompt": "x", "top_p": "high"}, 400), ({"prompt": "x", "max_tokens": 0}, 400),
+    ({"prompt": "x", "max_tokens": True}, 400), ({"prompt": "x", "n": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
+    ({"prompt": "x", "stop": [""]}, 400), ({"prompt": "x", "seed": 1.5}, 400), ({"prompt": "x", "logprobs": 3}, 400),
+    ({"prompt": ""}, 400), ({"prompt": []}, 400), ({"prompt": [5, 99999]}, 400), ({"prompt": [[1], "a", 3]}, 400),
+    ({"prompt": "x", "max_tokens": 5000}, 400), ({"prompt": "x " * 3000, "max_tokens": 1}, 400),
+    ({"prompt": "x", "model": "gpt-4"}, 404), ({}, 400),
+]
+BAD_CHAT = [({"messages": []}, 400), ({"messages": "hi"}, 400), ({"messages": [{"role": "user"}]}, 400),
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400)]
+
+
+def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
+    cases = [("/v1/completions", b, s) for b, s in BAD] + [("/v1/chat/completions", b, s) for b, s in BAD_CHAT]
+    for path, body, status in cases:
+        for stream in (False, True):
+            if isinstance(body, dict):
+                r = httpx.post(url + path, json={**body, "stream": stream})
+            else:
+                r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"], body
+    assert httpx.get(url + "/v1/nothing").status_code == 404
+    assert httpx.get(url + "/v1/completions").json()["error"]["message"]  # 405, same shape
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="pycoder", prompt="x", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    assert client.completions.create(model="pycoder", prompt="x", max_tokens=3).usage.completion_tokens >= 1
+    assert wait_idle(url)["kv_blocks_used"] == 0
+
+
+def test_a_thousand_concurrent_streams(url, course_model):
+    tok = mi.load_tokenizer()
+    ids = [tok(p).input_ids for p in PROMPTS]
+    expected = [tok.decode(mi.generate_cached(course_model, i, mi.SamplingParams(temperature=0, max_tokens=8,
+                                                                                 ignore_eos=True))) for i in ids]
+
+    async def main():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300), limits=limits) as http:
+            return await asyncio.gather(*(one_request(http, url, "pycoder", ids[i % len(ids)], 8, {})
+                                          for i in range(1000)))
+
+    results = asyncio.run(main())
+    assert [r.error for r in results if not r.ok] == []
+    assert all(r.output_tokens == 8 for r in results)
+    assert all(r.text == expected[i % len(ids)] for i, r in enumerate(results))
+    assert wait_idle(url)["kv_blocks_used"] == 0
+
+
+def test_clients_that_disconnect_free_everything(url):
+    async def leave_after_two_chunks(http):
+        body = {"prompt": "def f(x):\n", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", url + "/v1/completions", json=body) as r:
+            chunks = 0
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data:")
+                if chunks == 2:
+                    return True
+
+    async def main():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=httpx.Limits(max_connections=None)) as http:
+            return await asyncio.gather(*(leave_after_two_chunks(http) for _ in range(50)))
+
+    assert all(asyncio.run(main()))
+    m = wait_idle(url)
+    assert (m["requests_running"], m["requests_waiting"], m["kv_blocks_used"]) == (0, 0, 0)
+    assert m["generation_tokens_total"] < 50 * 1000  # nobody ran to the end
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_shape_matches_transformers(hf_checkpoint, tmp_path, stream):
+    """The server's code path (in-process, over ASGI) on Llama, Qwen2 and Qwen3 shapes: the greedy text
+    of token-id prompts is the decode of transformers' greedy tokens."""
+    kind, folder, hf = hf_checkpoint
+    shutil.copytree(folder, tmp_path / kind)
+    mi.load_tokenizer().save_pretrained(tmp_path / kind)  # ids < 301 decode to text like any others
+    tok = mi.load_tokenizer(tmp_path / kind)
+    engine = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(model=tmp_path / kind, num_blocks=64, block_size=3,
+                                                            max_num_seqs=4)))
+    prompts = [[(7 * i + 3 * j) % 301 for j in range(5 + 4 * i)] for i in range(6)]
+    expected = [tok.decode(hf_greedy(hf, p, 7)) for p in prompts]
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(engine, kind))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            async def ask(p):
+                body = {"prompt": p, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "stream": stream}
+                r = await http.post("/v1/completions", json=body)
+                if not stream:
+                    return r.json()["choices"][0]["text"]
+                events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ") and e != "data: [DONE]"]
+                return "".join(json.loads(e)["choices"][0]["text"] for e in events)
+            return await asyncio.gather(*(ask(p) for p in prompts))
+
+    try:
+        assert asyncio.run(main()) == expected
+        assert engine.engine.block_manager.num_free_blocks == 64
+    finally:
+        engine.close()
