@@ -5,43 +5,111 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import multiprocessing
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
-from miniinfer.engine import LLMEngine
+from miniinfer.engine import EngineConfig, Limits, LLMEngine, check_request
+from miniinfer.loader import load_tokenizer
 from miniinfer.sampling import SamplingParams
-from miniinfer.sequence import RequestOutput
+from miniinfer.sequence import RequestOutput, Status
+
+
+def run_engine(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
+               emit: Callable[[list, dict], None]) -> None:
+    """Step `engine` until a ("stop",) command. Commands, ("add", id, token ids, params) and ("abort", id),
+    are applied between steps (`next_command(True)` waits for one while the engine is idle).
+    emit(items, stats) gets each step's (request id, output or exception) pairs and the engine's state."""
+    while True:
+        items, command = [], next_command(not engine.has_unfinished_requests())
+        while command is not None:
+            if command[0] == "stop":
+                items = [(rid, RuntimeError("the engine was closed")) for rid in engine.requests]
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+                emit(items, engine_stats(engine, 0))
+                return
+            if command[0] == "add":
+                try:
+                    engine.add_request(command[2], command[3], request_id=command[1])
+                except ValueError as err:
+                    items.append((command[1], err))
+            else:
+                engine.abort(command[1])
+            command = next_command(False)
+        try:
+            outputs = engine.step()
+        except Exception as err:  # the engine aborted that step's requests: tell their clients
+            items += [(seq.request_id, err) for seq in engine.last_step.seqs]
+            outputs = []
+        items += [(o.request_id, o) for o in outputs]
+        emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs)))
+
+
+def engine_stats(engine: LLMEngine, new_tokens: int) -> dict[str, int]:
+    s, bm = engine.scheduler, engine.block_manager
+    return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
+            "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_total": bm.num_blocks,
+            "new_tokens": new_tokens}
 
 
 class AsyncLLMEngine:
-    """LLMEngine for asyncio: any number of concurrent requests, each an async stream of outputs,
-    served by one thread that steps the engine."""
+    """LLMEngine for asyncio: any number of concurrent requests, each an async stream of outputs.
+    Given an engine, a thread steps it; given an EngineConfig, the engine runs in its own process."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.commands: queue.Queue = queue.Queue()  # ("add", id, token ids, params) / ("abort", id)
+    def __init__(self, engine: LLMEngine | EngineConfig):
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.ids = itertools.count()
-        # Read by other threads (metrics): replaced whole after every step, never changed in place.
-        self.stats = self._snapshot()
         self.generated_tokens = 0
-        self.recent: collections.deque = collections.deque()  # (time, tokens) of the last steps
-        self.thread = threading.Thread(target=self._run, daemon=True, name="miniinfer-engine")
+        self.recent: collections.deque = collections.deque()  # (time, tokens) of the last minute's steps
+        self.commands: queue.Queue = queue.Queue()
+        if isinstance(engine, LLMEngine):
+            self.engine, self.process = engine, None
+            self.tokenizer, self.limits = engine.tokenizer, engine.limits
+            self.eos_token_ids, self.max_num_seqs = engine.model.cfg.eos_token_ids, engine.config.max_num_seqs
+            self.stats = engine_stats(engine, 0)
+            self.thread = threading.Thread(target=run_engine, args=(engine, self._next_command, self._emit),
+                                           daemon=True, name="miniinfer-engine")
+        else:
+            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
+            self.conn, child = ctx.Pipe()
+            self.process = ctx.Process(target=engine_process, args=(engine, child), daemon=True,
+                                       name="miniinfer-engine")
+            self.process.start()
+            child.close()
+            info = self.conn.recv()
+            if isinstance(info, BaseException):
+                self.process.join()
+                raise info
+            self.limits, self.eos_token_ids, self.max_num_seqs, self.stats = info
+            try:
+                self.tokenizer = load_tokenizer(engine.model)
+            except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
+                self.tokenizer = None
+            self.mirrors: dict[str, _Mirror] = {}  # what the engine process has sent of each request
+            self.thread = threading.Thread(target=self._receive, daemon=True, name="miniinfer-receiver")
+            # Commands go through a thread of their own: a full pipe must not block the event loop.
+            threading.Thread(target=self._forward, daemon=True, name="miniinfer-sender").start()
         self.thread.start()
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        return check_request(prompt, params, self.tokenizer, self.limits)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as its tokens arrive. A bad request raises ValueError before
         anything is queued; leaving the loop early aborts the request."""
         params = params or SamplingParams()
-        ids = self.engine.check_request(prompt, params)
+        ids = self.check_request(prompt, params)
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         outputs: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = (asyncio.get_running_loop(), outputs)
+        if self.process is not None:
+            self.mirrors[request_id] = _Mirror(request_id, ids)
         self.commands.put(("add", request_id, ids, params))
         finished = False
         try:
@@ -59,6 +127,8 @@ class AsyncLLMEngine:
                 yield out
         finally:
             del self.streams[request_id]
+            if self.process is not None:
+                self.mirrors.pop(request_id, None)
             if not finished:
                 self.commands.put(("abort", request_id))
 
@@ -68,11 +138,33 @@ class AsyncLLMEngine:
         return sum(n for t, n in list(self.recent) if t > now - window) / window
 
     def close(self) -> None:
-        """Stop the stepping thread after the step in flight; unfinished requests are aborted."""
+        """Stop the engine after the step in flight; unfinished requests are aborted."""
         self.commands.put(("stop",))
         self.thread.join()
+        if self.process is not None:
+            self.process.join()
 
-    def _deliver(self, items: list[tuple[str, object]]) -> None:
+    def _forward(self) -> None:
+        while True:
+            command = self.commands.get()
+            self.conn.send(command)
+            if command[0] == "stop":
+                return
+
+    def _next_command(self, block: bool) -> tuple | None:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def _emit(self, items: list[tuple[str, object]], stats: dict[str, int]) -> None:
+        # Read by other threads (metrics): replaced whole, never changed in place.
+        self.stats = stats
+        self.generated_tokens += stats["new_tokens"]
+        now = time.perf_counter()
+        self.recent.append((now, stats["new_tokens"]))
+        while self.recent[0][0] < now - 60:
+            self.recent.popleft()
         # One hand-over to each event loop per step, not one per request: each costs a wake-up.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id, item in items:
@@ -82,52 +174,64 @@ class AsyncLLMEngine:
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _snapshot(self) -> dict[str, int]:
-        s, bm = self.engine.scheduler, self.engine.block_manager
-        return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
-                "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_total": bm.num_blocks}
-
-    def _run(self) -> None:
-        engine = self.engine
+    def _receive(self) -> None:
+        """Process mode: turn what the engine process sends into outputs, until it ends."""
         while True:
-            # Idle: wait for a command. Busy: apply whatever came in since the last step.
-            block = not engine.has_unfinished_requests()
             try:
-                while True:
-                    command = self.commands.get(block=block)
-                    if command[0] == "stop":
-                        self._deliver([(rid, RuntimeError("the engine was closed")) for rid in engine.requests])
-                        for rid in list(engine.requests):
-                            engine.abort(rid)
-                        return
-                    self._apply(command)
-                    block = False
-            except queue.Empty:
-                pass
-            try:
-                outputs = engine.step()
-            except Exception as err:  # the engine aborted that step's requests: tell their clients
-                self._deliver([(seq.request_id, err) for seq in engine.last_step.seqs])
-                outputs = []
-            new = sum(len(o.new_token_ids) for o in outputs)
-            self.generated_tokens += new
-            now = time.perf_counter()
-            self.recent.append((now, new))
-            while self.recent and self.recent[0][0] < now - 60:
-                self.recent.popleft()
-            self.stats = self._snapshot()
-            self._deliver([(o.request_id, o) for o in outputs])
+                items, stats = self.conn.recv()
+            except (EOFError, OSError):  # the engine process is gone
+                self._emit([(rid, RuntimeError("the engine process ended")) for rid in list(self.streams)],
+                           {**self.stats, "new_tokens": 0})
+                return
+            outputs = []
+            for request_id, item in items:
+                mirror = self.mirrors.get(request_id)
+                if mirror is None:  # its client has left
+                    continue
+                if not isinstance(item, BaseException):
+                    item = mirror.update(*item)
+                outputs.append((request_id, item))
+            self._emit(outputs, stats)
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, ids, params = command
-            try:
-                self.engine.add_request(ids, params, request_id=request_id)
-            except ValueError as err:
-                self._deliver([(request_id, err)])
-        else:
-            self.engine.abort(command[1])
-        self.stats = self._snapshot()
+
+class _Mirror:
+    """Process mode: the parts of a request's Sequence that a RequestOutput reads."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.status, self.finish_reason, self.num_cached_tokens = Status.RUNNING, None, 0
+
+    def update(self, new: list[int], finish_reason: str | None, num_cached_tokens: int) -> RequestOutput:
+        self.output_token_ids += new
+        self.finish_reason, self.num_cached_tokens = finish_reason, num_cached_tokens
+        if finish_reason is not None:
+            self.status = Status.FINISHED
+        return RequestOutput(self, new)
+
+
+def engine_process(config: EngineConfig, conn) -> None:
+    """The engine's own process: build it, tell the parent its limits, then serve commands."""
+    try:
+        engine = LLMEngine(config)
+    except Exception as err:  # a bad checkpoint or config: the parent raises it
+        conn.send(err)
+        return
+    conn.send((engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, engine_stats(engine, 0)))
+
+    def emit(items, stats):
+        # Only each step's new tokens cross the pipe: the parent keeps the rest.
+        conn.send(([(rid, (x if isinstance(x, ValueError) else RuntimeError(f"{type(x).__name__}: {x}"))
+                     if isinstance(x, BaseException) else (x.new_token_ids, x.finish_reason, x.num_cached_tokens))
+                    for rid, x in items], stats))
+
+    def next_command(block):
+        try:
+            return conn.recv() if block or conn.poll() else None
+        except EOFError:  # the parent is gone
+            return ("stop",)
+
+    run_engine(engine, next_command, emit)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

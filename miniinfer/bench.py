@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -105,14 +107,46 @@ def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float]:
 
 async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate: float = math.inf,
                     concurrency: int | None = None, model: str | None = None, extra: dict | None = None,
-                    seed: int = 0, progress: bool = True) -> dict:
+                    seed: int = 0, progress: bool = True, processes: int = 1) -> dict:
     """Send `requests` ((prompt, max_tokens) pairs) to an OpenAI-compatible server at `url`: Poisson
-    arrivals at `rate` requests/s (inf: all at once), at most `concurrency` in flight; a summary dict."""
+    arrivals at `rate` requests/s (inf: all at once), at most `concurrency` in flight; a summary dict.
+    One Python process reads a few tens of thousands of streamed chunks per second: past that, split
+    the requests over `processes` client processes, so that the client is not what is measured."""
     url = url.rstrip("/")
+    if model is None:
+        async with httpx.AsyncClient() as client:
+            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+    if processes == 1:
+        results, duration = await drive(url, requests, rate, concurrency, model, extra, seed, progress)
+    else:
+        start_at = time.time() + 10  # every client process is up by then: they start together
+        shards = [(url, requests[i::processes], rate / processes, concurrency and max(concurrency // processes, 1),
+                   model, extra, seed + i, False, start_at) for i in range(processes)]
+        loop = asyncio.get_running_loop()
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = await asyncio.gather(*(loop.run_in_executor(pool, drive_in_process, s) for s in shards))
+        results, duration = [r for rs, _ in parts for r in rs], max(d for _, d in parts)
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    return {
+        "url": url, "model": model, "rate": rate if rate != math.inf else "inf", "concurrency": concurrency,
+        "client_processes": processes,
+        "requests": len(results), "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(done) / duration,
+        "output_tokens": out_tokens, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in done)) / duration,
+        "ttft_s": percentiles([r.ttft for r in done]),
+        "itl_s": percentiles([x for r in done for x in r.itl]),
+        "latency_s": percentiles([r.latency for r in done]),
+    }
+
+
+async def drive(url: str, requests: list, rate: float, concurrency: int | None, model: str, extra: dict | None,
+                seed: int, progress: bool, start_at: float | None = None) -> tuple[list[Result], float]:
+    """One client process's part: every request's Result, and the seconds from the first send to the end."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        if model is None:
-            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         gate = asyncio.Semaphore(concurrency or len(requests))
         bar = tqdm(total=len(requests), desc="requests", disable=not progress)
         rng = random.Random(seed)
@@ -123,6 +157,8 @@ async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate:
             bar.update(1)
             return r
 
+        if start_at is not None:
+            await asyncio.sleep(max(start_at - time.time(), 0))
         t0 = time.perf_counter()
         tasks = []
         for prompt, max_tokens in requests:
@@ -132,19 +168,11 @@ async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
-    done = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in done)
-    return {
-        "url": url, "model": model, "rate": rate if rate != math.inf else "inf", "concurrency": concurrency,
-        "requests": len(results), "completed": len(done), "failed": len(results) - len(done),
-        "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "request_throughput": len(done) / duration,
-        "output_tokens": out_tokens, "output_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in done)) / duration,
-        "ttft_s": percentiles([r.ttft for r in done]),
-        "itl_s": percentiles([x for r in done for x in r.itl]),
-        "latency_s": percentiles([r.latency for r in done]),
-    }
+    return results, duration
+
+
+def drive_in_process(args: tuple) -> tuple[list[Result], float]:
+    return asyncio.run(drive(*args))
 
 
 def summary(result: dict) -> str:

@@ -32,15 +32,20 @@ def engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-cuda-graph", action="store_true")
 
 
-def make_engine(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace):
     import miniinfer as mi
     dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    return mi.LLMEngine(mi.EngineConfig(
+    return mi.EngineConfig(
         model=args.model, device=args.device, dtype=dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
         preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, cuda_graph=not args.no_cuda_graph))
+        enable_chunked_prefill=args.enable_chunked_prefill, cuda_graph=not args.no_cuda_graph)
+
+
+def make_engine(args: argparse.Namespace):
+    import miniinfer as mi
+    return mi.LLMEngine(engine_config(args))
 
 
 def sampling_options(ap: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -72,7 +77,7 @@ def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
 def cmd_serve(args: argparse.Namespace) -> None:
     from miniinfer.server import serve
     name = args.served_model_name or (Path(args.model).name if args.model else "pycoder")
-    serve(make_engine(args), name, host=args.host, port=args.port)
+    serve(engine_config(args), name, host=args.host, port=args.port)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -144,7 +149,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     span = lambda s: tuple(int(x) for x in s.split(":")) if ":" in s else (int(s), int(s))
     requests = random_requests(args.num_prompts, span(args.input_len), span(args.output_len), args.vocab, args.seed)
     result = asyncio.run(run_bench(args.url, requests, args.rate, args.concurrency, args.model_name,
-                                   seed=args.seed))
+                                   seed=args.seed, processes=args.processes))
     result.update(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts)
     print(summary(result))
     if args.out:
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are uniform in 0..VOCAB-1")
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: all at once)")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--processes", type=int, default=1, help="client processes (one reads ~20k chunks/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the result as JSON here")
     p.set_defaults(run=cmd_bench)

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -89,6 +89,39 @@ def profile_num_blocks(model: Transformer, config: EngineConfig, max_model_len: 
     return max(0, int(usable // kv_bytes_per_block(model, config.block_size)))
 
 
+class Limits(NamedTuple):
+    """What an engine can serve at all."""
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+
+
+def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits) -> list[int]:
+    """The prompt's token ids, or ValueError if an engine with these limits can never serve it."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids")
+        prompt = tokenizer(prompt).input_ids
+    ids = list(prompt)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    vocab = limits.vocab_size
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"token ids must be ints in 0..{vocab - 1}, got {bad[:5]}")
+    total = len(ids) + params.max_tokens
+    if total > limits.max_model_len:
+        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "
+                         f"context of {limits.max_model_len} tokens")
+    if blocks_needed(total, limits.block_size) > limits.num_blocks:
+        raise ValueError(f"prompt + max_tokens need {blocks_needed(total, limits.block_size)} KV blocks; "
+                         f"the whole pool has {limits.num_blocks}")
+    return ids
+
+
 class LLMEngine:
     """Continuous batching over a paged KV pool: add requests at any time, step, read outputs."""
 
@@ -137,30 +170,14 @@ class LLMEngine:
     def block_manager(self) -> BlockManager:
         return self.scheduler.block_manager
 
+    @property
+    def limits(self) -> Limits:
+        bm = self.block_manager
+        return Limits(self.model.cfg.vocab_size, self.max_model_len, bm.num_blocks, bm.block_size)
+
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if this request can never be served."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass token ids")
-            prompt = self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"token ids must be ints in 0..{vocab - 1}, got {bad[:5]}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "
-                             f"context of {self.max_model_len} tokens")
-        bm = self.block_manager
-        if blocks_needed(total, bm.block_size) > bm.num_blocks:
-            raise ValueError(f"prompt + max_tokens need {blocks_needed(total, bm.block_size)} KV blocks; "
-                             f"the whole pool has {bm.num_blocks}")
-        return ids
+        return check_request(prompt, params, self.tokenizer, self.limits)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
                     request_id: str | None = None) -> str:

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import sys
 import time
 import uuid
 from typing import AsyncIterator
@@ -12,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from miniinfer.async_engine import AsyncLLMEngine
 from miniinfer.detokenize import IncrementalDetokenizer
-from miniinfer.engine import LLMEngine
+from miniinfer.engine import EngineConfig
 from miniinfer.sampling import SamplingParams
 
 
@@ -85,9 +87,9 @@ class Server:
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.eos = set(engine.engine.model.cfg.eos_token_ids)
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.limits.max_model_len
+        self.eos = set(engine.eos_token_ids)
         self.prompt_tokens = 0
         self.created = int(time.time())
 
@@ -110,7 +112,7 @@ class Server:
         stop = _field(body, "stop", (str, list), [], lambda s: isinstance(s, str) and s != "" or
                       isinstance(s, list) and all(isinstance(x, str) and x for x in s),
                       "a non-empty string or a list of them")
-        max_n = self.engine.engine.config.max_num_seqs
+        max_n = self.engine.max_num_seqs
         n = _field(body, "n", int, 1, lambda n: 1 <= n <= max_n, f"an int in 1..{max_n}")
         try:
             params = SamplingParams(
@@ -171,7 +173,7 @@ class Server:
         """One stream per choice; every request checked before any starts."""
         for ids in prompts:
             try:
-                self.engine.engine.check_request(ids, params)
+                self.engine.check_request(ids, params)
             except ValueError as err:
                 raise APIError(str(err), param="prompt") from None
         self.prompt_tokens += sum(map(len, prompts))
@@ -327,7 +329,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not engine.thread.is_alive():
+        if not engine.thread.is_alive():  # the engine's thread, or its process's receiver
             return JSONResponse({"status": "the engine has stopped"}, status_code=503)
         return {"status": "ok"}
 
@@ -365,11 +367,21 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     return app
 
 
-def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve `engine` over HTTP until interrupted."""
+def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve an engine over HTTP until interrupted. The engine runs in its own process: in this one,
+    the event loop's work for every streamed token would hold the GIL that the engine's host code needs."""
     import uvicorn
-    async_engine = AsyncLLMEngine(engine)
-    try:
-        uvicorn.run(build_app(async_engine, model_name), host=host, port=port, access_log=False)
-    finally:
-        async_engine.close()
+    # The thread that receives the engine's outputs gives up the GIL at every read of the pipe and
+    # must win it back from a busy event loop: by default that can take 5 ms each time, longer than
+    # a decode step, and the engine process then waits on a full pipe.
+    sys.setswitchinterval(0.0005)
+    async_engine = AsyncLLMEngine(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        async_engine.close()  # at shutdown: uvicorn may end the process right after
+
+    app = build_app(async_engine, model_name)
+    app.router.lifespan_context = lifespan
+    uvicorn.run(app, host=host, port=port, access_log=False)

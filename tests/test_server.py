@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -50,8 +51,8 @@ def url(tmp_path_factory):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
     yield url
-    proc.terminate()
-    assert proc.wait(60) == 0, log.read_text()
+    proc.terminate()  # uvicorn shuts down gracefully, then ends itself with the same signal
+    assert proc.wait(60) in (0, -signal.SIGTERM) and "Traceback" not in log.read_text(), log.read_text()
 
 
 @pytest.fixture(scope="module")

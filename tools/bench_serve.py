@@ -1,0 +1,175 @@
+"""Chapter 08 GPU benchmark: our OpenAI-compatible server under load, measured from the client side
+by `miniinfer.bench` (the `miniinfer bench` load generator), against the in-process engine on the
+same requests.
+
+Hand-written tool. On the Llama-3.2-1B shape (random bf16 weights) with a word-level tokenizer of the
+full 128,256-token vocabulary (the server must turn every generated id into text):
+  1. the in-process LLMEngine on COURSE.md's 256-request workload (all at once): output tokens/s;
+  2. `python -m miniinfer serve` in its own process, the same 256 requests sent at once (saturation),
+     then Poisson arrivals at rising request rates, then saturation again; the client is 4 processes.
+    python tools/bench_serve.py run docs/benchmarks/serve_h200.json [rates...]
+    python tools/bench_serve.py saturation docs/benchmarks/serve_saturation_h200.json 3
+    python tools/bench_serve.py plot docs/benchmarks/serve_h200.json
+"""
+
+import asyncio
+import datetime
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import transformers
+
+import miniinfer as mi
+from bench_engine import greedy, workload
+from bench_static_decode import LLAMA_3_2_1B
+from miniinfer.bench import run_bench
+
+MAX_MODEL_LEN = 2048
+RATES = [2, 4, 8, 16, 32, 64]
+PER_RATE = 128
+CLIENTS = 4  # client processes: one Python process cannot read the ~30k chunks/s of saturation
+
+
+def checkpoint(folder: Path) -> None:
+    """A Llama-3.2-1B-shaped checkpoint with random bf16 weights and a tokenizer for every id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B)).to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    del hf
+    vocab = {f"w{i}": i for i in range(LLAMA_3_2_1B["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1").save_pretrained(folder)
+
+
+def in_process(folder: Path, prompts, outs, repeat: int = 1) -> dict:
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.bfloat16,
+                                          max_model_len=MAX_MODEL_LEN))
+    engine.generate(prompts[:8], greedy(8), use_tqdm=False)  # the same warm-up the server's first requests get
+    runs = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(prompts, [greedy(o) for o in outs], use_tqdm=False)
+        runs.append(sum(outs) / (time.perf_counter() - t0))
+    res = {"output_tokens_per_s": max(runs), "runs_output_tokens_per_s": runs,
+           "num_blocks": engine.block_manager.num_blocks}
+    del engine
+    gc.collect()  # the engine's pool is freed only once the engine is collected
+    torch.cuda.empty_cache()
+    print("in-process:", res, flush=True)
+    return res
+
+
+def start_server(folder: Path, port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "miniinfer", "serve", "--model", str(folder), "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "llama-3.2-1b-shape"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(log.read_text())
+        time.sleep(0.5)
+
+
+def bench(url: str, prompts, outs, rate: float) -> dict:
+    r = asyncio.run(run_bench(url, list(zip(prompts, outs)), rate=rate, progress=False, processes=CLIENTS))
+    r["server_generation_tokens_total"] = next(float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+                                               if line.startswith("miniinfer_generation_tokens_total"))
+    print(f"rate {r['rate']}: {r['completed']}/{r['requests']} ok, {r['output_throughput']:.0f} out tok/s, "
+          f"TTFT p50 {r['ttft_s'].get('p50', 0) * 1e3:.0f} ms, ITL p50 {r['itl_s'].get('p50', 0) * 1e3:.1f} ms "
+          f"p99 {r['itl_s'].get('p99', 0) * 1e3:.1f} ms", flush=True)
+    return r
+
+
+def main(out_path: str, rates: list[float], repeat: int = 1) -> None:
+    """With rates: the in-process engine, then the server at saturation, at each rate, and at saturation
+    again. Without: the in-process engine `repeat` times, then the server at saturation `repeat` times."""
+    import fastapi
+    import uvicorn
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "transformers": transformers.__version__, "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__,
+           "httpx": httpx.__version__, "python": sys.version.split()[0], "date": datetime.date.today().isoformat(),
+           "model": "Llama-3.2-1B shape, random bf16 weights, word-level tokenizer over 128,256 ids",
+           "max_model_len": MAX_MODEL_LEN}
+    prompts, outs = workload()
+    res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
+                       "note": "COURSE.md's 256 requests; each rate sends the first %d of them" % PER_RATE}
+    path = Path(out_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama"
+        checkpoint(folder)
+        res["in_process"] = in_process(folder, prompts, outs, repeat)
+        path.write_text(json.dumps(res, indent=1))
+        proc = start_server(folder, 8000, path.with_suffix(".server.log"))
+        url = "http://127.0.0.1:8000"
+        try:
+            bench(url, prompts[:8], [8] * 8, float("inf"))  # warm-up, as in-process
+            res["saturation"] = [bench(url, prompts, outs, float("inf")) for _ in range(repeat if not rates else 1)]
+            if rates:
+                res["rates"] = []
+                for rate in rates:
+                    res["rates"].append(bench(url, prompts[:PER_RATE], outs[:PER_RATE], rate))
+                    path.write_text(json.dumps(res, indent=1))
+                res["saturation"].append(bench(url, prompts, outs, float("inf")))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    ratios = sorted(r["output_throughput"] / res["in_process"]["output_tokens_per_s"] for r in res["saturation"])
+    res["server_vs_in_process"] = {"each": ratios, "median": ratios[len(ratios) // 2]}
+    print("server / in-process at saturation:", res["server_vs_in_process"], flush=True)
+    path.write_text(json.dumps(res, indent=1))
+
+
+def plot(out_path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(out_path).read_text())
+    runs = sorted(res["rates"], key=lambda r: r["rate"])
+    rates = [r["rate"] for r in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    ax1.plot(rates, [r["output_throughput"] for r in runs], "o-", label="server, Poisson arrivals (128 requests)")
+    for i, s in enumerate(res["saturation"]):
+        ax1.axhline(s["output_throughput"], color="C1", ls="--", lw=1,
+                    label="server, 256 requests at once" if i == 0 else None)
+    ax1.axhline(res["in_process"]["output_tokens_per_s"], color="k", ls=":", label="in-process engine, 256 at once")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("request rate (requests/s)")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_ylim(0)
+    ax1.legend(fontsize=8)
+    ax1.set_title(f"throughput, {res['gpu']}", fontsize=10)
+    for key, label, color in [("ttft_s", "TTFT", "C0"), ("itl_s", "ITL", "C2")]:
+        for p, ls in [("p50", "-"), ("p99", "--")]:
+            ax2.plot(rates, [r[key][p] * 1e3 for r in runs], ls, marker="o", color=color, label=f"{label} {p}")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("request rate (requests/s)")
+    ax2.set_ylabel("milliseconds (log scale)")
+    ax2.legend(fontsize=8)
+    ax2.set_title("latency from the client's side (Llama-3.2-1B shape)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        main(sys.argv[2], [float(r) for r in sys.argv[3:]] or RATES)
+    elif sys.argv[1] == "saturation":
+        main(sys.argv[2], [], repeat=int(sys.argv[3]))
+    else:
+        plot(sys.argv[2])
