@@ -76,3 +76,62 @@ def prefill_before_decodes(num_decoders, prompt_lens, budget):
 def test_chapter_07_checks_reject_wrong_answers(check, wrong):
     with pytest.raises(AssertionError):
         check(wrong)
+
+
+def sse_on_one_line(data):
+    return f"data: {data}\n\n"
+
+
+class DecodeEachToken:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def add(self, ids):
+        return self.tok.decode(ids)
+
+    def finish(self):
+        return ""
+
+
+class HoldEverything(DecodeEachToken):
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.ids = []
+
+    def add(self, ids):
+        self.ids += ids
+        return ""
+
+    def finish(self):
+        return self.tok.decode(self.ids)
+
+
+async def stream_without_abort(outputs, abort):
+    while True:
+        out = await outputs.get()
+        yield out
+        if out.finished:
+            return
+
+
+async def stream_that_always_aborts(outputs, abort):
+    try:
+        while True:
+            out = await outputs.get()
+            yield out
+            if out.finished:
+                return
+    finally:
+        abort()
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_sse_event, sse_on_one_line),
+    (testing.check_detokenizer, DecodeEachToken),
+    (testing.check_detokenizer, HoldEverything),
+    (testing.check_stream_request, stream_without_abort),
+    (testing.check_stream_request, stream_that_always_aborts),
+])
+def test_chapter_08_checks_reject_wrong_answers(check, wrong):
+    with pytest.raises(AssertionError):
+        check(wrong)
