@@ -29,7 +29,7 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
                 items = [(rid, RuntimeError("the engine was closed")) for rid in engine.requests]
                 for rid in list(engine.requests):
                     engine.abort(rid)
-                emit(items, engine_stats(engine, 0))
+                emit(items, engine_stats(engine))
                 return
             if command[0] == "add":
                 try:
@@ -39,20 +39,22 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
             else:
                 engine.abort(command[1])
             command = next_command(False)
+        t0 = time.perf_counter()
         try:
             outputs = engine.step()
         except Exception as err:  # the engine aborted that step's requests: tell their clients
             items += [(seq.request_id, err) for seq in engine.last_step.seqs]
             outputs = []
         items += [(o.request_id, o) for o in outputs]
-        emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs)))
+        emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - t0))
 
 
-def engine_stats(engine: LLMEngine, new_tokens: int) -> dict[str, int]:
+def engine_stats(engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0) -> dict:
+    """The engine's state after a step, and what the step did."""
     s, bm = engine.scheduler, engine.block_manager
     return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_total": bm.num_blocks,
-            "new_tokens": new_tokens}
+            "new_tokens": new_tokens, "step_seconds": step_seconds, "wait_seconds": 0.0}
 
 
 class AsyncLLMEngine:
@@ -63,13 +65,15 @@ class AsyncLLMEngine:
         self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.ids = itertools.count()
         self.generated_tokens = 0
+        # Seconds the engine spent in steps, and waiting to hand outputs over (a server too slow to read).
+        self.totals = {"steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0}
         self.recent: collections.deque = collections.deque()  # (time, tokens) of the last minute's steps
         self.commands: queue.Queue = queue.Queue()
         if isinstance(engine, LLMEngine):
             self.engine, self.process = engine, None
             self.tokenizer, self.limits = engine.tokenizer, engine.limits
             self.eos_token_ids, self.max_num_seqs = engine.model.cfg.eos_token_ids, engine.config.max_num_seqs
-            self.stats = engine_stats(engine, 0)
+            self.stats = engine_stats(engine)
             self.thread = threading.Thread(target=run_engine, args=(engine, self._next_command, self._emit),
                                            daemon=True, name="miniinfer-engine")
         else:
@@ -161,6 +165,9 @@ class AsyncLLMEngine:
         # Read by other threads (metrics): replaced whole, never changed in place.
         self.stats = stats
         self.generated_tokens += stats["new_tokens"]
+        self.totals = {"steps": self.totals["steps"] + (stats["step_seconds"] > 0),
+                       "step_seconds": self.totals["step_seconds"] + stats["step_seconds"],
+                       "wait_seconds": self.totals["wait_seconds"] + stats["wait_seconds"]}
         now = time.perf_counter()
         self.recent.append((now, stats["new_tokens"]))
         while self.recent[0][0] < now - 60:
@@ -217,13 +224,17 @@ def engine_process(config: EngineConfig, conn) -> None:
     except Exception as err:  # a bad checkpoint or config: the parent raises it
         conn.send(err)
         return
-    conn.send((engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, engine_stats(engine, 0)))
+    conn.send((engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, engine_stats(engine)))
+    waited = 0.0  # in the previous send: a send blocks while the pipe is full
 
     def emit(items, stats):
+        nonlocal waited
+        t0 = time.perf_counter()
         # Only each step's new tokens cross the pipe: the parent keeps the rest.
         conn.send(([(rid, (x if isinstance(x, ValueError) else RuntimeError(f"{type(x).__name__}: {x}"))
                      if isinstance(x, BaseException) else (x.new_token_ids, x.finish_reason, x.num_cached_tokens))
-                    for rid, x in items], stats))
+                    for rid, x in items], {**stats, "wait_seconds": waited}))
+        waited = time.perf_counter() - t0
 
     def next_command(block):
         try:

@@ -271,6 +271,11 @@ class Server:
             ("generation_tokens_total", "counter", self.engine.generated_tokens, "Tokens generated."),
             ("generation_tokens_per_second", "gauge", round(self.engine.tokens_per_second(), 3),
              "Tokens generated per second over the last 10 s."),
+            ("engine_steps_total", "counter", self.engine.totals["steps"], "Engine steps."),
+            ("engine_step_seconds_total", "counter", round(self.engine.totals["step_seconds"], 6),
+             "Seconds the engine spent in steps."),
+            ("engine_wait_seconds_total", "counter", round(self.engine.totals["wait_seconds"], 6),
+             "Seconds the engine waited to hand outputs to this server (it reads too slowly)."),
         ]:
             lines += [f"# HELP miniinfer_{name} {help}", f"# TYPE miniinfer_{name} {kind}", f"miniinfer_{name} {value}"]
         return "\n".join(lines) + "\n"

@@ -56,13 +56,21 @@ def in_process(folder: Path, prompts, outs, repeat: int = 1) -> dict:
     engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.bfloat16,
                                           max_model_len=MAX_MODEL_LEN))
     engine.generate(prompts[:8], greedy(8), use_tqdm=False)  # the same warm-up the server's first requests get
-    runs = []
+    runs, profile = [], []
     for _ in range(repeat):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        engine.generate(prompts, [greedy(o) for o in outs], use_tqdm=False)
-        runs.append(sum(outs) / (time.perf_counter() - t0))
-    res = {"output_tokens_per_s": max(runs), "runs_output_tokens_per_s": runs,
+        for p, o in zip(prompts, outs):
+            engine.add_request(p, greedy(o))
+        steps, step_seconds = 0, 0.0
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            steps, step_seconds = steps + 1, step_seconds + time.perf_counter() - t
+        seconds = time.perf_counter() - t0
+        runs.append(sum(outs) / seconds)
+        profile.append({"seconds": seconds, "steps": steps, "step_seconds": step_seconds})
+    res = {"output_tokens_per_s": max(runs), "runs_output_tokens_per_s": runs, "profile": profile,
            "num_blocks": engine.block_manager.num_blocks}
     del engine
     gc.collect()  # the engine's pool is freed only once the engine is collected
@@ -86,10 +94,18 @@ def start_server(folder: Path, port: int, log: Path) -> subprocess.Popen:
         time.sleep(0.5)
 
 
+def metrics(url: str) -> dict[str, float]:
+    return {line.split()[0].removeprefix("miniinfer_"): float(line.split()[1])
+            for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("miniinfer_")}
+
+
 def bench(url: str, prompts, outs, rate: float) -> dict:
+    before = metrics(url)
     r = asyncio.run(run_bench(url, list(zip(prompts, outs)), rate=rate, progress=False, processes=CLIENTS))
-    r["server_generation_tokens_total"] = next(float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()
-                                               if line.startswith("miniinfer_generation_tokens_total"))
+    after = metrics(url)
+    # Where the engine's time went during the run, from the server's counters.
+    r["engine"] = {k: after[f"engine_{k}_total"] - before[f"engine_{k}_total"]
+                   for k in ("steps", "step_seconds", "wait_seconds")}
     print(f"rate {r['rate']}: {r['completed']}/{r['requests']} ok, {r['output_throughput']:.0f} out tok/s, "
           f"TTFT p50 {r['ttft_s'].get('p50', 0) * 1e3:.0f} ms, ITL p50 {r['itl_s'].get('p50', 0) * 1e3:.1f} ms "
           f"p99 {r['itl_s'].get('p99', 0) * 1e3:.1f} ms", flush=True)
