@@ -1,3 +1,7 @@
+"""An OpenAI-compatible HTTP server over AsyncLLMEngine (FastAPI + uvicorn): /v1/models,
+/v1/completions and /v1/chat/completions (Server-Sent Events or whole), /health, /metrics.
+Hand-written module (chapter 08); `miniinfer serve` runs it."""
+
 from __future__ import annotations
 
 import asyncio
