@@ -192,16 +192,18 @@ class Server:
 
     async def choice(self, index: int, ids: list[int], params: SamplingParams, stops: list[str]):
         detok, stop = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
-        async for out in self.engine.generate(ids, params):
-            new = out.new_token_ids
-            if out.finish_reason == "stop" and new and new[-1] in self.eos:
-                new = new[:-1]  # the end-of-sequence token ends the text; it is not part of it
-            piece = detok.add(new) + (detok.finish() if out.finished else "")
-            piece, stopped = stop.feed(piece, out.finished)
-            if stopped:  # leaving the loop aborts the request
-                yield index, piece, "stop", len(out.token_ids)
-                return
-            yield index, piece, out.finish_reason, len(out.token_ids)
+        # Closed as soon as this choice ends: a stream left early aborts its request at once.
+        async with contextlib.aclosing(self.engine.generate(ids, params)) as outputs:
+            async for out in outputs:
+                new = out.new_token_ids
+                if out.finish_reason == "stop" and new and new[-1] in self.eos:
+                    new = new[:-1]  # the end-of-sequence token ends the text; it is not part of it
+                piece = detok.add(new) + (detok.finish() if out.finished else "")
+                piece, stopped = stop.feed(piece, out.finished)
+                if stopped:
+                    yield index, piece, "stop", len(out.token_ids)
+                    return
+                yield index, piece, out.finish_reason, len(out.token_ids)
 
     async def run(self, body: dict, chat: bool) -> dict | AsyncIterator[str]:
         """A parsed request's response: a JSON body, or (stream=true) an iterator of SSE events."""

@@ -134,12 +134,15 @@ def test_seed_is_reproducible(client):
     assert len({ask(s)[0] for s in range(4)}) > 1  # different seeds, different samples
 
 
-def test_stop_strings(client):
+def test_stop_strings(url, client):
     for stream in (False, True):
-        out = client.completions.create(model="pycoder", prompt="def add(a, b):\n", max_tokens=30, temperature=0,
-                                        stop=["\n"], stream=stream)
+        before = metrics(url)["generation_tokens_total"]
+        out = client.completions.create(model="pycoder", prompt="def add(a, b):\n", max_tokens=1500, temperature=0,
+                                        stop=["\n"], stream=stream, extra_body={"ignore_eos": True})
         text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
         assert text and "\n" not in text
+        m = wait_idle(url)  # the request was aborted at its stop string, not run to 1,500 tokens
+        assert m["kv_blocks_used"] == 0 and m["generation_tokens_total"] - before < 100
     full = client.completions.create(model="pycoder", prompt="def add(a, b):\n", max_tokens=30, temperature=0)
     assert full.choices[0].text.startswith(text + "\n")
 
