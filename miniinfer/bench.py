@@ -14,6 +14,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import httpx
 from tqdm.auto import tqdm
@@ -39,19 +40,21 @@ def random_requests(n: int, input_len: tuple[int, int] = (100, 1024), output_len
             for _ in range(n)]
 
 
-def iter_sse(lines: list[str]) -> list[str]:
-    """The data of each Server-Sent Event in a list of lines: multi-line data joined by newlines."""
-    events, data = [], []
-    for line in lines:
-        if line == "":
-            if data:
-                events.append("\n".join(data))
-            data = []
-        elif line.startswith("data:"):
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The data of each Server-Sent Event of a streamed response (a multi-line field joined by newlines)."""
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
             data.append(line[6:] if line.startswith("data: ") else line[5:])
-    if data:
-        events.append("\n".join(data))
-    return events
+        elif not line and data:
+            yield "\n".join(data)
+            data = []
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """A miniinfer server's /metrics, by name without the `miniinfer_` prefix."""
+    return {line.split()[0].removeprefix("miniinfer_"): float(line.split()[1])
+            for line in httpx.get(url.rstrip("/") + "/metrics").text.splitlines() if line.startswith("miniinfer_")}
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
@@ -65,31 +68,25 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             if response.status_code != 200:
                 r.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return r
-            lines = []
-            async for line in response.aiter_lines():
-                lines.append(line)
-                if line:
+            async for data in sse_data(response):
+                if data == "[DONE]":
+                    r.ok = True
                     continue
-                for data in iter_sse(lines):
-                    if data == "[DONE]":
-                        r.ok = True
-                        continue
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        r.error = chunk["error"]["message"]
-                        return r
-                    if chunk.get("usage"):
-                        r.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                        r.output_tokens = chunk["usage"]["completion_tokens"]
-                    if chunk["choices"] and chunk["choices"][0]["text"]:
-                        r.text += chunk["choices"][0]["text"]
-                        now = time.perf_counter()
-                        if r.ttft == 0:
-                            r.ttft = now - t0
-                        else:
-                            r.itl.append(now - last)
-                        last = now
-                lines = []
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = chunk["error"]["message"]
+                    return r
+                if chunk.get("usage"):
+                    r.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    r.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    r.text += chunk["choices"][0]["text"]
+                    now = time.perf_counter()
+                    if r.ttft == 0:
+                        r.ttft = now - t0
+                    else:
+                        r.itl.append(now - last)
+                    last = now
     except (httpx.HTTPError, OSError) as err:
         r.error = f"{type(err).__name__}: {err}"
         return r

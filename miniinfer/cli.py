@@ -65,11 +65,11 @@ def sampling(args: argparse.Namespace):
 def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
     """Print a request's text as it is generated; its text and token count."""
     from miniinfer.detokenize import IncrementalDetokenizer
+    from miniinfer.server import text_token_ids
     detok, n = IncrementalDetokenizer(engine.tokenizer), 0
     eos = set(engine.model.cfg.eos_token_ids)
     for out in engine.stream(ids, params):
-        new = [t for t in out.new_token_ids if not (out.finish_reason == "stop" and t in eos)]
-        print(detok.add(new) + (detok.finish() if out.finished else ""), end="", flush=True)
+        print(detok.add(text_token_ids(out, eos)) + (detok.finish() if out.finished else ""), end="", flush=True)
         n = len(out.token_ids)
     return detok.text, n
 
@@ -91,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     history = [{"role": "system", "content": args.system}] if args.system else []
     if args.url:
-        reply = lambda: chat_remote(args, history)
+        reply = lambda: asyncio.run(chat_remote(args, history))
     else:
         from miniinfer.server import chat_prompt
         engine = make_engine(args)
@@ -110,18 +110,19 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print()
 
 
-def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
+async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
     import httpx
+    from miniinfer.bench import sse_data
     body = {"messages": history, "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
     if args.model_name:
         body["model"] = args.model_name
     text = ""
-    with httpx.stream("POST", args.url.rstrip("/") + "/v1/chat/completions", json=body, timeout=None) as r:
+    async with httpx.AsyncClient(timeout=None) as client, \
+            client.stream("POST", args.url.rstrip("/") + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
-            r.read()
-            raise SystemExit(f"the server said {r.status_code}: {r.text}")
-        for data in _events(r):
+            raise SystemExit(f"the server said {r.status_code}: {(await r.aread()).decode()}")
+        async for data in sse_data(r):
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
@@ -132,16 +133,6 @@ def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
                 print(piece, end="", flush=True)
                 text += piece
     return text
-
-
-def _events(response):
-    from miniinfer.bench import iter_sse
-    lines = []
-    for line in response.iter_lines():
-        lines.append(line)
-        if not line:
-            yield from iter_sse(lines)
-            lines = []
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -20,6 +21,7 @@ from miniinfer.async_engine import AsyncLLMEngine
 from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.engine import EngineConfig
 from miniinfer.sampling import SamplingParams
+from miniinfer.sequence import RequestOutput
 
 
 def sse_event(data: str) -> str:
@@ -34,6 +36,12 @@ def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:").input_ids
+
+
+def text_token_ids(out: RequestOutput, eos: set[int]) -> list[int]:
+    """An output's new tokens that belong to the text: not the end-of-sequence token that finished it."""
+    new = out.new_token_ids
+    return new[:-1] if out.finish_reason == "stop" and new and new[-1] in eos else new
 
 
 class APIError(Exception):
@@ -186,7 +194,7 @@ class Server:
             for j in range(n):
                 # The choices of a seeded request differ from each other and are reproducible.
                 seed = None if params.seed is None else params.seed + j
-                p = SamplingParams(**{**vars(params), "seed": seed}) if j else params
+                p = dataclasses.replace(params, seed=seed) if j else params
                 streams.append(self.choice(i * n + j, ids, p, stops))
         return streams
 
@@ -195,10 +203,7 @@ class Server:
         # Closed as soon as this choice ends: a stream left early aborts its request at once.
         async with contextlib.aclosing(self.engine.generate(ids, params)) as outputs:
             async for out in outputs:
-                new = out.new_token_ids
-                if out.finish_reason == "stop" and new and new[-1] in self.eos:
-                    new = new[:-1]  # the end-of-sequence token ends the text; it is not part of it
-                piece = detok.add(new) + (detok.finish() if out.finished else "")
+                piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if stopped:
                     yield index, piece, "stop", len(out.token_ids)
@@ -216,17 +221,17 @@ class Server:
         stream = _field(body, "stream", bool, False)
         options = _field(body, "stream_options", dict, {})
         choices = merge(self.requests(prompts, params, n, stops))
-        usage = {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0}
+        prompt_tokens = sum(map(len, prompts))
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}
         if stream:
-            return self.events(choices, head, usage, chat, n * len(prompts), bool(options.get("include_usage")))
+            return self.events(choices, head, prompt_tokens, chat, n * len(prompts),
+                               bool(options.get("include_usage")))
         texts, reasons, tokens = {}, {}, {}
         async for index, piece, reason, count in choices:
             texts[index] = texts.get(index, "") + piece
             reasons[index], tokens[index] = reason, count
-        usage["completion_tokens"] = sum(tokens.values())
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage = _usage(prompt_tokens, tokens)
         if chat:
             out = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
                     "finish_reason": reasons[i]} for i in sorted(texts)]
@@ -234,7 +239,7 @@ class Server:
         out = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]} for i in sorted(texts)]
         return {**head, "object": "text_completion", "choices": out, "usage": usage}
 
-    async def events(self, choices, head: dict, usage: dict, chat: bool, num_choices: int,
+    async def events(self, choices, head: dict, prompt_tokens: int, chat: bool, num_choices: int,
                      include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -244,7 +249,7 @@ class Server:
                 c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-            return sse_event(json.dumps({**head, "object": obj, "choices": [c]}, separators=(",", ":")))
+            return sse_event(_json({**head, "object": obj, "choices": [c]}))
 
         tokens = {}
         try:
@@ -256,12 +261,10 @@ class Server:
                 if piece or reason:
                     yield chunk(index, piece, reason)
         except Exception as err:  # the engine failed mid-stream: the status line is long gone
-            yield sse_event(json.dumps(APIError(f"generation failed: {err}", 500, type="server_error").body()))
+            yield sse_event(_json(APIError(f"generation failed: {err}", 500, type="server_error").body()))
             return
         if include_usage:
-            usage["completion_tokens"] = sum(tokens.values())
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield sse_event(json.dumps({**head, "object": obj, "choices": [], "usage": usage}))
+            yield sse_event(_json({**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, tokens)}))
         yield sse_event("[DONE]")
 
     def metrics(self) -> str:
@@ -285,6 +288,16 @@ class Server:
         ]:
             lines += [f"# HELP miniinfer_{name} {help}", f"# TYPE miniinfer_{name} {kind}", f"miniinfer_{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+def _usage(prompt_tokens: int, tokens: dict[int, int]) -> dict[str, int]:
+    """OpenAI's usage object; `tokens`: each choice's generated tokens."""
+    completion = sum(tokens.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def _json(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:

@@ -5,7 +5,6 @@ usage, stop strings, 1,000 concurrent streams, clients that disconnect, and bad 
 import asyncio
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 import miniinfer as mi
-from miniinfer.bench import one_request
+from miniinfer.bench import one_request, read_metrics
 from miniinfer.server import build_app, chat_prompt
 from conftest import hf_greedy
 
@@ -60,16 +59,11 @@ def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^miniinfer_(\w+) (\S+)$", text, re.MULTILINE)}
-
-
 def wait_idle(url: str) -> dict[str, float]:
     """The server's metrics once nothing runs, waits or holds a block (or after 30 s)."""
     deadline = time.monotonic() + 30
     while True:
-        m = metrics(url)
+        m = read_metrics(url)
         if m["requests_running"] + m["requests_waiting"] + m["kv_blocks_used"] == 0 or time.monotonic() > deadline:
             return m
 
@@ -77,7 +71,7 @@ def wait_idle(url: str) -> dict[str, float]:
 def test_models_health_metrics(url, client):
     assert [m.id for m in client.models.list().data] == ["pycoder"]
     assert httpx.get(url + "/health").json() == {"status": "ok"}
-    m = metrics(url)
+    m = read_metrics(url)
     assert m["kv_blocks_total"] == 400 and m["requests_running"] == 0
 
 
@@ -136,7 +130,7 @@ def test_seed_is_reproducible(client):
 
 def test_stop_strings(url, client):
     for stream in (False, True):
-        before = metrics(url)["generation_tokens_total"]
+        before = read_metrics(url)["generation_tokens_total"]
         out = client.completions.create(model="pycoder", prompt="def add(a, b):\n", max_tokens=1500, temperature=0,
                                         stop=["\n"], stream=stream, extra_body={"ignore_eos": True})
         text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text

@@ -30,7 +30,7 @@ import transformers
 import miniinfer as mi
 from bench_engine import greedy, workload
 from bench_static_decode import LLAMA_3_2_1B
-from miniinfer.bench import run_bench
+from miniinfer.bench import read_metrics, run_bench
 
 MAX_MODEL_LEN = 2048
 RATES = [2, 4, 8, 16, 32, 64]
@@ -94,15 +94,10 @@ def start_server(folder: Path, port: int, log: Path) -> subprocess.Popen:
         time.sleep(0.5)
 
 
-def metrics(url: str) -> dict[str, float]:
-    return {line.split()[0].removeprefix("miniinfer_"): float(line.split()[1])
-            for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("miniinfer_")}
-
-
 def bench(url: str, prompts, outs, rate: float) -> dict:
-    before = metrics(url)
+    before = read_metrics(url)
     r = asyncio.run(run_bench(url, list(zip(prompts, outs)), rate=rate, progress=False, processes=CLIENTS))
-    after = metrics(url)
+    after = read_metrics(url)
     # Where the engine's time went during the run, from the server's counters.
     r["engine"] = {k: after[f"engine_{k}_total"] - before[f"engine_{k}_total"]
                    for k in ("steps", "step_seconds", "wait_seconds")}
