@@ -74,3 +74,36 @@ def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, course_mod
         return await collect(engine, [3, 4], params)
 
     assert asyncio.run(main()) == mi.generate_cached(course_model, [3, 4], params)
+
+
+def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(course_model):
+    """Thread mode (the runner can be patched in this process): the third forward raises."""
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6),
+                                         model=course_model))
+    runner, forwards = eng.engine.runner, []
+    execute = runner.execute
+
+    def fail_the_third(out):
+        forwards.append(len(out.seqs))
+        if len(forwards) == 3:
+            raise RuntimeError("injected failure")
+        return execute(out)
+
+    runner.execute = fail_the_third
+    params = mi.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[i + 1, 2] for i in range(4)]
+
+    async def main():
+        got = await asyncio.gather(*(collect(eng, p, params) for p in prompts), return_exceptions=True)
+        await drained(eng)
+        return got, await collect(eng, [3, 4], params)
+
+    try:
+        got, after = asyncio.run(asyncio.wait_for(main(), 60))  # a stream left waiting fails, not hangs
+    finally:
+        eng.close()
+    failed = [g for g in got if isinstance(g, RuntimeError)]
+    assert failed and all(str(g) == "injected failure" for g in failed)
+    assert all(g == mi.generate_cached(course_model, p, params) for g, p in zip(got, prompts) if g not in failed)
+    assert after == mi.generate_cached(course_model, [3, 4], params)
+    assert eng.engine.block_manager.num_free_blocks == 64 and not eng.engine.requests
