@@ -1,30 +1,45 @@
-# make lab   set up .venv and open the course in JupyterLab
-# make test  set up .venv and run every check CI runs
-# make demo  complete a prompt with the embedded course model
+# make lab          set up .venv and open the course in JupyterLab (your copies, in workspace/)
+# make reset NB=05  take a fresh copy of chapter 05 (yours moves to workspace/backup/)
+# make test         set up .venv and run every check CI runs
+# make grade SUBMISSIONS=folder   grade students' exercise notebooks into grades.csv
+# make demo         complete a prompt with the embedded course model
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOKS := notebooks/*.ipynb solutions/*.ipynb exercises/*.ipynb
+# Without an NVIDIA GPU, PyTorch's CPU build: about 2.5 GB in .venv instead of 6 (CUDA libraries).
+# `make TORCH_INDEX= lab` takes PyPI's default build instead.
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
+LAB_ARGS ?=
+SUBMISSIONS ?= submissions
 
-.PHONY: install lab test demo export exercises clean
+.PHONY: install lab reset test grade demo export exercises clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
+	$(if $(TORCH_INDEX),$(PY) -m pip install torch --index-url $(TORCH_INDEX) || echo "no CPU build of torch from $(TORCH_INDEX): PyPI's default follows")
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
 
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(PY) tools/lab.py start $(LAB_ARGS)
+
+reset:
+	@test -n "$(NB)" || { echo "usage: make reset NB=05"; exit 2; }
+	python3 tools/lab.py reset $(NB)
 
 test: $(STAMP)
 	$(PY) tools/build.py export --check
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
 	$(PY) -m pytest --nbval -n 2 --dist loadfile
+
+grade: $(STAMP)
+	$(VENV)/bin/miniinfer grade $(SUBMISSIONS) --out grades.csv
 
 demo: $(STAMP)
 	$(PY) -m miniinfer generate $$'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -37,4 +52,4 @@ exercises: $(STAMP)
 	$(PY) tools/build.py exercises
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info  # never workspace/: it holds the student's work
