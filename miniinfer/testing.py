@@ -1,13 +1,20 @@
-"""Checks that exercise notebooks call: a student's function against the reference, on random inputs.
+"""Checks that exercise notebooks call: a student's answer against the reference, on random inputs.
 
-Hand-written module. Each `check_*` runs the function on several randomly drawn inputs of odd shapes,
-prints one line when everything matches, and otherwise raises an AssertionError that says which
-input failed and how, so a student knows what to look at.
+Hand-written module. Each `check_*` is the check of one exercise of one problem set (registered in
+EXERCISES, whose ids the notebooks' cells carry in their metadata, so a grader finds them by id). It
+runs the answer on randomly drawn inputs of odd shapes, prints one line starting with `passed:` when
+everything matches, and otherwise raises:
+- AssertionError: a wrong result, naming the case, its inputs and what differs;
+- AnswerError: the student's code raised, naming the case and its inputs (the original error is its cause);
+- NotAnswered: the exercise still raises its NotImplementedError.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -17,7 +24,90 @@ from miniinfer.sampling import top_p_filter
 from miniinfer.paged_cache import gather_kv, slot_mapping
 from miniinfer.static_cache import left_pad, static_batch_waste, write_kv
 
-Inputs = Callable[[torch.Generator], tuple]
+Inputs = Callable[[torch.Generator, int], tuple]  # (generator, case number) -> the arguments
+
+
+class NotAnswered(NotImplementedError):
+    """An exercise that still raises the NotImplementedError it was handed out with."""
+
+
+class AnswerError(Exception):
+    """The student's code raised an exception (its __cause__) on a case the check names."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str          # "01.rms_norm": chapter + the answer's name; stored in the notebook cells' metadata
+    chapter: str     # "01"
+    number: int      # as the problem set's heading says ("Exercise 1")
+    answer: str      # what the student writes (a function, kernel or class)
+    argument: str    # what the check cell passes to the check (the answer, or the wrapper that launches it)
+    check: Callable
+
+    @property
+    def label(self) -> str:
+        return f"exercise {self.number} ({self.answer})"
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def problem_set(chapter: str) -> list[Exercise]:
+    """The exercises of one chapter's problem set, in order."""
+    return sorted((e for e in EXERCISES.values() if e.chapter == chapter), key=lambda e: e.number)
+
+
+def _unanswered(err: BaseException | None) -> bool:
+    """Whether err is (or was caused by) an exercise's `raise NotImplementedError()`. A compiled Triton
+    kernel cannot raise: its compiler's error only names the statement."""
+    while err is not None:
+        if isinstance(err, NotImplementedError) or "NotImplementedError" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def exercise(chapter: str, number: int, answer: str, argument: str | None = None):
+    """Register a check as the check of exercise `number` of chapter's problem set."""
+    def register(check_fn: Callable) -> Callable:
+        ex = Exercise(f"{chapter}.{answer}", chapter, number, answer, argument or answer, None)
+
+        @functools.wraps(check_fn)
+        def run(*args, **kwargs):
+            try:
+                return check_fn(*args, **kwargs)
+            except (AssertionError, AnswerError):
+                raise
+            except Exception as err:
+                if _unanswered(err):
+                    raise NotAnswered(f"{ex.label} is not answered yet: write your code where it says "
+                                      "# YOUR CODE HERE and delete the `raise NotImplementedError()`") from None
+                raise AnswerError(f"{ex.label}: your code raised {type(err).__name__}: {err}") from err
+        object.__setattr__(ex, "check", run)
+        EXERCISES[ex.id] = ex
+        return run
+    return register
+
+
+@contextlib.contextmanager
+def your_answers(chapter: str) -> Iterator[None]:
+    """Run a problem set's last part, which calls the student's answers: an unanswered one it reaches
+    fails naming its exercise (found by the function the NotImplementedError was raised in)."""
+    try:
+        yield
+    except Exception as err:
+        if not _unanswered(err):
+            raise
+        names = {e.answer: e for e in problem_set(chapter)}
+        while err.__cause__ or err.__context__:  # the NotImplementedError itself, inside a wrapper's error
+            err = err.__cause__ or err.__context__
+        tb, hit = err.__traceback__, None
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            hit = names.get(code.co_name) or names.get(code.co_qualname.split(".")[0]) or hit
+            tb = tb.tb_next
+        which = hit.label if hit else "an exercise of this problem set"
+        raise NotAnswered(f"{which} is not answered yet: finish it (and run its check) before this part") from None
 
 
 def _describe(args: tuple) -> str:
@@ -25,33 +115,48 @@ def _describe(args: tuple) -> str:
                      if isinstance(a, torch.Tensor) else repr(a)[:80] for a in args)
 
 
+def _call(fn: Callable, args, where: str):
+    """fn(*args), with an exception from the student's code reported with the case it failed on."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        if _unanswered(err):
+            raise
+        raise AnswerError(f"{where}: your code raised {type(err).__name__}: {err}") from err
+
+
+# Half-precision answers may round differently from the reference by an ulp or two.
+TOLERANCES = {torch.float16: dict(rtol=4e-3, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=1e-3)}
+
+
 def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8,
-          rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0) -> None:
-    """Compare fn(*args) with ref(*args) for `cases` random draws of inputs(generator)."""
+          rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0, device: str = "cpu") -> None:
+    """Compare fn(*args) with ref(*args) for `cases` random draws of inputs(generator, case), drawn
+    on the CPU and handed to fn on `device` (the reference runs on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
     for case in range(cases):
-        args = inputs(gen)
+        args = inputs(gen, case)
+        where = f"{name}, case {case + 1} (inputs: {_describe(args)})"
         # Each side gets its own copy, so that a function that writes in place is checked too.
-        fresh = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
-        expected = ref(*fresh())
-        got = fn(*fresh())
+        fresh = lambda dev: [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
+        expected = ref(*fresh("cpu"))
+        got = _call(fn, fresh(device), where)
         if isinstance(expected, torch.Tensor):
             expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            raise AssertionError(f"{name}: expected {len(expected)} tensor(s), got {type(got).__name__}")
+            raise AssertionError(f"{where}: expected {len(expected)} tensor(s), got {type(got).__name__}")
         for i, (e, g) in enumerate(zip(expected, got)):
-            where = f"{name}, case {case + 1} (inputs: {_describe(args)})" + \
-                    (f", output {i}" if len(expected) > 1 else "")
+            at = where + (f", output {i}" if len(expected) > 1 else "")
             if not isinstance(g, torch.Tensor):
-                raise AssertionError(f"{where}: expected a tensor, got {type(g).__name__}")
+                raise AssertionError(f"{at}: expected a tensor, got {type(g).__name__}")
             if g.shape != e.shape:
-                raise AssertionError(f"{where}: shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+                raise AssertionError(f"{at}: shape {tuple(g.shape)}, expected {tuple(e.shape)}")
             if g.dtype != e.dtype:
-                raise AssertionError(f"{where}: dtype {g.dtype}, expected {e.dtype}")
+                raise AssertionError(f"{at}: dtype {g.dtype}, expected {e.dtype}")
             try:
-                torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+                torch.testing.assert_close(g.cpu(), e, **TOLERANCES.get(e.dtype, dict(rtol=rtol, atol=atol)))
             except AssertionError as err:
-                raise AssertionError(f"{where}: values differ from the reference.\n{err}") from None
+                raise AssertionError(f"{at}: values differ from the reference.\n{err}") from None
     print(f"passed: {name} matches the reference on {cases} random inputs")
 
 
@@ -59,50 +164,116 @@ def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
     return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
 
+def _block_size(gen: torch.Generator, case: int, hi: int = 6) -> int:
+    """Block sizes 1 and 3 first (where off-by-ones show), then random ones."""
+    return (1, 3)[case] if case < 2 else _randint(gen, 1, hi)
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@exercise("01", 1, "rms_norm")
 def check_rms_norm(fn: Callable) -> None:
-    """fn(x, weight, eps) -> RMSNorm of x over its last dimension."""
-    def inputs(gen):
+    """fn(x, weight, eps) -> RMSNorm of x over its last dimension, statistics in float32, in x's
+    dtype (float32, float16 and bfloat16; float16 values large enough that x**2 overflows it)."""
+    def inputs(gen, case):
+        dtype = DTYPES[case % 3]
         shape = [_randint(gen, 1, 5) for _ in range(_randint(gen, 1, 3))] + [_randint(gen, 3, 300)]
-        x = torch.randn(shape, generator=gen) * 3
-        return x, torch.randn(shape[-1], generator=gen), 1e-5
-    check("rms_norm", fn, rms_norm, inputs)
+        scale = 1000.0 if dtype == torch.float16 and case % 2 else 3.0
+        x = (torch.randn(shape, generator=gen) * scale).to(dtype)
+        return x, torch.randn(shape[-1], generator=gen).to(dtype), 1e-5
+    check("rms_norm", fn, rms_norm, inputs, cases=9)
 
 
+def _rope_inputs(gen: torch.Generator, case: int, dtypes=(torch.float32,), batch: bool = False) -> tuple:
+    T, Hk, D = _randint(gen, 1, 40), _randint(gen, 1, 4), 2 * _randint(gen, 1, 40)
+    Hq = Hk * _randint(gen, 1, 3)
+    dtype = dtypes[case % len(dtypes)]
+    lead = (_randint(gen, 1, 3),) if batch and case % 2 else ()  # the model's [B, T, ...] as well
+    cos, sin = rope_cos_sin(torch.randint(0, 4096, (*lead, T), generator=gen), rope_inv_freq(D, 10000.0))
+    return (torch.randn(*lead, T, Hq, D, generator=gen).to(dtype),
+            torch.randn(*lead, T, Hk, D, generator=gen).to(dtype), cos, sin)
+
+
+@exercise("01", 2, "apply_rope")
 def check_rope(fn: Callable) -> None:
-    """fn(q [T, Hq, D], k [T, Hk, D], cos [T, D/2], sin [T, D/2]) -> rotated (q, k), rotate-half."""
-    def inputs(gen):
-        T, Hk, D = _randint(gen, 1, 40), _randint(gen, 1, 4), 2 * _randint(gen, 1, 40)
-        Hq = Hk * _randint(gen, 1, 3)
-        cos, sin = rope_cos_sin(torch.randint(0, 4096, (T,), generator=gen), rope_inv_freq(D, 10000.0))
-        return torch.randn(T, Hq, D, generator=gen), torch.randn(T, Hk, D, generator=gen), cos, sin
-    check("apply_rope", fn, apply_rope, inputs)
+    """fn(q [..., T, Hq, D], k [..., T, Hk, D], cos, sin [..., T, D/2]) -> rotated (q, k), rotate-half."""
+    check("apply_rope", fn, apply_rope, lambda gen, case: _rope_inputs(gen, case, batch=True))
 
 
+@exercise("01", 3, "causal_attention")
 def check_attention(fn: Callable) -> None:
     """fn(q [B, T, Hq, D], k [B, T, Hk, D], v, scale) -> causal GQA attention [B, T, Hq, D]."""
-    def inputs(gen):
-        B, T, Hk, D = _randint(gen, 1, 3), _randint(gen, 1, 33), _randint(gen, 1, 3), _randint(gen, 2, 40)
-        Hq = Hk * _randint(gen, 1, 4)
+    def inputs(gen, case):
+        B, T, Hk, D = _randint(gen, 1, 3), _randint(gen, 2, 33), _randint(gen, 1, 3), _randint(gen, 2, 40)
+        Hq = Hk * _randint(gen, 2 if case == 0 else 1, 4)
         q, k, v = (torch.randn(B, T, h, D, generator=gen) for h in (Hq, Hk, Hk))
         return q, k, v, D ** -0.5
     check("causal_attention", fn, causal_attention, inputs)
 
 
+@exercise("01", 4, "top_p_filter")
 def check_top_p(fn: Callable) -> None:
     """fn(logits [B, V], top_p) -> logits with every token outside the nucleus set to -inf."""
-    def inputs(gen):
+    def inputs(gen, case):
         B, V = _randint(gen, 1, 4), _randint(gen, 2, 500)
         top_p = float(torch.rand((), generator=gen) * 0.98 + 0.01)
         return torch.randn(B, V, generator=gen) * 2, top_p
     check("top_p_filter", fn, top_p_filter, inputs)
 
 
+def device() -> str:
+    """Where the problem sets' Triton kernels run: the GPU when there is one, else Triton's interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """Triton's interpreter computes bfloat16 wrongly (NaN from a product of two), so on the CPU
+    the kernels are checked in float32 and float16 only."""
+    return DTYPES if torch.cuda.is_available() else DTYPES[:2]
+
+
+def _in_float32(op: Callable) -> Callable:
+    """op computed in float32 on the inputs as given, each output rounded once to the input dtype:
+    what a kernel that computes in float32 registers stores."""
+    def run(*args):
+        dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor))
+        out = op(*[a.float() if isinstance(a, torch.Tensor) else a for a in args])
+        return out.to(dtype) if isinstance(out, torch.Tensor) else tuple(o.to(dtype) for o in out)
+    return run
+
+
+@exercise("04", 1, "rms_norm_kernel", argument="rms_norm")
+def check_rms_norm_kernel(fn: Callable) -> None:
+    """fn(x, weight, eps) launching the kernel: rows of odd widths in float32, float16 (values large
+    enough that x**2 overflows it) and, on a GPU, bfloat16; on the GPU when there is one."""
+    dtypes = kernel_dtypes()
+
+    def inputs(gen, case):
+        dtype = dtypes[case % len(dtypes)]
+        rows, cols = _randint(gen, 1, 12), _randint(gen, 3, 300)
+        scale = 1000.0 if dtype == torch.float16 and case > 2 else 3.0
+        return ((torch.randn(rows, cols, generator=gen) * scale).to(dtype),
+                torch.randn(cols, generator=gen).to(dtype), 1e-5)
+    check("rms_norm kernel", fn, rms_norm, inputs, cases=6, device=device())
+
+
+@exercise("04", 2, "rope_kernel", argument="apply_rope")
+def check_rope_kernel(fn: Callable) -> None:
+    """fn(q [T, Hq, D], k [T, Hk, D], cos, sin [T, D/2] float32) launching the kernel: float32,
+    float16 and, on a GPU, bfloat16 heads of odd counts and widths; on the GPU when there is one."""
+    dtypes = kernel_dtypes()
+    check("rope kernel", fn, _in_float32(apply_rope), lambda gen, case: _rope_inputs(gen, case, dtypes),
+          cases=6, device=device())
+
+
+@exercise("02", 1, "write_kv")
 def check_write_kv(fn: Callable) -> None:
     """fn(k_cache, v_cache, k, v, start) -> (k_cache, v_cache) with k, v written at slots start..."""
-    def inputs(gen):
+    def inputs(gen, case):
         B, L, Hk, D = _randint(gen, 1, 3), _randint(gen, 2, 40), _randint(gen, 1, 3), _randint(gen, 1, 16)
         T = _randint(gen, 1, L)
-        start = _randint(gen, 0, L - T)
+        start = _randint(gen, 1 if case == 0 else 0, L - T)
         caches = [torch.randn(B, L, Hk, D, generator=gen) for _ in range(2)]
         return (*caches, torch.randn(B, T, Hk, D, generator=gen), torch.randn(B, T, Hk, D, generator=gen), start)
     check("write_kv", fn, write_kv, inputs)
@@ -112,68 +283,84 @@ def _cached_attention(q, k_cache, v_cache, length, scale):
     return causal_attention(q, k_cache[:, :length], v_cache[:, :length], scale, q_start=length - 1)
 
 
+@exercise("02", 2, "cached_attention")
 def check_cached_attention(fn: Callable) -> None:
     """fn(q [B, 1, Hq, D], k_cache, v_cache [B, max_len, Hk, D], length, scale) -> [B, 1, Hq, D]:
     the newest token (in slot length-1) attends over slots 0..length-1 only."""
-    def inputs(gen):
-        B, L, Hk, D = _randint(gen, 1, 3), _randint(gen, 1, 50), _randint(gen, 1, 3), _randint(gen, 2, 33)
-        Hq = Hk * _randint(gen, 1, 4)
+    def inputs(gen, case):
+        B, L, Hk, D = _randint(gen, 1, 3), _randint(gen, 2, 50), _randint(gen, 1, 3), _randint(gen, 2, 33)
+        Hq = Hk * _randint(gen, 2 if case == 0 else 1, 4)
         k_cache, v_cache = (torch.randn(B, L, Hk, D, generator=gen) for _ in range(2))
-        return torch.randn(B, 1, Hq, D, generator=gen), k_cache, v_cache, _randint(gen, 1, L), D ** -0.5
+        length = _randint(gen, 1, L - 1) if case < 4 else _randint(gen, 1, L)  # stale slots after length
+        return torch.randn(B, 1, Hq, D, generator=gen), k_cache, v_cache, length, D ** -0.5
     check("cached attention", fn, _cached_attention, inputs)
 
 
+@exercise("02", 3, "left_pad")
 def check_left_pad(fn: Callable) -> None:
     """fn(prompts: list[list[int]], pad_id) -> ids [B, L], real [B, L] bool, positions [B, L]."""
-    def inputs(gen):
+    def inputs(gen, case):
         prompts = [torch.randint(1, 1000, (_randint(gen, 1, 12),), generator=gen).tolist()
-                   for _ in range(_randint(gen, 1, 5))]
+                   for _ in range(_randint(gen, 2 if case == 0 else 1, 5))]
         return prompts, _randint(gen, 0, 3)
     check("left_pad", fn, left_pad, inputs)
 
 
+@exercise("02", 4, "static_batch_waste")
 def check_static_batch_waste(fn: Callable) -> None:
     """fn(output_lens: list[int], batch_size) -> fraction of decode slots spent on finished rows."""
-    def inputs(gen):
+    def inputs(gen, case):
         lens = torch.randint(1, 300, (_randint(gen, 1, 40),), generator=gen).tolist()
         return lens, _randint(gen, 1, 12)
     as_tensor = lambda f: lambda *a: torch.tensor(float(f(*a)), dtype=torch.float64)  # noqa: E731
     check("static_batch_waste", as_tensor(fn), as_tensor(static_batch_waste), inputs)
 
 
+@exercise("03", 3, "slot_mapping")
 def check_slot_mapping(fn: Callable) -> None:
     """fn(block_table: list[int], start, num_tokens, block_size) -> LongTensor [num_tokens] of slots."""
-    def inputs(gen):
-        bs, n_blocks = _randint(gen, 1, 8), _randint(gen, 1, 6)
+    def inputs(gen, case):
+        bs, n_blocks = _block_size(gen, case, 8), _randint(gen, 1, 6)
         table = torch.randperm(50, generator=gen)[:n_blocks].tolist()
         start = _randint(gen, 0, bs * n_blocks - 1)
         return table, start, _randint(gen, 1, bs * n_blocks - start), bs
     check("slot_mapping", fn, slot_mapping, inputs)
 
 
+@exercise("03", 4, "gather_kv")
 def check_gather_kv(fn: Callable) -> None:
     """fn(pool [num_blocks, block_size, Hk, D], block_tables [B, max_blocks], length) -> [B, length, Hk, D]."""
-    def inputs(gen):
-        nb, bs, Hk, D = _randint(gen, 4, 30), _randint(gen, 1, 8), _randint(gen, 1, 3), _randint(gen, 1, 9)
+    def inputs(gen, case):
+        nb, bs, Hk, D = _randint(gen, 4, 30), _block_size(gen, case, 8), _randint(gen, 1, 3), _randint(gen, 1, 9)
         B, width = _randint(gen, 1, 3), _randint(gen, 1, 4)
         tables = torch.randint(0, nb, (B, width), generator=gen)
         return torch.randn(nb, bs, Hk, D, generator=gen), tables, _randint(gen, 1, width * bs)
     check("gather_kv", fn, gather_kv, inputs)
 
 
-def _run_ops(cls, ops: list[tuple], num_blocks: int, block_size: int) -> None:
+_OPS = {"allocate": "allocate", "append": "append_token", "free": "free"}
+
+
+def _run_ops(cls, ops: list[tuple], num_blocks: int, block_size: int, case: int) -> None:
     """Run the same operations on the student's class and the reference BlockManager; they must
     agree on which calls fail, on free counts and on table lengths, and tables must not overlap."""
-    mine, ref = cls(num_blocks, block_size), BlockManager(num_blocks, block_size)
+    where = f"case {case + 1} (num_blocks={num_blocks}, block_size={block_size})"
+    mine = _call(cls, (num_blocks, block_size), where)
+    ref = BlockManager(num_blocks, block_size)
     for step, (op, *args) in enumerate(ops):
-        where = f"after {ops[:step + 1][-4:]} (the last 4 operations)"
+        where = f"case {case + 1} (num_blocks={num_blocks}, block_size={block_size}), after {ops[:step + 1][-4:]} " \
+                "(the last 4 operations)"
         outcome = []
         for bm in (mine, ref):
             try:
-                getattr(bm, {"allocate": "allocate", "append": "append_token", "free": "free"}[op])(*args)
+                getattr(bm, _OPS[op])(*args)
                 outcome.append(None)
             except (OutOfBlocks, KeyError, ValueError) as e:
                 outcome.append(type(e).__name__)
+            except Exception as err:
+                if _unanswered(err):
+                    raise
+                raise AnswerError(f"{where}: your {_OPS[op]} raised {type(err).__name__}: {err}") from err
         if outcome[0] != outcome[1]:
             raise AssertionError(f"{where}: expected {outcome[1] or 'success'}, got {outcome[0] or 'success'}")
         if mine.num_free_blocks != ref.num_free_blocks:
@@ -197,17 +384,28 @@ def _random_ops(gen: torch.Generator, kinds: list[str], n: int = 60) -> list[tup
     return ops
 
 
-def check_block_manager(cls, with_append: bool = False) -> None:
-    """cls(num_blocks, block_size) with allocate(seq_id, num_tokens) -> table, free(seq_id),
-    block_table(seq_id), num_free_blocks (and append_token(seq_id) if with_append), compared with
-    the reference on random operation sequences (errors: OutOfBlocks, KeyError, ValueError)."""
+def _check_block_ops(cls, with_append: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     kinds = ["allocate", "free"] + ["append"] * 3 * with_append
     cases = 30
-    for _ in range(cases):
-        _run_ops(cls, _random_ops(gen, kinds), _randint(gen, 4, 16), _randint(gen, 1, 6))
+    for case in range(cases):
+        _run_ops(cls, _random_ops(gen, kinds), _randint(gen, 4, 16), _block_size(gen, case), case)
     what = "allocate/append/free" if with_append else "allocate/free"
     print(f"passed: {what} agree with the reference on {cases} random operation sequences")
+
+
+@exercise("03", 1, "MyBlockManager")
+def check_block_manager(cls) -> None:
+    """cls(num_blocks, block_size) with allocate(seq_id, num_tokens) -> table, free(seq_id),
+    block_table(seq_id) and num_free_blocks, compared with the reference on random operation
+    sequences (errors: OutOfBlocks, KeyError, ValueError)."""
+    _check_block_ops(cls, with_append=False)
+
+
+@exercise("03", 2, "append_token", argument="MyBlockManager")
+def check_append_token(cls) -> None:
+    """The same, with append_token(seq_id) among the operations."""
+    _check_block_ops(cls, with_append=True)
 
 
 def _merge_partials_ref(o1, lse1, o2, lse2):
@@ -222,10 +420,11 @@ def _random_partial(gen: torch.Generator, R: int, D: int) -> tuple[torch.Tensor,
     return o.masked_fill(empty[:, None], 0.0), lse.masked_fill(empty, float("-inf"))
 
 
+@exercise("05", 1, "merge_partials")
 def check_merge_partials(fn: Callable) -> None:
     """fn(o1 [R, D], lse1 [R], o2, lse2) -> (o, lse): two partial softmax results over disjoint keys
     merged into one (lse: natural-log log-sum-exp, -inf for an empty part)."""
-    def inputs(gen):
+    def inputs(gen, case):
         R, D = _randint(gen, 1, 9), _randint(gen, 1, 70)
         (o1, l1), (o2, l2) = _random_partial(gen, R, D), _random_partial(gen, R, D)
         both = l1.isinf() & l2.isinf()  # at least one part of each row has keys
@@ -241,12 +440,13 @@ def _decode_program_ref(q, k_cache, v_cache, table, start, end, scale):
     return scores.softmax(-1) @ v_cache.flatten(0, 1)[slots], scores.logsumexp(-1)
 
 
+@exercise("05", 2, "decode_program")
 def check_decode_program(fn: Callable) -> None:
     """fn(q [G, D], k_cache, v_cache [num_blocks, block_size, D], table: list[int], start, end,
     scale) -> (o [G, D], lse [G]): one program's piece, tokens start..end-1, read through the table.
     Every slot the piece must not read holds NaN, so reading one shows in the result."""
-    def inputs(gen):
-        G, D, bs = _randint(gen, 1, 5), _randint(gen, 2, 40), _randint(gen, 1, 7)
+    def inputs(gen, case):
+        G, D, bs = _randint(gen, 1, 5), _randint(gen, 2, 40), _block_size(gen, case, 7)
         length = _randint(gen, 1, 90)
         n_blocks = -(-length // bs)
         num_blocks = n_blocks + _randint(gen, 1, 6)
@@ -266,18 +466,20 @@ def _merge_splits_ref(part, lse):
     return (part * (w / w.sum(-1, keepdim=True))[..., None]).sum(-2)
 
 
+@exercise("05", 3, "merge_kernel", argument="merge_splits")
 def check_merge_splits(fn: Callable) -> None:
     """fn(part [R, S, D] float32, lse [R, S]) -> out [R, D]: S partial results per row (natural-log
     lse, -inf for an empty split; split 0 is never empty) merged."""
-    def inputs(gen):
+    def inputs(gen, case):
         R, S, D = _randint(gen, 1, 6), _randint(gen, 1, 9), _randint(gen, 1, 70)
         part, lse = _random_partial(gen, R * S, D)
         lse = lse.view(R, S)
         lse[:, 0] = lse[:, 0].nan_to_num(neginf=1.0)
         return part.view(R, S, D), lse
-    check("merge_splits", fn, _merge_splits_ref, inputs, cases=5)
+    check("merge_splits", fn, _merge_splits_ref, inputs, cases=5, device=device())
 
 
+@exercise("05", 4, "store_kv")
 def check_store_kv(fn: Callable) -> None:
     """fn(k, v [N, Hk, D], k_cache, v_cache [num_blocks, block_size, Hk, D], slot_mapping [N]) writes
     in place (slot -1: written nowhere)."""
@@ -286,8 +488,8 @@ def check_store_kv(fn: Callable) -> None:
     def caches_after(store):
         return lambda k, v, kc, vc, slots: (store(k, v, kc, vc, slots), kc, vc)[1:]
 
-    def inputs(gen):
-        nb, bs, Hk, D = _randint(gen, 2, 9), _randint(gen, 1, 6), _randint(gen, 1, 3), _randint(gen, 1, 20)
+    def inputs(gen, case):
+        nb, bs, Hk, D = _randint(gen, 2, 9), _block_size(gen, case), _randint(gen, 1, 3), _randint(gen, 1, 20)
         N = _randint(gen, 1, nb * bs)
         slots = torch.randperm(nb * bs, generator=gen)[:N]
         slots[torch.rand(N, generator=gen) < 0.25] = -1
@@ -315,12 +517,13 @@ def _admit_ref(prompt_lens, free_blocks, block_size, seats, budget):
     return n
 
 
+@exercise("06", 1, "admit")
 def check_admit(fn: Callable) -> None:
     """fn(prompt_lens, free_blocks, block_size, seats, budget) -> how many waiting sequences, in
     queue order, are admitted (each: a seat, its prompt within the token budget, blocks for it)."""
-    def inputs(gen):
+    def inputs(gen, case):
         n = _randint(gen, 0, 8)
-        return ([_randint(gen, 1, 60) for _ in range(n)], _randint(gen, 0, 40), _randint(gen, 1, 16),
+        return ([_randint(gen, 1, 60) for _ in range(n)], _randint(gen, 0, 40), _block_size(gen, case, 16),
                 _randint(gen, 0, 8), _randint(gen, 1, 200))
     check("admit", _as_tensor(fn), _as_tensor(_admit_ref), inputs, cases=40)
 
@@ -342,12 +545,13 @@ def _schedule_decodes_ref(lens, free_blocks, block_size):
     return decode, preempted
 
 
+@exercise("06", 2, "schedule_decodes")
 def check_schedule_decodes(fn: Callable) -> None:
     """fn(lens, free_blocks, block_size) -> (decoding indices, preempted indices in order): running
     sequences (most urgent first, lens[i] tokens each in the pool) each decode a token, preempting
     the least urgent one (recompute) whenever a needed block is not free."""
-    def inputs(gen):
-        bs = _randint(gen, 1, 5)
+    def inputs(gen, case):
+        bs = _block_size(gen, case, 5)
         return [_randint(gen, 1, 4 * bs) for _ in range(_randint(gen, 0, 9))], _randint(gen, 0, 3), bs
     check("schedule_decodes", _as_tensor(fn), _as_tensor(_schedule_decodes_ref), inputs, cases=60)
 
@@ -360,10 +564,11 @@ def _preempt_for_ref(head, head_blocks, running, running_blocks, free_blocks):
     return n
 
 
+@exercise("06", 3, "preempt_for")
 def check_preempt_for(fn: Callable) -> None:
     """fn(head, head_blocks, running, running_blocks, free_blocks) -> how many of the least urgent
     running sequences (keys (priority, arrival), most urgent first) the waiting head preempts."""
-    def inputs(gen):
+    def inputs(gen, case):
         n = _randint(gen, 0, 7)
         keys = sorted((_randint(gen, 0, 3), a) for a in torch.randperm(20, generator=gen)[:n + 1].tolist())
         head = keys.pop(_randint(gen, 0, n))
@@ -377,10 +582,11 @@ def _sample_rows_ref(logits, temperature, top_p, noise):
     return torch.where(temperature > 0, (probs / noise).argmax(-1), logits.argmax(-1))
 
 
+@exercise("06", 4, "sample_rows")
 def check_sample_rows(fn: Callable) -> None:
     """fn(logits [B, V], temperature [B], top_p [B], noise [B, V]) -> tokens [B] int64: each row by
     its own parameters (temperature 0: argmax), top-p, then argmax(probs / noise)."""
-    def inputs(gen):
+    def inputs(gen, case):
         B, V = _randint(gen, 1, 7), _randint(gen, 2, 300)
         temperature = torch.rand(B, generator=gen) * 1.5
         temperature[torch.rand(B, generator=gen) < 0.3] = 0
@@ -397,11 +603,12 @@ def _varlen_ref(tokens, tables, num_cached, block_size):
     return tuple(t.long() for t in (b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens))
 
 
+@exercise("06", 5, "varlen_metadata")
 def check_varlen_metadata(fn: Callable) -> None:
     """fn(tokens, block_tables, num_cached, block_size) -> (positions [N], slot_mapping [N],
     query_start_loc [B+1], seq_lens [B]) as int64 tensors."""
-    def inputs(gen):
-        bs, B = _randint(gen, 1, 5), _randint(gen, 1, 6)
+    def inputs(gen, case):
+        bs, B = _block_size(gen, case, 5), _randint(gen, 1, 6)
         cached = [_randint(gen, 0, 12) for _ in range(B)]
         tokens = [[_randint(gen, 0, 99) for _ in range(_randint(gen, 1, 9))] for _ in range(B)]
         pool = torch.randperm(200, generator=gen).tolist()
@@ -416,10 +623,11 @@ def _chain_hashes_ref(tokens, block_size):
     return [h for h, _ in block_keys(tokens, block_size)]
 
 
+@exercise("07", 1, "chain_hashes")
 def check_chain_hashes(fn: Callable) -> None:
     """fn(tokens, block_size) -> the chained hash of each full block, in order."""
-    def inputs(gen):
-        return [_randint(gen, 0, 3) for _ in range(_randint(gen, 0, 30))], _randint(gen, 1, 5)
+    def inputs(gen, case):
+        return [_randint(gen, 0, 3) for _ in range(_randint(gen, 0, 30))], _block_size(gen, case, 5)
     check("chain_hashes", _as_tensor(fn), _as_tensor(_chain_hashes_ref), inputs, cases=40)
 
 
@@ -433,11 +641,12 @@ def _longest_cached_prefix_ref(tokens, cached, block_size):
     return blocks
 
 
+@exercise("07", 2, "longest_cached_prefix")
 def check_longest_cached_prefix(fn: Callable) -> None:
     """fn(tokens, cached {hash: block}, block_size) -> the cached blocks of the longest prefix,
     leaving at least the last token to compute."""
-    def inputs(gen):
-        bs = _randint(gen, 1, 4)
+    def inputs(gen, case):
+        bs = _block_size(gen, case, 4)
         stored = [[_randint(gen, 0, 2) for _ in range(_randint(gen, 0, 16))] for _ in range(3)]
         cached = {h: _randint(gen, 0, 99) for s in stored for h in _chain_hashes_ref(s, bs)}
         query = stored[0][:_randint(gen, 0, 16)] + [_randint(gen, 0, 2) for _ in range(_randint(gen, 1, 6))]
@@ -461,11 +670,12 @@ def _lru_evictions_ref(free, ops):
     return evicted
 
 
+@exercise("07", 3, "lru_evictions")
 def check_lru_evictions(fn: Callable) -> None:
     """fn(free, ops) -> the cached blocks evicted, in order. ops: ("release", b): cached block b
     loses its last user; ("hit", b): a request reuses cached block b; ("take", n): n blocks are
     needed, from the free list first (front first), then by evicting the least recently used."""
-    def inputs(gen):
+    def inputs(gen, case):
         free = list(range(_randint(gen, 0, 4)))
         left, lru, in_use, ops = len(free), [], list(range(10, 10 + _randint(gen, 0, 8))), []
         for _ in range(_randint(gen, 0, 14)):  # only valid ops: a take never asks for more than there is
@@ -499,16 +709,18 @@ def _prefill_plan_ref(num_decoders, prompt_lens, budget):
     return steps
 
 
+@exercise("07", 4, "prefill_plan")
 def check_prefill_plan(fn: Callable) -> None:
     """fn(num_decoders, prompt_lens, budget) -> for each step until every prompt is computed, the
     tokens of each prompt computed in it: the decoders take one token each first, the prompts share
     what is left in queue order."""
-    def inputs(gen):
+    def inputs(gen, case):
         d = _randint(gen, 0, 5)
         return d, [_randint(gen, 1, 40) for _ in range(_randint(gen, 0, 4))], d + _randint(gen, 1, 12)
     check("prefill_plan", _as_tensor(fn), _as_tensor(_prefill_plan_ref), inputs, cases=60)
 
 
+@exercise("08", 1, "sse_event")
 def check_sse_event(fn: Callable) -> None:
     """fn(data) -> the text of one Server-Sent Event carrying `data` (any string, newlines included)."""
     from miniinfer.server import sse_event
@@ -516,12 +728,13 @@ def check_sse_event(fn: Callable) -> None:
     cases = ['{"text":"hi"}', "[DONE]", "", "two\nlines", "\n", "data: inside", "a\n\nb"]
     cases += ["".join("ab\n: {}"[_randint(gen, 0, 6)] for _ in range(_randint(gen, 0, 12))) for _ in range(40)]
     for data in cases:
-        got, expected = fn(data), sse_event(data)
+        got, expected = _call(fn, (data,), f"sse_event({data!r})"), sse_event(data)
         if got != expected:
             raise AssertionError(f"sse_event({data!r}) returned {got!r}; expected {expected!r}")
     print(f"passed: sse_event matches the reference on {len(cases)} strings")
 
 
+@exercise("08", 2, "Detokenizer")
 def check_detokenizer(cls: Callable) -> None:
     """cls(tokenizer) with add(new_ids) -> str and finish() -> str: fed the course tokenizer's ids of
     text with multi-byte characters, one to three at a time, no piece holds a broken character, text
@@ -533,10 +746,11 @@ def check_detokenizer(cls: Callable) -> None:
     for case in range(30):
         text = "".join(words[_randint(gen, 0, len(words) - 1)] for _ in range(_randint(gen, 1, 12)))
         ids = tok(text).input_ids
-        detok, pieces, i = cls(tok), [], 0
+        case_of = f"case {case + 1} (text {text!r}, token ids {ids})"
+        detok, pieces, i = _call(cls, (tok,), case_of), [], 0
         while i < len(ids):
             n = 1 if case % 2 else _randint(gen, 1, 3)
-            piece = detok.add(ids[i:i + n])
+            piece = _call(detok.add, (ids[i:i + n],), f"{case_of}, add({ids[i:i + n]})")
             i += n
             pieces.append(piece)
             so_far = tok.decode(ids[:i])
@@ -546,12 +760,13 @@ def check_detokenizer(cls: Callable) -> None:
             if n == 1 and not so_far.endswith("\ufffd") and "".join(pieces) != so_far:
                 raise AssertionError(f"{where}: the ids so far decode to {so_far!r}, but only "
                                      f"{''.join(pieces)!r} was handed out")
-        pieces.append(detok.finish())
+        pieces.append(_call(detok.finish, (), f"{case_of}, finish()"))
         if "".join(pieces) != text:
             raise AssertionError(f"text {text!r}: the pieces {pieces!r} add up to {''.join(pieces)!r}")
     print("passed: the detokenizer streams 30 texts exactly, without broken characters")
 
 
+@exercise("08", 3, "stream_request")
 def check_stream_request(fn: Callable) -> None:
     """fn(outputs: asyncio.Queue, abort) -> an async generator of the outputs taken from the queue, up
     to and including the first finished one; abort() is called once if the stream ends before that."""
