@@ -1,0 +1,43 @@
+"""The last part of a problem set runs the course model through the student's answers: it equals the
+package's output when every exercise is answered, and names the exercise that is not."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import build  # noqa: E402
+from test_course import errors, execute  # noqa: E402
+
+# For each problem set with a last part: the exercise left unanswered in the second run.
+LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "03_paged_blocks": "03.append_token",
+              "04_triton_rmsnorm_rope": "04.rope_kernel", "05_paged_attention": "05.decode_program"}
+
+
+def last_part(nb) -> int:
+    return next(i for i, c in enumerate(nb.cells) if "mi.testing.your_answers(" in c.source)
+
+
+@pytest.mark.parametrize("name", LAST_PARTS)
+def test_last_part_equals_the_package_when_answered(name):
+    nb = json.loads((ROOT / "solutions" / f"{name}.ipynb").read_text())
+    cell = nb["cells"][next(i for i, c in enumerate(nb["cells"]) if "mi.testing.your_answers(" in build.cell_source(c))]
+    text = "".join("".join(o.get("text", "")) for o in cell["outputs"])
+    assert ": True" in text and "False" not in text, text  # the stored run; nbval re-runs it
+
+
+@pytest.mark.parametrize("name, missing", LAST_PARTS.items())
+def test_last_part_names_the_unanswered_exercise(name, missing, tmp_path):
+    nb = json.loads((ROOT / "solutions" / f"{name}.ipynb").read_text())
+    for cell in nb["cells"]:
+        if cell["metadata"].get("miniinfer", {}).get("exercise") == missing:
+            cell.update(build.make_exercise({"cells": [cell]})["cells"][0])
+    path = tmp_path / f"{name}.ipynb"
+    path.write_text(build.dump_notebook(nb))
+    ran = execute(path)
+    label = __import__("miniinfer").testing.EXERCISES[missing].label
+    assert errors(ran.cells[last_part(ran)]) == [
+        f"NotAnswered: {label} is not answered yet: finish it (and run its check) before this part"]
