@@ -1,7 +1,6 @@
 # make lab          set up .venv and open the course in JupyterLab (your copies, in workspace/)
 # make reset NB=05  take a fresh copy of chapter 05 (yours moves to workspace/backup/)
 # make test         set up .venv and run every check CI runs
-# make grade SUBMISSIONS=folder   grade students' exercise notebooks into grades.csv
 # make demo         complete a prompt with the embedded course model
 SHELL := /bin/bash
 VENV ?= .venv
@@ -12,9 +11,8 @@ NOTEBOOKS := notebooks/*.ipynb solutions/*.ipynb exercises/*.ipynb
 # `make TORCH_INDEX= lab` takes PyPI's default build instead.
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
 LAB_ARGS ?=
-SUBMISSIONS ?= submissions
 
-.PHONY: install lab reset test grade demo export exercises clean
+.PHONY: install lab reset test demo export exercises clean
 
 install: $(STAMP)
 
@@ -37,9 +35,6 @@ test: $(STAMP)
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
 	$(PY) -m pytest --nbval -n 2 --dist loadfile
-
-grade: $(STAMP)
-	$(VENV)/bin/miniinfer grade $(SUBMISSIONS) --out grades.csv
 
 demo: $(STAMP)
 	$(PY) -m miniinfer generate $$'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
