@@ -1,12 +1,7 @@
 """The student's workspace (`make lab`, `make reset`): their copies, never the tracked notebooks."""
 
-import json
-import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,38 +32,18 @@ def test_reset_keeps_the_old_copy_and_takes_the_course_version(tmp_path):
         lab.reset("99", tmp_path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_make_lab_serves_lessons_problem_sets_and_the_landing_page(tmp_path):
     """The README's command, as root too, answers for every file a student opens (REST API)."""
+    from browser_test import Lab
+
     status = ["git", "status", "--porcelain", "notebooks", "exercises", "solutions"]
     before = subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout
-    port = free_port()
-    env = dict(os.environ, MINIINFER_WORKSPACE=str(tmp_path / "ws"))
-    args = f"--no-browser --port={port} --IdentityProvider.token=t --ServerApp.open_browser=False"
-    proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}", f"VENV={Path(sys.executable).parent.parent}"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    server = Lab(tmp_path / "ws", tmp_path / "lab.log")
     try:
-        def get(path):
-            url = f"http://127.0.0.1:{port}/api/contents/{path}?token=t&content=0"
-            with urllib.request.urlopen(url, timeout=5) as r:
-                return json.load(r)
-        for _ in range(120):
-            try:
-                get("")
-                break
-            except OSError:
-                assert proc.poll() is None, f"make lab exited: {proc.stderr.read()[-2000:]}"
-                time.sleep(0.5)
+        server.wait(timeout=60)
         for path in [lab.LANDING, "notebooks/01_naive_decoding.ipynb", "exercises/08_serving.ipynb",
                      "docs/benchmarks"]:
-            assert get(path)["path"] == path
+            assert server.api(f"contents/{path}?content=0")["path"] == path
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+        server.stop()
     assert subprocess.run(status, cwd=ROOT, capture_output=True, text=True).stdout == before

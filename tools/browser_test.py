@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-# What tools/lab.py needs to run headless Chromium as root on a closed network: without the
+# What Chromium needs to run headless as root on a closed network: without the
 # background-networking flags its connections to Google's hosts are refused, many at a time.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
