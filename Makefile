@@ -1,6 +1,7 @@
 # make lab          set up .venv and open the course in JupyterLab (your copies, in workspace/)
 # make reset NB=05  take a fresh copy of chapter 05 (yours moves to workspace/backup/)
 # make test         set up .venv and run every check CI runs
+# make grade SUBMISSIONS=folder   grade students' problem sets into grades.csv (see docs/instructor.md)
 # make demo         complete a prompt with the embedded course model
 SHELL := /bin/bash
 VENV ?= .venv
@@ -11,8 +12,11 @@ NOTEBOOKS := notebooks/*.ipynb solutions/*.ipynb exercises/*.ipynb
 # `make TORCH_INDEX= lab` takes PyPI's default build instead.
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
 LAB_ARGS ?=
+GRADES ?= grades.csv
+JOBS ?= 1
+TIMEOUT ?= 600
 
-.PHONY: install lab reset test demo export exercises clean
+.PHONY: install lab reset test grade demo export exercises clean
 
 install: $(STAMP)
 
@@ -35,6 +39,10 @@ test: $(STAMP)
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
 	$(PY) -m pytest --nbval -n 2 --dist loadfile
+
+grade: $(STAMP)
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS='folder or notebooks' [JOBS=2] [TIMEOUT=600] [GRADES=grades.csv]"; exit 2; }
+	$(PY) -m miniinfer grade $(SUBMISSIONS) --out $(GRADES) --jobs $(JOBS) --timeout $(TIMEOUT)
 
 demo: $(STAMP)
 	$(PY) -m miniinfer generate $$'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'

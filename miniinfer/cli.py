@@ -1,5 +1,6 @@
-"""The `miniinfer` command (also `python -m miniinfer`): serve, generate, chat, bench.
-Hand-written module (chapter 08)."""
+"""The `miniinfer` command (also `python -m miniinfer`): serve, generate, chat, bench, grade.
+Hand-written module (chapter 08). PyTorch and the engine are imported by the commands that need them,
+so that `--help`, `bench` and `grade` start at once."""
 
 from __future__ import annotations
 
@@ -11,30 +12,43 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+DTYPES = ("float32", "bfloat16", "float16")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+class Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help says it (or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not (action.default is None or action.default is False or action.default == argparse.SUPPRESS) and "default" not in text and action.option_strings:
+            text += f" (default: {action.default})"
+        return text.strip()
 
 
 def engine_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded course model)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    ap.add_argument("--enable-prefix-caching", action="store_true")
-    ap.add_argument("--enable-chunked-prefill", action="store_true")
-    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens in one step at most (default: the larger of the context length and 8192)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of the GPU's memory the engine may use")
+    ap.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                    help="what a preempted request loses")
+    ap.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV of shared prompt prefixes")
+    ap.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts over steps")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="decode without CUDA graphs")
 
 
 def engine_config(args: argparse.Namespace):
+    import torch
     import miniinfer as mi
-    dtype = DTYPES[args.dtype] if args.dtype else torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     return mi.EngineConfig(
         model=args.model, device=args.device, dtype=dtype, block_size=args.block_size, num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -49,11 +63,11 @@ def make_engine(args: argparse.Namespace):
 
 
 def sampling_options(ap: argparse.ArgumentParser, max_tokens: int) -> None:
-    ap.add_argument("--max-tokens", type=int, default=max_tokens)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of this total probability")
+    ap.add_argument("--seed", type=int, default=None, help="the request's random seed (default: none, not reproducible)")
 
 
 def sampling(args: argparse.Namespace):
@@ -80,11 +94,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(engine_config(args), name, host=args.host, port=args.port)
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt as given, or read from --file or stdin (`-`): newlines need no shell quoting."""
+    if args.file is not None:
+        if args.prompt is not None:
+            raise SystemExit("give the prompt as an argument or with --file, not both")
+        return Path(args.file).read_text()
+    if args.prompt is None or args.prompt == "-":
+        if args.prompt is None and sys.stdin.isatty():
+            raise SystemExit("no prompt: give one as an argument, with --file, or on stdin")
+        return sys.stdin.read()
+    return args.prompt
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
+    prompt = read_prompt(args)
+    if not prompt:
+        raise SystemExit("the prompt is empty")
     engine = make_engine(args)
-    print(args.prompt, end="")
+    print(prompt, end="")
     t0 = time.perf_counter()
-    _, n = stream_text(engine, engine.tokenizer(args.prompt).input_ids, sampling(args))
+    _, n = stream_text(engine, engine.tokenizer(prompt).input_ids, sampling(args))
     print(f"\n[{n} tokens in {time.perf_counter() - t0:.2f} s on {args.device}]")
 
 
@@ -147,44 +177,72 @@ def cmd_bench(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="miniinfer", description="miniinfer: serve, generate, chat, bench")
-    sub = ap.add_subparsers(dest="command", required=True)
+def cmd_grade(args: argparse.Namespace) -> None:
+    try:
+        import nbclient  # noqa: F401
+        import ipykernel  # noqa: F401
+    except ImportError:
+        raise SystemExit("miniinfer grade needs nbclient and ipykernel: pip install -e '.[dev]'") from None
+    from miniinfer import grade
+    t0 = time.perf_counter()
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    def progress(path: Path, rows: list, seconds: float) -> None:
+        passed = sum(r.status == "passed" for r in rows)
+        print(f"{path}: {passed}/{len(rows)} passed ({seconds:.1f} s)", flush=True)
+
+    rows = grade.grade(args.paths, timeout=args.timeout, jobs=args.jobs, progress=progress)
+    grade.write_csv(rows, args.out)
+    print(f"\n{grade.summary(rows)}\n\n{len({r.notebook for r in rows})} notebooks graded in "
+          f"{time.perf_counter() - t0:.0f} s; one row per notebook and exercise in {args.out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="miniinfer", description="miniinfer: serve, generate, chat, bench, grade")
+    sub = ap.add_subparsers(dest="command", required=True)
+    command = lambda name, text: sub.add_parser(name, help=text, description=text, formatter_class=Help)  # noqa: E731
+
+    p = command("serve", "OpenAI-compatible HTTP server")
     engine_options(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.set_defaults(run=cmd_serve)
 
-    p = sub.add_parser("generate", help="complete a prompt, streaming to the terminal")
-    p.add_argument("prompt")
+    p = command("generate", "complete a prompt, streaming to the terminal")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt; - or none: read it from stdin")
+    p.add_argument("--file", default=None, help="read the prompt from this file (default: the argument, or stdin)")
     engine_options(p)
     sampling_options(p, 64)
     p.set_defaults(run=cmd_generate)
 
-    p = sub.add_parser("chat", help="chat, in-process or with a running server (--url)")
+    p = command("chat", "chat, in-process or with a running server (--url)")
     p.add_argument("--url", default=None, help="a server, e.g. http://127.0.0.1:8000 (default: in-process)")
-    p.add_argument("--model-name", default=None, help="the served model to ask for (with --url)")
-    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--model-name", default=None, help="the served model to ask for, with --url (default: the server's first)")
+    p.add_argument("--system", default=None, help="a system message (default: none)")
     engine_options(p)
     sampling_options(p, 128)
     p.set_defaults(run=cmd_chat)
 
-    p = sub.add_parser("bench", help="load-test an OpenAI-compatible server (streamed completions)")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p = command("bench", "load-test an OpenAI-compatible server (streamed completions)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
     p.add_argument("--model-name", default=None, help="default: the server's first model")
-    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=256, help="requests to send")
     p.add_argument("--input-len", default="100:1024", help="prompt tokens, N or LOW:HIGH (uniform)")
     p.add_argument("--output-len", default="100:1024", help="output tokens, N or LOW:HIGH (uniform)")
     p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are uniform in 0..VOCAB-1")
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: all at once)")
-    p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default: no limit)")
     p.add_argument("--processes", type=int, default=1, help="client processes (one reads ~20k chunks/s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the result as JSON here")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
+    p.add_argument("--out", default=None, help="write the result as JSON here (default: print it only)")
     p.set_defaults(run=cmd_bench)
+
+    p = command("grade", "run students' problem-set notebooks, one row per notebook and exercise")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for them")
+    p.add_argument("--out", default="grades.csv", help="the CSV: notebook, chapter, exercise, status, message")
+    p.add_argument("--timeout", type=float, default=600, help="seconds one notebook may run")
+    p.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (one kernel each)")
+    p.set_defaults(run=cmd_grade)
 
     args = ap.parse_args(argv)
     try:

@@ -141,7 +141,7 @@ def test_bare_pytest_never_collects_unfilled_exercises():
     assert "exercises" not in opts["testpaths"] and "exercises" in opts["norecursedirs"]
 
 
-def test_cli_generates_a_completion():
+def test_cli_generates_a_completion(tmp_path):
     import miniinfer as mi
 
     prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'  # make demo's
@@ -151,3 +151,22 @@ def test_cli_generates_a_completion():
     greedy = mi.generate_cached(mi.load_model(), tok(prompt).input_ids,
                                 mi.SamplingParams(temperature=0, max_tokens=8))
     assert res.stdout.startswith(prompt + tok.decode(greedy)) and "[8 tokens in" in res.stdout
+    # The same prompt from stdin and from a file: its newlines arrive as newlines.
+    piped = subprocess.run([sys.executable, "-m", "miniinfer", "generate", "-", "--max-tokens", "8"],
+                           input=prompt, capture_output=True, text=True, cwd=ROOT)
+    file = tmp_path / "prompt.py"
+    file.write_text(prompt)
+    from_file = run("-m", "miniinfer", "generate", "--file", str(file), "--max-tokens", "8")
+    for other in (piped, from_file):
+        assert other.stdout.split("\n[")[0] == res.stdout.split("\n[")[0], other.stderr
+
+
+def test_cli_help_shows_every_default():
+    for command in ("serve", "generate", "chat", "bench", "grade"):
+        res = run("-m", "miniinfer", command, "--help")
+        assert res.returncode == 0, res.stderr
+        options = re.split(r"\n  (?=-)", res.stdout.split("options:", 1)[1])[1:]
+        valued = [" ".join(o.split()) for o in options if re.match(r"--[\w-]+ [A-Z{]", o)]
+        assert valued, res.stdout
+        for option in valued:  # every option that takes a value says what it is without one
+            assert "default" in option, f"miniinfer {command} --help: {option}"

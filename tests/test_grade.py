@@ -1,0 +1,133 @@
+"""`miniinfer grade` over a class folder in one run: a correct, a wrong (with its check cell rewritten
+to print "passed"), an unanswered, a looping, a kernel-killing, a cell-deleting, a renaming, a
+reordered, an unreadable notebook and one that is JSON but no notebook: each gets the right status."""
+
+import copy
+import csv
+import io
+import json
+import re
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from miniinfer import cli, grade
+
+ROOT = Path(__file__).resolve().parent.parent
+IDS = ["01.rms_norm", "01.apply_rope", "01.causal_attention", "01.top_p_filter"]
+
+
+def solution() -> dict:
+    """Problem set 01 answered, without its last part (which runs the model: slow, and not graded)."""
+    nb = json.loads((ROOT / "solutions" / "01_naive_decoding.ipynb").read_text())
+    last = next(i for i, c in enumerate(nb["cells"]) if c["source"] and "Putting it together" in "".join(c["source"]))
+    nb["cells"] = nb["cells"][:last]
+    return nb
+
+
+def cell(nb: dict, kind: str, id: str) -> dict:
+    return next(c for c in nb["cells"] if c["metadata"].get("miniinfer", {}).get(kind) == id)
+
+
+def source(c: dict) -> str:
+    return "".join(c["source"])
+
+
+def class_folder(tmp: Path) -> None:
+    def save(name: str, nb: dict) -> None:
+        (tmp / f"{name}.ipynb").write_text(json.dumps(nb))
+
+    save("correct", solution())
+
+    wrong = solution()  # no float32 upcast, and a check cell that claims success
+    cell(wrong, "exercise", "01.rms_norm")["source"] = (
+        "def rms_norm(x, weight, eps):\n    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)\n")
+    cell(wrong, "check", "01.rms_norm")["source"] = 'print("passed: rms_norm")'
+    save("wrong", wrong)
+
+    unanswered = json.loads((ROOT / "exercises" / "01_naive_decoding.ipynb").read_text())
+    unanswered["cells"] = unanswered["cells"][:len(solution()["cells"])]
+    save("unanswered", unanswered)
+
+    loop = solution()
+    cell(loop, "exercise", "01.apply_rope")["source"] = "while True:\n    pass\n"
+    save("loop", loop)
+
+    killer = solution()
+    cell(killer, "exercise", "01.causal_attention")["source"] = "import os\nos._exit(1)\n"
+    save("killer", killer)
+
+    deleting = solution()  # exercise 1's check cell and exercise 4's answer are gone
+    gone = [cell(deleting, "check", "01.rms_norm"), cell(deleting, "exercise", "01.top_p_filter")]
+    deleting["cells"] = [c for c in deleting["cells"] if all(c is not g for g in gone)]
+    save("deleting", deleting)
+
+    renaming = solution()
+    answer = cell(renaming, "exercise", "01.apply_rope")
+    answer["source"] = source(answer).replace("def apply_rope(", "def my_rope(")
+    save("renaming", renaming)
+
+    reordered = solution()  # exercise 4's answer and check moved to the top, the cells' order reversed
+    moved = [cell(reordered, "exercise", "01.top_p_filter"), cell(reordered, "check", "01.top_p_filter")]
+    rest = [c for c in reordered["cells"] if all(c is not m for m in moved)]
+    reordered["cells"] = rest[:2] + copy.deepcopy(moved) + rest[2:]
+    save("reordered", reordered)
+
+    (tmp / "01_unreadable.ipynb").write_text('{"cells": [')
+    (tmp / "01_not_a_notebook.ipynb").write_text('{"cells": 3}')
+
+
+EXPECTED = {
+    "correct": ["passed"] * 4,
+    "wrong": ["failed", "passed", "passed", "passed"],
+    "unanswered": ["unanswered"] * 4,
+    "loop": ["passed", "timeout", "timeout", "timeout"],
+    "killer": ["passed", "passed", "error", "error"],
+    "deleting": ["passed", "passed", "passed", "error"],
+    "renaming": ["passed", "error", "passed", "passed"],
+    "reordered": ["passed"] * 4,
+    "01_unreadable": ["error"] * 4,
+    "01_not_a_notebook": ["error"] * 4,
+}
+
+
+def test_grade_a_class_folder(tmp_path):
+    folder = tmp_path / "class"
+    folder.mkdir()
+    class_folder(folder)
+    out = tmp_path / "grades.csv"
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        cli.main(["grade", str(folder), "--out", str(out), "--timeout", "60", "--jobs", "3"])
+
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == grade.COLUMNS
+    got = {}
+    for r in rows:
+        got.setdefault(Path(r["notebook"]).stem, []).append((r["exercise"], r["status"], r["message"]))
+    assert {n: [s for _, s, _ in v] for n, v in got.items()} == EXPECTED
+    assert all([e for e, _, _ in v] == IDS for v in got.values())
+    assert all(r["chapter"] == "01" for r in rows)
+
+    message = {n: [m for _, _, m in v] for n, v in got.items()}
+    assert "case" in message["wrong"][0] and "values differ" in message["wrong"][0]
+    assert message["unanswered"][0].startswith("exercise 1 (rms_norm) is not answered yet")
+    assert "ran over 60 s" in message["loop"][1] and "while True" in message["loop"][1]
+    assert all("kernel died in cell" in m and "import os" in m for m in message["killer"][2:])
+    assert "check cell is missing" in message["deleting"][0]
+    assert "top_p_filter" in message["deleting"][3] and "not defined" in message["deleting"][3]
+    assert "apply_rope" in message["renaming"][1] and "renamed" in message["renaming"][1]
+    assert "not a readable notebook" in message["01_unreadable"][0]
+
+    text = printed.getvalue()
+    assert re.search(r"correct\.ipynb\s+ok\s+ok\s+ok\s+ok\s+4/4", text), text
+    assert re.search(r"loop\.ipynb\s+ok\s+TIME\s+TIME\s+TIME\s+1/4", text), text
+    assert "40 rows" in text and "10 notebooks graded" in text
+
+
+def test_a_notebook_of_no_chapter_is_one_error_row(tmp_path):
+    path = tmp_path / "notes.ipynb"
+    path.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    [row] = grade.grade_notebook(path)
+    assert (row.chapter, row.exercise, row.status) == ("", "", "error")
+    assert "no exercise of the course" in row.message
