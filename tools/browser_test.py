@@ -5,8 +5,8 @@
 Steps, each printed as one line (ok or FAIL, what was checked, how long it took):
   1. `make lab LAB_ARGS="--no-browser --port=N --IdentityProvider.token=T"` (the README's command)
      on a temporary workspace (MINIINFER_WORKSPACE), never the student's; wait until it answers.
-  2. Open the page `make lab` opens (the landing page, docs/start.md) in Debian's Chromium, driven
-     by Playwright; the links to the problem sets must be visible.
+  2. Open the address `make lab` prints (/lab) in Debian's Chromium, driven by Playwright: the
+     landing page (docs/start.md) must be open there, its links to the problem sets visible.
   3. Click the problem set of chapter 01, type an answer to the first exercise (rms_norm) through
      the cell's editor with real key presses, run the import cell, the exercise and its check with
      Shift+Enter, and read `passed` in the check's output.
@@ -298,16 +298,14 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
             student = Student(page, lab, shots)
             try:
                 def landing():
-                    # The address `make lab` opens in the student's browser: JupyterLab's page for
-                    # docs/start.md, the file tools/lab.py gives `jupyter lab`. (With --no-browser the
-                    # address JupyterLab prints is /lab, which shows the Launcher instead.)
-                    page.goto(lab.url("lab/tree/docs/start.md"))
+                    # The address `make lab` prints (with --no-browser: /lab, which restores the
+                    # workspace's layout); without --no-browser it opens /lab/tree/docs/start.md.
+                    page.goto(lab.url("lab"))
                     link = page.locator(".jp-RenderedMarkdown a[href*='exercises/01_naive_decoding.ipynb']")
                     link.wait_for(state="visible", timeout=90_000)
                     n = page.locator(".jp-RenderedMarkdown a[href*='exercises/']").count()
-                    news = page.get_by_role("button", name="No", exact=True)  # "notified about Jupyter news?"
-                    if news.is_visible():
-                        news.click()
+                    check(not page.get_by_text("Jupyter news").is_visible(),
+                          "JupyterLab asks about fetching its news (the workspace's settings say no)")
                     return f"docs/start.md rendered, {n} problem-set links visible; {student.shot('1_landing')}"
                 step(2, "landing page", landing)
 

@@ -14,6 +14,7 @@ later is copied at the next `make lab`, and `make reset NB=NN` takes a chapter's
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -27,8 +28,19 @@ WORKSPACE = Path(os.environ.get("MINIINFER_WORKSPACE", ROOT / "workspace")).reso
 FOLDERS = ("notebooks", "exercises")  # the same names as in the repository, so links work in both
 LANDING = "docs/start.md"
 # JupyterLab opens Markdown in its text editor by default; the landing page should read as a page.
+# Nor should it ask, on a closed network, whether to fetch Jupyter's news.
 SETTINGS = {"@jupyterlab/docmanager-extension/plugin.jupyterlab-settings":
-            {"defaultViewers": {"markdown": "Markdown Preview"}}}
+            {"defaultViewers": {"markdown": "Markdown Preview"}},
+            "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"}}
+# The layout JupyterLab restores at /lab, the address it prints with --no-browser: the landing page
+# open. Written once; from then on JupyterLab keeps the student's own layout there.
+_PAGE = f"markdownviewer-widget:{LANDING}"
+LAYOUT = {"data": {"layout-restorer:data": {"main": {"dock": {"type": "tab-area", "currentIndex": 0,
+                                                             "widgets": [_PAGE]}, "current": _PAGE}},
+                   _PAGE: {"data": {"path": LANDING, "factory": "Markdown Preview"}}},
+          "metadata": {"id": "default"}}
+# jupyterlab_server names a workspace's file by its id and the start of the id's SHA-256.
+LAYOUT_FILE = f"default-{hashlib.sha256(b'default').hexdigest()[:4]}.jupyterlab-workspace"
 
 
 def setup(workspace: Path = WORKSPACE) -> list[Path]:
@@ -48,6 +60,10 @@ def setup(workspace: Path = WORKSPACE) -> list[Path]:
         path = workspace / ".lab" / "settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(settings, indent=1))
+    layout = workspace / ".lab" / "workspaces" / LAYOUT_FILE
+    if not layout.exists():
+        layout.parent.mkdir(parents=True, exist_ok=True)
+        layout.write_text(json.dumps(LAYOUT))
     return copied
 
 
