@@ -1,10 +1,467 @@
 """The problem-set checks catch plausible mistakes: a check that passes a wrong answer teaches nothing."""
 
+import math
+
 import pytest
 import torch
 
 import miniinfer as mi
 from miniinfer import testing
+from miniinfer.block_manager import OutOfBlocks
+from miniinfer.model import apply_rope, causal_attention, rms_norm
+
+
+def rejected(check, wrong) -> None:
+    """The check raises AssertionError on the wrong answer: a wrong result, not a crash or a pass."""
+    with pytest.raises(AssertionError):
+        check(wrong)
+
+
+# Chapter 01 ------------------------------------------------------------------------------------
+
+def rms_norm_without_upcast(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_eps_outside_the_root(x, weight, eps):
+    xf = x.float()
+    return weight * (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
+def rms_norm_over_the_whole_tensor(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean() + eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_interleaved(q, k, cos, sin):
+    def rot(x):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., None, :], sin[..., None, :]
+        return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), -1).flatten(-2).to(x.dtype)
+    return rot(q), rot(k)
+
+
+def rope_turning_backwards(q, k, cos, sin):
+    c, s = torch.cat((cos, cos), -1)[..., None, :], torch.cat((sin, sin), -1)[..., None, :]
+    return ((q * c - rotate_half(q) * s).to(q.dtype), (k * c - rotate_half(k) * s).to(k.dtype))
+
+
+def rope_on_queries_only(q, k, cos, sin):
+    return apply_rope(q, k, cos, sin)[0], k
+
+
+def attention_without_mask(q, k, v, scale):
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def attention_mask_off_by_one(q, k, v, scale):
+    group, T = q.shape[2] // k.shape[2], q.shape[1]
+    k, v = (t.repeat_interleave(group, 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    future = torch.ones(T, T, dtype=torch.bool).triu(0)  # hides each token from itself too
+    return torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(future, -math.inf).softmax(-1), v)
+
+
+def attention_heads_tiled_not_interleaved(q, k, v, scale):
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat(1, 1, group, 1) for t in (k, v))  # query head h reads kv head h % Hk, not h // group
+    return causal_attention(q, k, v, scale)
+
+
+def attention_without_scale(q, k, v, scale):
+    return causal_attention(q, k, v, 1.0)
+
+
+def top_p_excluding_the_crossing_token(logits, top_p):
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = sorted_logits.softmax(-1).cumsum(-1) > top_p
+    return logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+
+
+def top_p_without_sorting(logits, top_p):
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs.cumsum(-1) - probs >= top_p, -math.inf)
+
+
+def top_p_zeroing_instead_of_minus_inf(logits, top_p):
+    kept = mi.sampling.top_p_filter(logits, top_p)
+    return kept.masked_fill(kept.isinf(), 0.0)
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_rms_norm, rms_norm_without_upcast),
+    (testing.check_rms_norm, rms_norm_eps_outside_the_root),
+    (testing.check_rms_norm, rms_norm_over_the_whole_tensor),
+    (testing.check_rope, rope_interleaved),
+    (testing.check_rope, rope_turning_backwards),
+    (testing.check_rope, rope_on_queries_only),
+    (testing.check_attention, attention_without_mask),
+    (testing.check_attention, attention_mask_off_by_one),
+    (testing.check_attention, attention_heads_tiled_not_interleaved),
+    (testing.check_attention, attention_without_scale),
+    (testing.check_top_p, top_p_excluding_the_crossing_token),
+    (testing.check_top_p, top_p_without_sorting),
+    (testing.check_top_p, top_p_zeroing_instead_of_minus_inf),
+])
+def test_chapter_01_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
+# Chapter 02 ------------------------------------------------------------------------------------
+
+def write_kv_one_slot_early(k_cache, v_cache, k, v, start):
+    return mi.write_kv(k_cache, v_cache, k, v, max(start - 1, 0))
+
+
+def write_kv_first_token_only(k_cache, v_cache, k, v, start):
+    return mi.write_kv(k_cache, v_cache, k[:, :1], v[:, :1], start)
+
+
+def write_kv_keys_into_both(k_cache, v_cache, k, v, start):
+    return mi.write_kv(k_cache, v_cache, k, k, start)
+
+
+def cached_attention_over_every_slot(q, k_cache, v_cache, length, scale):
+    return causal_attention(q, k_cache, v_cache, scale, q_start=k_cache.shape[1] - 1)
+
+
+def cached_attention_without_the_newest(q, k_cache, v_cache, length, scale):
+    if length == 1:
+        return torch.zeros_like(q)
+    return causal_attention(q, k_cache[:, :length - 1], v_cache[:, :length - 1], scale, q_start=length - 2)
+
+
+def cached_attention_without_scale(q, k_cache, v_cache, length, scale):
+    return causal_attention(q, k_cache[:, :length], v_cache[:, :length], 1.0, q_start=length - 1)
+
+
+def right_pad(prompts, pad_id):
+    L = max(map(len, prompts))
+    ids = torch.tensor([p + [pad_id] * (L - len(p)) for p in prompts])
+    real = torch.tensor([[True] * len(p) + [False] * (L - len(p)) for p in prompts])
+    return ids, real, (real.cumsum(1) - 1).clamp(min=0)
+
+
+def left_pad_positions_from_the_row_start(prompts, pad_id):
+    ids, real, _ = mi.left_pad(prompts, pad_id)
+    return ids, real, torch.arange(ids.shape[1]).expand_as(ids).clone()
+
+
+def left_pad_with_zeros(prompts, pad_id):
+    ids, real, positions = mi.left_pad(prompts, 0)
+    return ids, real, positions
+
+
+def waste_after_sorting(output_lens, batch_size):
+    return mi.static_batch_waste(sorted(output_lens), batch_size)
+
+
+def waste_over_useful_slots(output_lens, batch_size):
+    steps = useful = 0
+    for i in range(0, len(output_lens), batch_size):
+        batch = output_lens[i:i + batch_size]
+        steps, useful = steps + len(batch) * max(batch), useful + sum(batch)
+    return (steps - useful) / useful
+
+
+def waste_with_full_last_batch(output_lens, batch_size):
+    steps = useful = 0
+    for i in range(0, len(output_lens), batch_size):
+        batch = output_lens[i:i + batch_size]
+        steps, useful = steps + batch_size * max(batch), useful + sum(batch)
+    return 1 - useful / steps
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_write_kv, write_kv_one_slot_early),
+    (testing.check_write_kv, write_kv_first_token_only),
+    (testing.check_write_kv, write_kv_keys_into_both),
+    (testing.check_cached_attention, cached_attention_over_every_slot),
+    (testing.check_cached_attention, cached_attention_without_the_newest),
+    (testing.check_cached_attention, cached_attention_without_scale),
+    (testing.check_left_pad, right_pad),
+    (testing.check_left_pad, left_pad_positions_from_the_row_start),
+    (testing.check_left_pad, left_pad_with_zeros),
+    (testing.check_static_batch_waste, waste_after_sorting),
+    (testing.check_static_batch_waste, waste_over_useful_slots),
+    (testing.check_static_batch_waste, waste_with_full_last_batch),
+])
+def test_chapter_02_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
+# Chapter 03 ------------------------------------------------------------------------------------
+
+class Blocks:
+    """A right answer to exercises 1 and 2 (the solution's), for the wrong ones to change."""
+
+    def __init__(self, num_blocks, block_size):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_list, self.tables, self.lengths = list(range(num_blocks)), {}, {}
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_list)
+
+    def block_table(self, seq_id):
+        return list(self.tables[seq_id])
+
+    def blocks_for(self, num_tokens):
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, seq_id, num_tokens):
+        if seq_id in self.tables:
+            raise ValueError(seq_id)
+        n = self.blocks_for(num_tokens)
+        if n > len(self.free_list):
+            raise OutOfBlocks(n)
+        self.tables[seq_id] = [self.free_list.pop() for _ in range(n)]
+        self.lengths[seq_id] = num_tokens
+
+    def free(self, seq_id):
+        self.free_list.extend(self.tables.pop(seq_id))
+        del self.lengths[seq_id]
+
+    def needs_block(self, seq_id):
+        return self.lengths[seq_id] % self.block_size == 0
+
+    def append_token(self, seq_id):
+        if self.needs_block(seq_id):
+            if not self.free_list:
+                raise OutOfBlocks(1)
+            self.tables[seq_id].append(self.free_list.pop())
+        self.lengths[seq_id] += 1
+
+
+class FreeLeaks(Blocks):
+    def free(self, seq_id):
+        del self.tables[seq_id], self.lengths[seq_id]
+
+
+class FloorBlocks(Blocks):
+    def blocks_for(self, num_tokens):
+        return num_tokens // self.block_size
+
+
+class PartialAllocation(Blocks):
+    def allocate(self, seq_id, num_tokens):  # takes blocks one by one, keeps them when it runs out
+        if seq_id in self.tables:
+            raise ValueError(seq_id)
+        table = []
+        for _ in range(self.blocks_for(num_tokens)):
+            if not self.free_list:
+                raise OutOfBlocks(1)
+            table.append(self.free_list.pop())
+        self.tables[seq_id], self.lengths[seq_id] = table, num_tokens
+
+
+class ReallocatesSilently(Blocks):
+    def allocate(self, seq_id, num_tokens):
+        if seq_id in self.tables:
+            self.free(seq_id)
+        super().allocate(seq_id, num_tokens)
+
+
+class NeverGrows(Blocks):
+    def needs_block(self, seq_id):
+        return False
+
+
+class GrowsOneTokenLate(Blocks):
+    def needs_block(self, seq_id):
+        return self.lengths[seq_id] % self.block_size == 1 or self.block_size == 1
+
+
+class BlockPerToken(Blocks):
+    def needs_block(self, seq_id):
+        return True
+
+
+def slots_from_zero(block_table, start, num_tokens, block_size):
+    return mi.slot_mapping(block_table, 0, num_tokens, block_size)
+
+
+def slots_without_the_table(block_table, start, num_tokens, block_size):
+    return torch.arange(start, start + num_tokens)
+
+
+def slots_times_table_length(block_table, start, num_tokens, block_size):
+    pos = torch.arange(start, start + num_tokens)
+    return torch.tensor(block_table)[pos // block_size] * len(block_table) + pos % block_size
+
+
+def gather_ignoring_tables(pool, block_tables, length):  # as if every table were 0, 1, 2, ...
+    return pool.flatten(0, 1)[:length].expand(block_tables.shape[0], -1, -1, -1).clone()
+
+
+def gather_one_short(pool, block_tables, length):
+    out = mi.gather_kv(pool, block_tables, length)
+    out[:, -1] = 0
+    return out
+
+
+def gather_blocks_by_offset(pool, block_tables, length):
+    pos = torch.arange(length)
+    slots = block_tables[:, pos % block_tables.shape[1]] * pool.shape[1] + pos // block_tables.shape[1] % pool.shape[1]
+    return pool.flatten(0, 1)[slots]
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_block_manager, FreeLeaks),
+    (testing.check_block_manager, FloorBlocks),
+    (testing.check_block_manager, PartialAllocation),
+    (testing.check_block_manager, ReallocatesSilently),
+    (testing.check_append_token, NeverGrows),
+    (testing.check_append_token, GrowsOneTokenLate),
+    (testing.check_append_token, BlockPerToken),
+    (testing.check_slot_mapping, slots_from_zero),
+    (testing.check_slot_mapping, slots_without_the_table),
+    (testing.check_slot_mapping, slots_times_table_length),
+    (testing.check_gather_kv, gather_ignoring_tables),
+    (testing.check_gather_kv, gather_one_short),
+    (testing.check_gather_kv, gather_blocks_by_offset),
+])
+def test_chapter_03_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
+def test_the_right_block_manager_passes():
+    testing.check_block_manager(Blocks)
+    testing.check_append_token(Blocks)
+
+
+# Chapter 04 (the checks see the function that launches the kernel: these are its mistakes) -------
+
+def norm_kernel_in_input_dtype(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_kernel_mean_over_the_padded_block(x, weight, eps):
+    xf, block = x.float(), triton_block(x.shape[-1])
+    return (weight.float() * xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) / block + eps)).to(x.dtype)
+
+
+def norm_kernel_without_eps(x, weight, eps):
+    xf = x.float()
+    return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def triton_block(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def rope_kernel_interleaved(q, k, cos, sin):
+    return rope_interleaved(q, k, cos, sin)
+
+
+def rope_kernel_first_position_only(q, k, cos, sin):
+    return testing._in_float32(apply_rope)(q, k, cos[:1].expand_as(cos), sin[:1].expand_as(sin))
+
+
+def rope_kernel_on_the_first_kv_heads_of_q(q, k, cos, sin):  # a grid of Hk programs per token
+    rq, rk = testing._in_float32(apply_rope)(q, k, cos, sin)
+    return torch.cat((rq[:, :k.shape[1]], q[:, k.shape[1]:]), 1), rk
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_rms_norm_kernel, norm_kernel_in_input_dtype),
+    (testing.check_rms_norm_kernel, norm_kernel_mean_over_the_padded_block),
+    (testing.check_rms_norm_kernel, norm_kernel_without_eps),
+    (testing.check_rope_kernel, rope_kernel_interleaved),
+    (testing.check_rope_kernel, rope_kernel_first_position_only),
+    (testing.check_rope_kernel, rope_kernel_on_the_first_kv_heads_of_q),
+])
+def test_chapter_04_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
+# Chapter 05 ------------------------------------------------------------------------------------
+
+def merge_taking_the_max_lse(o1, lse1, o2, lse2):
+    o, _ = testing._merge_partials_ref(o1, lse1, o2, lse2)
+    return o, torch.maximum(lse1, lse2)
+
+
+def merge_by_averaging(o1, lse1, o2, lse2):
+    _, lse = testing._merge_partials_ref(o1, lse1, o2, lse2)
+    return (o1 + o2) / 2, lse
+
+
+def merge_with_swapped_weights(o1, lse1, o2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    return o1 * (lse2 - lse).exp()[..., None] + o2 * (lse1 - lse).exp()[..., None], lse
+
+
+def decode_program_one_token_too_far(q, k_cache, v_cache, table, start, end, scale):
+    end = min(end + 1, len(table) * k_cache.shape[1])
+    return testing._decode_program_ref(q, k_cache, v_cache, table, start, end, scale)
+
+
+def decode_program_from_zero(q, k_cache, v_cache, table, start, end, scale):
+    return testing._decode_program_ref(q, k_cache, v_cache, table, 0, end, scale)
+
+
+def decode_program_lse_in_base_2(q, k_cache, v_cache, table, start, end, scale):
+    o, lse = testing._decode_program_ref(q, k_cache, v_cache, table, start, end, scale)
+    return o, lse / math.log(2)
+
+
+def merge_splits_by_mean(part, lse):
+    return part.mean(-2)
+
+
+def merge_splits_counting_empty_as_zero(part, lse):
+    return testing._merge_splits_ref(part, lse.nan_to_num(neginf=0.0))
+
+
+def merge_splits_first_only(part, lse):
+    return part[:, 0].clone()
+
+
+def store_kv_minus_one_to_the_last_slot(k, v, k_cache, v_cache, slot_mapping):
+    k_cache.flatten(0, 1)[slot_mapping] = k
+    v_cache.flatten(0, 1)[slot_mapping] = v
+
+
+def store_kv_keys_into_both(k, v, k_cache, v_cache, slot_mapping):
+    mi.store_kv_ref(k, k, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_block_and_offset_swapped(k, v, k_cache, v_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    s = slot_mapping[keep]
+    nb = k_cache.shape[0]
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        cache[s % nb, (s // nb) % cache.shape[1]] = x[keep]
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_merge_partials, merge_taking_the_max_lse),
+    (testing.check_merge_partials, merge_by_averaging),
+    (testing.check_merge_partials, merge_with_swapped_weights),
+    (testing.check_decode_program, decode_program_one_token_too_far),
+    (testing.check_decode_program, decode_program_from_zero),
+    (testing.check_decode_program, decode_program_lse_in_base_2),
+    (testing.check_merge_splits, merge_splits_by_mean),
+    (testing.check_merge_splits, merge_splits_counting_empty_as_zero),
+    (testing.check_merge_splits, merge_splits_first_only),
+    (testing.check_store_kv, store_kv_minus_one_to_the_last_slot),
+    (testing.check_store_kv, store_kv_keys_into_both),
+    (testing.check_store_kv, store_kv_block_and_offset_swapped),
+])
+def test_chapter_05_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
+# Chapter 06 ------------------------------------------------------------------------------------
 
 
 def admit_ignoring_budget(prompt_lens, free_blocks, block_size, seats, budget):
@@ -20,6 +477,59 @@ def preempt_on_ties(head, head_blocks, running, running_blocks, free_blocks):
     return testing._preempt_for_ref((head[0], -1), head_blocks, running, running_blocks, free_blocks)
 
 
+def admit_ignoring_seats(prompt_lens, free_blocks, block_size, seats, budget):
+    return testing._admit_ref(prompt_lens, free_blocks, block_size, 10 ** 9, budget)
+
+
+def admit_skipping_what_does_not_fit(prompt_lens, free_blocks, block_size, seats, budget):
+    n = 0  # passes over a prompt that does not fit and admits later ones: no longer first come, first served
+    for length in prompt_lens:
+        need = -(-length // block_size)
+        if n < seats and length <= budget and need <= free_blocks:
+            free_blocks, budget, n = free_blocks - need, budget - length, n + 1
+    return n
+
+
+def decodes_needing_a_block_one_token_late(lens, free_blocks, block_size):
+    return testing._schedule_decodes_ref([n - 1 if n > 1 else n for n in lens], free_blocks, block_size)
+
+
+def decodes_preempting_without_freeing(lens, free_blocks, block_size):
+    queue, decode, preempted = list(range(len(lens))), [], []
+    while queue:
+        i = queue.pop(0)
+        if lens[i] % block_size == 0 and free_blocks == 0:
+            preempted.append(queue.pop() if queue else i)  # and its blocks are forgotten
+            if preempted[-1] == i:
+                continue
+            queue.insert(0, i)
+            continue
+        free_blocks -= lens[i] % block_size == 0
+        decode.append(i)
+    return decode, preempted
+
+
+def preempt_while_it_would_still_fit(head, head_blocks, running, running_blocks, free_blocks):
+    n = 0
+    while n < len(running) and head_blocks >= free_blocks and tuple(head) < tuple(running[-1 - n]):
+        free_blocks += running_blocks[-1 - n]
+        n += 1
+    return n
+
+
+def preempt_by_arrival_only(head, head_blocks, running, running_blocks, free_blocks):
+    return testing._preempt_for_ref((0, head[1]), head_blocks, [(0, a) for _, a in running], running_blocks,
+                                    free_blocks)
+
+
+def sample_without_temperature(logits, temperature, top_p, noise):
+    return testing._sample_rows_ref(logits, (temperature > 0).float(), top_p, noise)
+
+
+def sample_multiplying_the_noise(logits, temperature, top_p, noise):
+    return testing._sample_rows_ref(logits, temperature, top_p, 1 / noise)
+
+
 def sample_without_top_p(logits, temperature, top_p, noise):
     return testing._sample_rows_ref(logits, temperature, torch.ones_like(top_p), noise)
 
@@ -28,16 +538,35 @@ def varlen_positions_from_zero(tokens, tables, num_cached, block_size):
     return testing._varlen_ref(tokens, tables, [0] * len(tokens), block_size)
 
 
+def varlen_query_starts_without_zero(tokens, tables, num_cached, block_size):
+    positions, slots, starts, lens = testing._varlen_ref(tokens, tables, num_cached, block_size)
+    return positions, slots, starts[1:], lens
+
+
+def varlen_lengths_of_new_tokens_only(tokens, tables, num_cached, block_size):
+    positions, slots, starts, _ = testing._varlen_ref(tokens, tables, num_cached, block_size)
+    return positions, slots, starts, torch.tensor([len(t) for t in tokens])
+
+
 @pytest.mark.parametrize("check, wrong", [
     (testing.check_admit, admit_ignoring_budget),
+    (testing.check_admit, admit_ignoring_seats),
+    (testing.check_admit, admit_skipping_what_does_not_fit),
     (testing.check_schedule_decodes, decodes_preempting_the_most_urgent),
+    (testing.check_schedule_decodes, decodes_needing_a_block_one_token_late),
+    (testing.check_schedule_decodes, decodes_preempting_without_freeing),
     (testing.check_preempt_for, preempt_on_ties),
+    (testing.check_preempt_for, preempt_while_it_would_still_fit),
+    (testing.check_preempt_for, preempt_by_arrival_only),
     (testing.check_sample_rows, sample_without_top_p),
+    (testing.check_sample_rows, sample_without_temperature),
+    (testing.check_sample_rows, sample_multiplying_the_noise),
     (testing.check_varlen_metadata, varlen_positions_from_zero),
+    (testing.check_varlen_metadata, varlen_query_starts_without_zero),
+    (testing.check_varlen_metadata, varlen_lengths_of_new_tokens_only),
 ])
 def test_chapter_06_checks_reject_wrong_answers(check, wrong):
-    with pytest.raises(AssertionError):
-        check(wrong)
+    rejected(check, wrong)
 
 
 def test_reference_scheduler_helpers_agree_with_the_engine_scheduler():
@@ -63,23 +592,95 @@ def evicting_before_the_free_list_is_used_up(free, ops):
     return testing._lru_evictions_ref([], ops)
 
 
+def hashes_with_the_partial_last_block(tokens, block_size):
+    return testing._chain_hashes_ref(tokens + [0] * (-len(tokens) % block_size), block_size)
+
+
+def hashes_chained_from_another_root(tokens, block_size):
+    return [h for h, _ in mi.prefix_cache.block_keys(tokens, block_size, parent=-1)]
+
+
+def prefix_skipping_a_missing_block(tokens, cached, block_size):
+    return [cached[h] for h in testing._chain_hashes_ref(tokens[:-1], block_size) if h in cached]
+
+
+def prefix_of_every_block_the_tokens_fill(tokens, cached, block_size):
+    blocks = []
+    for h in testing._chain_hashes_ref(tokens, block_size):  # the last token's block too, when full
+        if h not in cached:
+            break
+        blocks.append(cached[h])
+    return blocks
+
+
+def lru_order_reversed(free, ops):
+    lru, evicted = [], []
+    for op, arg in ops:
+        if op == "release":
+            lru.insert(0, arg)
+        elif op == "hit":
+            if arg in lru:
+                lru.remove(arg)
+        else:
+            use = min(arg, len(free))
+            del free[:use]
+            evicted += lru[:arg - use]
+            del lru[:arg - use]
+    return evicted
+
+
+def evicting_blocks_still_hit(free, ops):
+    return testing._lru_evictions_ref(free, [(op, arg) for op, arg in ops if op != "hit"])
+
+
+def prefill_one_prompt_a_step(num_decoders, prompt_lens, budget):
+    steps = []
+    for i, n in enumerate(prompt_lens):
+        while n:
+            take = min(n, budget - num_decoders)
+            steps.append([take if j == i else 0 for j in range(len(prompt_lens))])
+            n -= take
+    return steps
+
+
+def prefill_counting_decoders_once(num_decoders, prompt_lens, budget):
+    first = testing._prefill_plan_ref(num_decoders, prompt_lens, budget)[:1]
+    done = [sum(col) for col in zip(*first)] if first else []
+    return first + testing._prefill_plan_ref(0, [n - d for n, d in zip(prompt_lens, done)], budget)
+
+
 def prefill_before_decodes(num_decoders, prompt_lens, budget):
     return testing._prefill_plan_ref(0, prompt_lens, budget)
 
 
 @pytest.mark.parametrize("check, wrong", [
     (testing.check_chain_hashes, hashes_without_the_chain),
+    (testing.check_chain_hashes, hashes_with_the_partial_last_block),
+    (testing.check_chain_hashes, hashes_chained_from_another_root),
     (testing.check_longest_cached_prefix, prefix_matching_the_last_block_too),
+    (testing.check_longest_cached_prefix, prefix_skipping_a_missing_block),
+    (testing.check_longest_cached_prefix, prefix_of_every_block_the_tokens_fill),
     (testing.check_lru_evictions, evicting_before_the_free_list_is_used_up),
+    (testing.check_lru_evictions, lru_order_reversed),
+    (testing.check_lru_evictions, evicting_blocks_still_hit),
     (testing.check_prefill_plan, prefill_before_decodes),
+    (testing.check_prefill_plan, prefill_one_prompt_a_step),
+    (testing.check_prefill_plan, prefill_counting_decoders_once),
 ])
 def test_chapter_07_checks_reject_wrong_answers(check, wrong):
-    with pytest.raises(AssertionError):
-        check(wrong)
+    rejected(check, wrong)
 
 
 def sse_on_one_line(data):
     return f"data: {data}\n\n"
+
+
+def sse_without_the_blank_line(data):
+    return "".join(f"data: {line}\n" for line in data.split("\n"))
+
+
+def sse_escaping_newlines(data):
+    return "data: " + data.replace("\n", "\\n") + "\n\n"
 
 
 class DecodeEachToken:
@@ -91,6 +692,18 @@ class DecodeEachToken:
 
     def finish(self):
         return ""
+
+
+class EverythingSoFar(DecodeEachToken):
+    """Hands out the whole text each time, not what is new."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.ids = []
+
+    def add(self, ids):
+        self.ids += ids
+        return self.tok.decode(self.ids).replace("\ufffd", "")
 
 
 class HoldEverything(DecodeEachToken):
@@ -114,6 +727,14 @@ async def stream_without_abort(outputs, abort):
             return
 
 
+async def stream_stopping_before_the_finished_one(outputs, abort):
+    while True:
+        out = await outputs.get()
+        if out.finished:
+            return
+        yield out
+
+
 async def stream_that_always_aborts(outputs, abort):
     try:
         while True:
@@ -127,11 +748,31 @@ async def stream_that_always_aborts(outputs, abort):
 
 @pytest.mark.parametrize("check, wrong", [
     (testing.check_sse_event, sse_on_one_line),
+    (testing.check_sse_event, sse_without_the_blank_line),
+    (testing.check_sse_event, sse_escaping_newlines),
     (testing.check_detokenizer, DecodeEachToken),
     (testing.check_detokenizer, HoldEverything),
+    (testing.check_detokenizer, EverythingSoFar),
     (testing.check_stream_request, stream_without_abort),
     (testing.check_stream_request, stream_that_always_aborts),
+    (testing.check_stream_request, stream_stopping_before_the_finished_one),
 ])
 def test_chapter_08_checks_reject_wrong_answers(check, wrong):
-    with pytest.raises(AssertionError):
-        check(wrong)
+    rejected(check, wrong)
+
+
+def test_an_exception_in_the_answer_names_the_case_and_its_inputs():
+    def shape_error(x, weight, eps):
+        return x @ weight[:-1]
+
+    with pytest.raises(testing.AnswerError, match=r"rms_norm, case 1 \(inputs: \(\d+(, \d+)*\) float32, "
+                                                  r"\(\d+,\) float32, 1e-05\): your code raised RuntimeError"):
+        testing.check_rms_norm(shape_error)
+
+
+def test_an_unanswered_exercise_says_which():
+    def unanswered(x, weight, eps):
+        raise NotImplementedError()
+
+    with pytest.raises(testing.NotAnswered, match=r"^exercise 1 \(rms_norm\) is not answered yet"):
+        testing.check_rms_norm(unanswered)
