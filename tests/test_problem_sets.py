@@ -13,7 +13,8 @@ import build  # noqa: E402
 from test_course import errors, execute  # noqa: E402
 
 # For each problem set with a last part: the exercise left unanswered in the second run.
-LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "03_paged_blocks": "03.append_token",
+LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "02_static_kv_cache": "02.cached_attention",
+              "03_paged_blocks": "03.append_token",
               "04_triton_rmsnorm_rope": "04.rope_kernel", "05_paged_attention": "05.decode_program"}
 
 
