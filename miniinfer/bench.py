@@ -51,6 +51,15 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
             data = []
 
 
+def served_model(url: str, name: str | None = None) -> dict:
+    """The model card a server's /v1/models gives for `name` (None: its first model)."""
+    cards = httpx.get(url.rstrip("/") + "/v1/models").raise_for_status().json()["data"]
+    card = next((c for c in cards if c["id"] == name), None) if name else cards[0]
+    if card is None:
+        raise ValueError(f"the server serves {[c['id'] for c in cards]}, not {name!r}")
+    return card
+
+
 def read_metrics(url: str) -> dict[str, float]:
     """A miniinfer server's /metrics, by name without the `miniinfer_` prefix."""
     return {line.split()[0].removeprefix("miniinfer_"): float(line.split()[1])
@@ -110,9 +119,7 @@ async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate:
     One Python process reads a few tens of thousands of streamed chunks per second: past that, split
     the requests over `processes` client processes, so that the client is not what is measured."""
     url = url.rstrip("/")
-    if model is None:
-        async with httpx.AsyncClient() as client:
-            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+    model = model or served_model(url)["id"]
     if processes == 1:
         results, duration = await drive(url, requests, rate, concurrency, model, extra, seed, progress)
     else:

@@ -166,15 +166,21 @@ async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from miniinfer.bench import random_requests, run_bench, summary
+    from miniinfer.bench import random_requests, run_bench, served_model, summary
+    card = served_model(args.url, args.model_name)
+    vocab = args.vocab or card.get("vocab_size")
+    if vocab is None:
+        raise SystemExit(f"{args.url}/v1/models gives no vocab_size for {card['id']}: pass --vocab")
     span = lambda s: tuple(int(x) for x in s.split(":")) if ":" in s else (int(s), int(s))
-    requests = random_requests(args.num_prompts, span(args.input_len), span(args.output_len), args.vocab, args.seed)
-    result = asyncio.run(run_bench(args.url, requests, args.rate, args.concurrency, args.model_name,
+    requests = random_requests(args.num_prompts, span(args.input_len), span(args.output_len), vocab, args.seed)
+    result = asyncio.run(run_bench(args.url, requests, args.rate, args.concurrency, card["id"],
                                    seed=args.seed, processes=args.processes))
-    result.update(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts)
+    result.update(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts, vocab=vocab)
     print(summary(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if result["failed"]:
+        raise SystemExit(f"{result['failed']} of {result['requests']} requests failed")
 
 
 def cmd_grade(args: argparse.Namespace) -> None:
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=256, help="requests to send")
     p.add_argument("--input-len", default="100:1024", help="prompt tokens, N or LOW:HIGH (uniform)")
     p.add_argument("--output-len", default="100:1024", help="output tokens, N or LOW:HIGH (uniform)")
-    p.add_argument("--vocab", type=int, default=10000, help="prompt token ids are uniform in 0..VOCAB-1")
+    p.add_argument("--vocab", type=int, default=None, help="prompt token ids are uniform in 0..VOCAB-1 "
+                   "(default: the vocab_size the server's /v1/models gives)")
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: all at once)")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default: no limit)")
     p.add_argument("--processes", type=int, default=1, help="client processes (one reads ~20k chunks/s)")

@@ -101,6 +101,7 @@ class Server:
         self.engine, self.model_name = engine, model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.limits.max_model_len
+        self.vocab_size = engine.limits.vocab_size
         self.eos = set(engine.eos_token_ids)
         self.prompt_tokens = 0
         self.created = int(time.time())
@@ -360,7 +361,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "miniinfer",
-                "max_model_len": server.max_model_len}
+                "max_model_len": server.max_model_len, "vocab_size": server.vocab_size}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")

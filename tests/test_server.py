@@ -75,6 +75,20 @@ def test_models_health_metrics(url, client):
     assert m["kv_blocks_total"] == 400 and m["requests_running"] == 0
 
 
+def test_bench_cli_within_the_served_vocabulary(url):
+    """`miniinfer bench` draws prompt ids inside the served model's vocabulary (its /v1/models card says
+    how large) and completes; when requests fail it prints why and exits non-zero."""
+    bench = [sys.executable, "-m", "miniinfer", "bench", "--url", url, "--num-prompts", "6",
+             "--input-len", "8:24", "--output-len", "4:8", "--rate", "20"]
+    assert httpx.get(url + "/v1/models").json()["data"][0]["vocab_size"] == 4096
+    ok = subprocess.run(bench, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("6/6 requests"), ok.stdout + ok.stderr
+    assert "TTFT ms:" in ok.stdout and "ITL ms:" in ok.stdout
+    bad = subprocess.run(bench + ["--vocab", "100000"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "token ids must be ints in 0..4095" in bad.stdout, bad.stdout + bad.stderr
+    assert "requests failed" in bad.stderr
+
+
 def test_completions_match_the_engine(client, course_model):
     tok = mi.load_tokenizer()
     for prompt in PROMPTS:
