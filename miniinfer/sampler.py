@@ -21,6 +21,13 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def seed32(seed: int) -> int:
+    """A seed of up to 64 bits (a negative one as its two's complement) folded into the 32 bits the
+    noise uses, so that every bit counts: seeds below 2^32 stay as they are."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise [B, vocab] that depends only on each row's (seed, step) and the token id."""
     row = hash32(hash32(seeds & _MASK32) ^ (steps & _MASK32))[:, None]
@@ -45,7 +52,7 @@ class SamplingBatch:
     def build(cls, seqs: list, vocab_size: int, device) -> "SamplingBatch":
         ps = [s.params for s in seqs]
         floats = np.array([[p.temperature for p in ps], [p.top_p for p in ps]], dtype=np.float32)
-        ints = np.array([[p.top_k or vocab_size for p in ps], [s.seed for s in seqs],
+        ints = np.array([[min(p.top_k, vocab_size) or vocab_size for p in ps], [seed32(s.seed) for s in seqs],
                          [len(s.output_token_ids) for s in seqs]], dtype=np.int64)
         floats, ints = torch.from_numpy(floats).to(device), torch.from_numpy(ints).to(device)
         return cls(floats[0], ints[0], floats[1], ints[1], ints[2], any(p.temperature > 0 for p in ps),

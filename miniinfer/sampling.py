@@ -23,6 +23,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64):
+            raise ValueError(f"seed must be an int in [-2^63, 2^64) (what torch.Generator takes), got {self.seed}")
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
         """A generator seeded with `seed`, or None for torch's global one."""

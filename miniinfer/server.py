@@ -134,7 +134,7 @@ class Server:
                 top_k=max(top_k, 0),
                 max_tokens=max_tokens or default_max_tokens,
                 ignore_eos=_field(body, "ignore_eos", bool, False),
-                seed=_field(body, "seed", int, None))
+                seed=_field(body, "seed", int, None, lambda s: -2 ** 63 <= s < 2 ** 64, "an int in [-2^63, 2^64)"))
         except ValueError as err:
             raise APIError(str(err)) from None
         return params, n, [stop] if isinstance(stop, str) else stop
@@ -194,7 +194,7 @@ class Server:
         for i, ids in enumerate(prompts):
             for j in range(n):
                 # The choices of a seeded request differ from each other and are reproducible.
-                seed = None if params.seed is None else params.seed + j
+                seed = None if params.seed is None else (params.seed + j) % 2 ** 64  # stays a 64-bit seed
                 p = dataclasses.replace(params, seed=seed) if j else params
                 streams.append(self.choice(i * n + j, ids, p, stops))
         return streams

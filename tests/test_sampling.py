@@ -136,3 +136,14 @@ def test_noise_depends_on_seed_and_step_only():
     assert torch.equal(a[0], b[1]) and not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
     assert (a > 0).all() and torch.isfinite(a).all()
     assert abs(a.mean().item() - 1) < 0.05  # Exponential(1) has mean 1
+
+
+def test_seeds_fold_all_64_bits_into_the_noise_seed():
+    from miniinfer.sampler import seed32
+    assert [seed32(s) for s in (0, 5, 2 ** 32 - 1)] == [0, 5, 2 ** 32 - 1]  # as before, below 2^32
+    assert len({seed32(s) for s in (5, 2 ** 32 + 5, 2 ** 40 + 5, 2 ** 63 + 5)}) == 4
+    assert seed32(-1) == seed32(2 ** 64 - 1) and 0 <= seed32(2 ** 64 - 1) < 2 ** 32
+    for bad in (2 ** 64, -(2 ** 63) - 1, 1.5):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            mi.SamplingParams(seed=bad)
+    assert mi.SamplingParams(seed=2 ** 64 - 1).generator() is not None  # what torch.Generator takes

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import miniinfer as mi
-from miniinfer.bench import one_request, read_metrics
+from miniinfer.bench import one_request, read_metrics, sse_data
 from miniinfer.server import build_app, chat_prompt
 from conftest import hf_greedy
 
@@ -140,6 +140,42 @@ def test_seed_is_reproducible(client):
     assert ask(7, n=3) == ask(7, n=3)
     assert ask(7, n=3)[0] == ask(7)[0]
     assert len({ask(s)[0] for s in range(4)}) > 1  # different seeds, different samples
+
+
+def test_every_bit_of_a_64_bit_seed_counts_and_an_out_of_range_one_fails_alone(url, client):
+    """Seeds that overflowed the sampler's int64 failed every request of their step; now seeds are
+    checked at the door (64 bits) and folded into the noise's 32 with every bit counting."""
+    body = {"model": "pycoder", "prompt": "def f(x):\n", "max_tokens": 12, "temperature": 1.5}
+    innocent = {**body, "temperature": 0, "max_tokens": 40, "stream": True}
+    alone = "".join(json.loads(d)["choices"][0]["text"] for d in sse_lines(httpx.post(url + "/v1/completions",
+                                                                                      json=innocent)))
+    ask = lambda seed, n=1: [c.text for c in client.completions.create(**body, seed=seed, n=n).choices]
+    assert ask(5) != ask(2 ** 32 + 5)  # only the low 32 bits counted before
+    assert len(ask(2 ** 64 - 1, n=2)) == 2 and ask(2 ** 63) == ask(2 ** 63) and ask(-(2 ** 63))
+    assert client.completions.create(**body, extra_body={"top_k": 10 ** 23}).choices[0].text  # top-k: all
+
+    async def bad_beside_innocent():
+        async with httpx.AsyncClient(timeout=60) as ac:
+            async def stream():
+                text = ""
+                async with ac.stream("POST", url + "/v1/completions", json=innocent) as r:
+                    async for data in sse_data(r):
+                        if data != "[DONE]":
+                            text += json.loads(data)["choices"][0]["text"]
+                return text
+            task = asyncio.create_task(stream())
+            bad = [await ac.post(url + "/v1/completions", json={**body, "seed": seed})
+                   for seed in (2 ** 64, -(2 ** 63) - 1, 10 ** 29)]
+            return await task, bad
+    text, bad = asyncio.run(bad_beside_innocent())
+    assert text == alone
+    for r in bad:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    assert wait_idle(url)["kv_blocks_used"] == 0
+
+
+def sse_lines(r: httpx.Response) -> list[str]:
+    return [line[6:] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 def test_stop_strings(url, client):
