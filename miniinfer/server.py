@@ -69,6 +69,29 @@ def _field(body: dict, key: str, kind: type | tuple, default=None, check=None, n
     return value
 
 
+MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
+
+
+def check_body(body: dict) -> None:
+    """Refuse a body nested deeper than MAX_DEPTH, or holding a string that is not text (a lone UTF-16
+    surrogate, which JSON's \\u escapes can carry but no tokenizer can encode), naming where."""
+    todo = [(body, "", 1)]
+    while todo:
+        value, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep", param=where.split(".")[0] or None)
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as err:
+                raise APIError(f"{where} is not valid Unicode text: {err.reason} at index {err.start}",
+                               param=where) from None
+        elif isinstance(value, dict):
+            todo += [(v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+
+
 # Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "functions", "response_format")
@@ -373,8 +396,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as err:
             raise APIError(f"the body is not valid JSON: {err}") from None
+        except RecursionError:
+            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep") from None
         if not isinstance(body, dict):
             raise APIError("the body must be a JSON object")
+        check_body(body)
         result = await server.run(body, chat)
         if isinstance(result, dict):
             return result

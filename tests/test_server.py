@@ -200,22 +200,28 @@ BAD = [
     ({"prompt": ""}, 400), ({"prompt": []}, 400), ({"prompt": [5, 99999]}, 400), ({"prompt": [[1], "a", 3]}, 400),
     ({"prompt": "x", "max_tokens": 5000}, 400), ({"prompt": "x " * 3000, "max_tokens": 1}, 400),
     ({"prompt": "x", "model": "gpt-4"}, 404), ({}, 400),
+    (b"[" * 100_000, 400), (b'{"a":' * 100_000, 400), ({"prompt": "x", "user": json.loads("[" * 40 + "1" + "]" * 40)}, 400),
+    ({"prompt": "ok \ud800"}, 400), ({"prompt": ["fine", "\udfff"]}, 400),
 ]
 BAD_CHAT = [({"messages": []}, 400), ({"messages": "hi"}, 400), ({"messages": [{"role": "user"}]}, 400),
-            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400)]
+            ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+            ({"messages": [{"role": "user", "content": "a lone \ud83d surrogate"}]}, 400)]
+# Where the server must say the fault is (OpenAI's `param`).
+PARAMS = {'{"prompt": "ok \\ud800"}': "prompt", '{"prompt": ["fine", "\\udfff"]}': "prompt[1]",
+          '{"messages": [{"role": "user", "content": "a lone \\ud83d surrogate"}]}': "messages[0].content"}
 
 
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
     cases = [("/v1/completions", b, s) for b, s in BAD] + [("/v1/chat/completions", b, s) for b, s in BAD_CHAT]
     for path, body, status in cases:
         for stream in (False, True):
-            if isinstance(body, dict):
-                r = httpx.post(url + path, json={**body, "stream": stream})
-            else:
-                r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"})
+            raw = json.dumps({**body, "stream": stream}) if isinstance(body, dict) else body  # \u escapes kept
+            r = httpx.post(url + path, content=raw, headers={"Content-Type": "application/json"})
             assert r.status_code == status, (body, r.text)
             err = r.json()["error"]
             assert err["message"] and err["type"], body
+            if isinstance(body, dict) and json.dumps(body) in PARAMS:
+                assert err["param"] == PARAMS[json.dumps(body)], r.text
     assert httpx.get(url + "/v1/nothing").status_code == 404
     assert httpx.get(url + "/v1/completions").json()["error"]["message"]  # 405, same shape
     with pytest.raises(openai.BadRequestError):
