@@ -11,10 +11,10 @@ import json
 import sys
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from miniinfer.async_engine import AsyncLLMEngine
@@ -70,6 +70,7 @@ def _field(body: dict, key: str, kind: type | tuple, default=None, check=None, n
 
 
 MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
+DISCONNECT_POLL_S = 0.25  # how often a whole request checks that its client is still there
 
 
 def check_body(body: dict) -> None:
@@ -324,6 +325,19 @@ def _json(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+async def until_disconnected(request: Request, work: Awaitable):
+    """work's result, or a 499 once the client has gone: a whole response runs to its end before
+    anything is sent, so without this an abandoned request would too (a stream aborts itself)."""
+    task = asyncio.ensure_future(work)
+    while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            task.cancel()  # its streams close, which aborts their requests in the engine
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+    return task.result()
+
+
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
     """The items of several async iterators as they come; closing this closes them all."""
     if len(streams) == 1:
@@ -401,8 +415,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         if not isinstance(body, dict):
             raise APIError("the body must be a JSON object")
         check_body(body)
-        result = await server.run(body, chat)
-        if isinstance(result, dict):
+        result = await until_disconnected(request, server.run(body, chat))
+        if isinstance(result, (dict, Response)):
             return result
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

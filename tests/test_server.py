@@ -271,6 +271,28 @@ def test_clients_that_disconnect_free_everything(url):
     assert m["generation_tokens_total"] < 50 * 1000  # nobody ran to the end
 
 
+def test_whole_requests_whose_clients_leave_stop_generating(url):
+    """A non-streamed request runs to its end before anything is sent: when its client leaves, the
+    server must notice and abort it, as it does a stream."""
+    body = {"prompt": "def f(x):\n", "max_tokens": 1000, "ignore_eos": True}
+
+    async def leave_after_a_second(http):
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(url + "/v1/completions", json=body, timeout=1.0)
+
+    async def main():
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None)) as http:
+            await asyncio.gather(*(leave_after_a_second(http) for _ in range(50)))
+
+    before = read_metrics(url)["generation_tokens_total"]
+    asyncio.run(main())
+    m = wait_idle(url)
+    assert (m["requests_running"], m["requests_waiting"], m["kv_blocks_used"]) == (0, 0, 0)
+    assert m["generation_tokens_total"] - before < 50 * 1000 / 2  # aborted, not run to the end
+    time.sleep(1)
+    assert read_metrics(url)["generation_tokens_total"] == m["generation_tokens_total"]  # nothing still runs
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_every_shape_matches_transformers(hf_checkpoint, tmp_path, stream):
     """The server's code path (in-process, over ASGI) on Llama, Qwen2 and Qwen3 shapes: the greedy text
