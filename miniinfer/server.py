@@ -62,6 +62,8 @@ def _field(body: dict, key: str, kind: type | tuple, default=None, check=None, n
     if value is None:
         return default
     kinds = kind if isinstance(kind, tuple) else (kind,)
+    if int in kinds and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 2.0 is an integer to JSON Schema, as to OpenAI's API
     # bool is an int to Python, never to a JSON client.
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds) or \
             (check is not None and not check(value)):
@@ -211,8 +213,9 @@ class Server:
         for ids in prompts:
             try:
                 self.engine.check_request(ids, params)
-            except ValueError as err:
-                raise APIError(str(err), param="prompt") from None
+            except ValueError as err:  # a max_tokens the context cannot hold even with no prompt is its own fault
+                raise APIError(str(err), param="max_tokens" if params.max_tokens >= self.max_model_len else "prompt") \
+                    from None
         self.prompt_tokens += sum(map(len, prompts))
         streams = []
         for i, ids in enumerate(prompts):
@@ -383,7 +386,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
     @app.exception_handler(HTTPException)  # unknown routes and methods, in the same shape
     async def http_error(request: Request, err: HTTPException):
-        return JSONResponse(APIError(str(err.detail), err.status_code).body(), status_code=err.status_code)
+        return JSONResponse(APIError(str(err.detail), err.status_code).body(), status_code=err.status_code,
+                            headers=err.headers)  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, err: Exception):

@@ -223,7 +223,12 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
             if isinstance(body, dict) and json.dumps(body) in PARAMS:
                 assert err["param"] == PARAMS[json.dumps(body)], r.text
     assert httpx.get(url + "/v1/nothing").status_code == 404
-    assert httpx.get(url + "/v1/completions").json()["error"]["message"]  # 405, same shape
+    not_allowed = httpx.get(url + "/v1/completions")
+    assert not_allowed.json()["error"]["message"] and not_allowed.headers["allow"] == "POST"  # 405, same shape
+    two = client.completions.create(model="pycoder", prompt="x", max_tokens=2.0, temperature=0)  # JSON's 2.0 is an int
+    assert two.usage.completion_tokens == 2
+    too_long = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5000})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens", too_long.text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="pycoder", prompt="x", temperature=-1)
     with pytest.raises(openai.NotFoundError):
