@@ -72,6 +72,10 @@ def _field(body: dict, key: str, kind: type | tuple, default=None, check=None, n
 
 
 MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
+# A chat request without max_tokens gets at most this many (and the rest of the context): OpenAI's
+# "up to the context" let one request of the course model run 40 s on a 2-core CPU; 512 tokens hold
+# a long answer. A completion without it gets 16, as OpenAI's API says.
+CHAT_MAX_TOKENS = 512
 DISCONNECT_POLL_S = 0.25  # how often a whole request checks that its client is still there
 
 
@@ -123,8 +127,8 @@ class StopStrings:
 class Server:
     """The OpenAI HTTP API over one AsyncLLMEngine: requests in, choices out, streamed or whole."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS):
+        self.engine, self.model_name, self.chat_max_tokens = engine, model_name, chat_max_tokens
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.limits.max_model_len
         self.vocab_size = engine.limits.vocab_size
@@ -242,7 +246,8 @@ class Server:
         """A parsed request's response: a JSON body, or (stream=true) an iterator of SSE events."""
         if chat:
             prompts = [self.chat_ids(body)]
-            params, n, stops = self.params(body, max(self.max_model_len - len(prompts[0]), 1))
+            left = self.max_model_len - len(prompts[0])
+            params, n, stops = self.params(body, max(min(self.chat_max_tokens, left), 1))
         else:
             prompts = self.prompts(body)
             params, n, stops = self.params(body, 16)
@@ -374,9 +379,9 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
             t.cancel()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS) -> FastAPI:
     """The FastAPI application: the OpenAI routes, /health and /metrics."""
-    server = Server(engine, model_name)
+    server = Server(engine, model_name, chat_max_tokens)
     app = FastAPI(title="miniinfer")
     app.state.server = server
 
@@ -436,7 +441,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     return app
 
 
-def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          chat_max_tokens: int = CHAT_MAX_TOKENS) -> None:
     """Serve an engine over HTTP until interrupted. The engine runs in its own process: in this one,
     the event loop's work for every streamed token would hold the GIL that the engine's host code needs."""
     import uvicorn
@@ -451,6 +457,6 @@ def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: 
         yield
         async_engine.close()  # at shutdown: uvicorn may end the process right after
 
-    app = build_app(async_engine, model_name)
+    app = build_app(async_engine, model_name, chat_max_tokens)
     app.router.lifespan_context = lifespan
     uvicorn.run(app, host=host, port=port, access_log=False)

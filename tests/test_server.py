@@ -37,7 +37,7 @@ def url(tmp_path_factory):
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "miniinfer", "serve", "--port", str(port), "--num-blocks", "400",
-             "--block-size", "8", "--max-num-seqs", "128"],
+             "--block-size", "8", "--max-num-seqs", "128", "--chat-max-tokens", "24"],
             stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -176,6 +176,12 @@ def test_every_bit_of_a_64_bit_seed_counts_and_an_out_of_range_one_fails_alone(u
 
 def sse_lines(r: httpx.Response) -> list[str]:
     return [line[6:] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_chat_without_max_tokens_gets_the_server_default(client):
+    reply = client.chat.completions.create(model="pycoder", messages=[{"role": "user", "content": "hi"}],
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 24 and reply.choices[0].finish_reason == "length"
 
 
 def test_stop_strings(url, client):
