@@ -30,7 +30,7 @@ from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, gene
 from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
 from miniinfer.sampling import SamplingParams, sample  # noqa: E402
 from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulingPolicy  # noqa: E402
-from miniinfer.sequence import RequestOutput, Sequence, Status  # noqa: E402
+from miniinfer.sequence import RequestDataError, RequestOutput, Sequence, Status  # noqa: E402
 from miniinfer.varlen import VarlenBatch, VarlenKVCache, prefill_attention_ref, store_kv_ref  # noqa: E402
 from miniinfer.timeline import StepRecord, draw_timeline, trace_steps  # noqa: E402
 from miniinfer.static_cache import (StaticBatchGenerator, StaticKVCache, benchmark_lengths, generate_cached,  # noqa: E402
@@ -49,7 +49,8 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
            "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",
            "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "SamplingBatch", "sample_batch",
-           "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestOutput", "Sequence", "Status",
+           "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestDataError", "RequestOutput", "Sequence",
+           "Status",
            "StepRecord", "draw_timeline", "trace_steps", "ChunkedPrefillScheduler", "PrefixCachingBlockManager",
            "chain_hash", "RadixTree", "IncrementalDetokenizer",
            "AsyncLLMEngine"]

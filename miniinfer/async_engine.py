@@ -45,7 +45,8 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
         except Exception as err:  # the engine aborted that step's requests: tell their clients
             items += [(seq.request_id, err) for seq in engine.last_step.seqs]
             outputs = []
-        items += [(o.request_id, o) for o in outputs]
+        # A request that failed on its own data (the others of its step ran): its client gets the error.
+        items += [(o.request_id, RuntimeError(f"the request failed: {o.error}") if o.error else o) for o in outputs]
         emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - t0))
 
 
@@ -208,6 +209,7 @@ class _Mirror:
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.output_token_ids: list[int] = []
         self.status, self.finish_reason, self.num_cached_tokens = Status.RUNNING, None, 0
+        self.error = None  # a failed request crosses the pipe as an exception instead
 
     def update(self, new: list[int], finish_reason: str | None, num_cached_tokens: int) -> RequestOutput:
         self.output_token_ids += new

@@ -19,7 +19,7 @@ from miniinfer.model_runner import ModelRunner
 from miniinfer.prefix_cache import PrefixCachingBlockManager
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import Scheduler
-from miniinfer.sequence import RequestOutput, Sequence
+from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 from miniinfer.varlen import VarlenKVCache
 
 CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
@@ -214,19 +214,24 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward; an output for every sequence that ran."""
-        out = self.scheduler.schedule()
-        self.last_step = out
-        if not out.seqs:
-            return []
-        try:
-            tokens = self.runner.execute(out)
-        except BaseException:
-            for seq in out.seqs:  # nothing of this step happened: give its sequences' blocks back
-                self.abort(seq.request_id)
-            raise
+        """One scheduler step and one forward; an output for every sequence that ran or failed."""
+        out, outputs = self.scheduler.schedule(), []
+        while True:
+            self.last_step = out
+            try:
+                tokens = self.runner.execute(out)
+                break
+            except RequestDataError as err:  # one request's bad data must not fail the others
+                for seq, cause in err.errors.items():
+                    seq.error = f"{type(cause).__name__}: {cause}"
+                    self._finish(seq, "error")
+                    outputs.append(RequestOutput.of(seq, self.detokenize))
+                out = out.without(err.errors)
+            except BaseException:
+                for seq in out.seqs:  # nothing of this step happened: give its sequences' blocks back
+                    self.abort(seq.request_id)
+                raise
         eos = self.model.cfg.eos_token_ids
-        outputs = []
         for seq, n, token in zip(out.seqs, out.num_new_tokens, tokens):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:  # a piece of a prompt (chapter 07): no token yet

@@ -124,17 +124,20 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run one step; returns the token sampled for each sequence of out.seqs, in order."""
+        """Run one step; returns the token sampled for each sequence of out.seqs, in order. Requests
+        whose sampling parameters cannot be read raise RequestDataError before anything happens."""
+        seqs = out.seqs
+        sampling = SamplingBatch.build(seqs, self.model.cfg.vocab_size, self.device) if seqs else None
         for seq in out.preempted + (list(self.tables.row_of) if out.copies else []):
             self.tables.release(seq)  # a preempted table is rebuilt; a copy-on-write changed one
         self.move_blocks(out)
-        seqs = out.seqs
+        if not seqs:  # every request of the step failed: its block moves still had to happen
+            return []
         tokens = [s.token_ids(s.num_computed_tokens, s.num_computed_tokens + n)
                   for s, n in zip(seqs, out.num_new_tokens)]
         tables, widths = self.tables.gather(seqs, out.block_tables)
         batch = VarlenBatch.from_arrays(tokens, tables, widths, [s.num_computed_tokens for s in seqs],
                                         self.block_size, self.device)
-        sampling = SamplingBatch.build(seqs, self.model.cfg.vocab_size, self.device)
         if self.graphs is not None and batch.max_query_len == 1:
             logits = self.graphs(batch)
         else:

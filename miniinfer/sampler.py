@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from miniinfer.sampling import top_p_filter
+from miniinfer.sequence import RequestDataError
 
 _MASK32 = 0xFFFFFFFF
 
@@ -50,13 +52,23 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, seqs: list, vocab_size: int, device) -> "SamplingBatch":
-        ps = [s.params for s in seqs]
-        floats = np.array([[p.temperature for p in ps], [p.top_p for p in ps]], dtype=np.float32)
-        ints = np.array([[min(p.top_k, vocab_size) or vocab_size for p in ps], [seed32(s.seed) for s in seqs],
-                         [len(s.output_token_ids) for s in seqs]], dtype=np.int64)
-        floats, ints = torch.from_numpy(floats).to(device), torch.from_numpy(ints).to(device)
-        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], any(p.temperature > 0 for p in ps),
-                   any(p.top_k or p.top_p < 1 for p in ps))
+        """The rows of seqs. A row whose values are not numbers of the kinds the tensors take is that
+        request's own fault: RequestDataError names them all, and the others can run without them."""
+        rows, errors = [], {}
+        for s in seqs:
+            p = s.params
+            try:
+                rows.append((float(p.temperature), float(p.top_p), min(operator.index(p.top_k), vocab_size)
+                             or vocab_size, seed32(operator.index(s.seed)), len(s.output_token_ids)))
+            except (TypeError, ValueError, OverflowError) as err:
+                errors[s] = err
+        if errors:
+            raise RequestDataError(errors)
+        temperature, top_p, top_k, seeds, steps = zip(*rows)
+        floats = torch.from_numpy(np.array([temperature, top_p], dtype=np.float32)).to(device)
+        ints = torch.from_numpy(np.array([top_k, seeds, steps], dtype=np.int64)).to(device)
+        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], any(t > 0 for t in temperature),
+                   any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p))
 
 
 def sample_batch(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:

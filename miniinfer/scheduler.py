@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 from miniinfer.block_manager import BlockCopy, BlockManager
@@ -38,6 +39,13 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (CPU block, device block)
     copies: list[BlockCopy] = field(default_factory=list)          # copy-on-write
+
+    def without(self, seqs) -> "SchedulerOutput":
+        """This step without seqs (requests that failed before it ran); the block moves stay."""
+        keep = [i for i, s in enumerate(self.seqs) if s not in seqs]
+        new = [self.num_new_tokens[i] for i in keep]
+        return dataclasses.replace(self, seqs=[self.seqs[i] for i in keep], num_new_tokens=new,
+                                   block_tables=[self.block_tables[i] for i in keep], num_batched_tokens=sum(new))
 
 
 class Scheduler:

@@ -28,6 +28,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_cached_tokens: int | None = None  # prompt tokens found cached (chapter 07)
         self.num_reported = 0  # output tokens already handed out in a RequestOutput
+        self.error: str | None = None  # why it failed, when its finish reason is "error"
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +57,7 @@ class RequestOutput:
     def __init__(self, seq: Sequence, new_token_ids: list[int], detokenize=None):
         self.request_id, self.prompt_token_ids = seq.request_id, seq.prompt_token_ids
         self.new_token_ids = new_token_ids  # generated since the previous output of this request
-        self.finished, self.finish_reason = seq.status is Status.FINISHED, seq.finish_reason
+        self.finished, self.finish_reason, self.error = seq.status is Status.FINISHED, seq.finish_reason, seq.error
         self.num_cached_tokens = seq.num_cached_tokens or 0
         # The sequence's output list only ever grows: its first n tokens are this snapshot's, and
         # copying them is left to whoever reads token_ids (an engine step makes 256 outputs).
@@ -82,3 +83,12 @@ class RequestOutput:
         new = seq.output_token_ids[seq.num_reported:]
         seq.num_reported = len(seq.output_token_ids)
         return cls(seq, new, detokenize)
+
+
+class RequestDataError(Exception):
+    """Some requests' data cannot become a step's inputs, found before the device has seen any of
+    the step: those requests fail, and the step runs without them."""
+
+    def __init__(self, errors: dict[Sequence, Exception]):
+        super().__init__("; ".join(f"request {s.request_id}: {e}" for s, e in errors.items()))
+        self.errors = errors

@@ -107,3 +107,31 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
     assert all(g == mi.generate_cached(course_model, p, params) for g, p in zip(got, prompts) if g not in failed)
     assert after == mi.generate_cached(course_model, [3, 4], params)
     assert eng.engine.block_manager.num_free_blocks == 64 and not eng.engine.requests
+
+
+def test_a_request_that_fails_on_its_own_data_ends_only_its_stream(course_model):
+    """Thread mode (the request's parameters are this process's object): a stream whose top_k turns
+    into a string after its first token ends with the error; the streams beside it are exact."""
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6),
+                                         model=course_model))
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    bad = mi.SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)
+    prompts = [[i + 1, 2] for i in range(4)]
+
+    async def spoiled():
+        async for out in eng.generate([9, 9, 9], bad):
+            bad.top_k = "many"
+        return out.token_ids
+
+    async def main():
+        got = await asyncio.gather(spoiled(), *(collect(eng, p, params) for p in prompts), return_exceptions=True)
+        await drained(eng)
+        return got
+
+    try:
+        got = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        eng.close()
+    assert isinstance(got[0], RuntimeError) and str(got[0]).startswith("the request failed: TypeError")
+    assert got[1:] == [mi.generate_cached(course_model, p, params) for p in prompts]
+    assert eng.engine.block_manager.num_free_blocks == 64 and not eng.engine.requests

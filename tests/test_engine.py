@@ -140,6 +140,48 @@ def test_failure_mid_step_frees_that_steps_blocks(course_engine):
     assert out.token_ids == mi.generate_cached(engine.model, [3, 4, 5], params)
 
 
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_request_whose_own_data_fails_fails_alone(course_model, swap):
+    """A top_k set to a string after the door checked it: that request finishes with "error" at its
+    next step, the others of every step give exactly their tokens alone, nothing leaks. With a pool
+    of 12 blocks the step it fails in also preempts (swap: its block moves must still happen)."""
+    config = mi.EngineConfig(num_blocks=12, block_size=4, max_num_seqs=4,
+                             preemption_mode="swap" if swap else "recompute")
+    engine = mi.LLMEngine(config, model=course_model)
+    greedy = mi.SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    seeded = mi.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, seed=7, ignore_eos=True)
+    alone = [engine.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in [([3, 4, 5], greedy), ([6, 7], seeded)]]
+
+    def start(engine) -> list[str]:
+        bad = mi.SamplingParams(temperature=0.5, max_tokens=14, ignore_eos=True)
+        return [engine.add_request(p, sp) for p, sp in [([3, 4, 5], greedy), ([8, 9, 10, 11], bad), ([6, 7], seeded)]]
+
+    dry, steps = mi.LLMEngine(config, model=course_model), 0
+    start(dry)
+    while not (steps and dry.last_step.preempted):  # to the first step that preempts
+        dry.step()
+        steps += 1
+    a, bad, b = start(engine)
+    final = {}
+    for i in range(steps):
+        if i == steps - 1:
+            engine.requests[bad].params.top_k = "40"  # it fails in the step that preempts
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert engine.last_step.preempted and final[bad].finish_reason == "error"
+    final.update(run_steps(engine)[0])
+    assert final[bad].finish_reason == "error" and final[bad].error.startswith("TypeError")
+    assert 0 < len(final[bad].token_ids) < 14
+    assert [final[a].token_ids, final[b].token_ids] == alone
+    assert engine.block_manager.num_free_blocks == 12 and not engine.requests
+    # A step whose only request fails runs nothing, and the engine goes on.
+    alone_bad = engine.add_request([8, 9], mi.SamplingParams(max_tokens=3))
+    engine.requests[alone_bad].params.temperature = "hot"
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [(alone_bad, "error")]
+    assert engine.generate([[3, 4, 5]], greedy, use_tqdm=False)[0].token_ids == alone[0]
+    assert engine.block_manager.num_free_blocks == 12
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ([], mi.SamplingParams(), "empty"),
     ("", mi.SamplingParams(), "empty"),

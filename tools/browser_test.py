@@ -309,10 +309,14 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
                     return f"docs/start.md rendered, {n} problem-set links visible; {student.shot('1_landing')}"
                 step(2, "landing page", landing)
 
+                def current_tab(name: str) -> None:
+                    # The tab, not the address: JupyterLab does not always put the document in the URL.
+                    page.locator(".lm-TabBar-tab.lm-mod-current", has_text=name).wait_for(timeout=30_000)
+
                 def problem_set():
                     page.locator(".jp-RenderedMarkdown a[href*='exercises/01_naive_decoding.ipynb']").click()
                     page.locator(".jp-NotebookPanel:visible .jp-CodeCell").first.wait_for()
-                    check("01_naive_decoding.ipynb" in page.url, f"opened {page.url}")
+                    current_tab("01_naive_decoding.ipynb")
                     imports = student.code_cell("import miniinfer")
                     exercise = student.code_cell("def rms_norm")
                     checker = student.code_cell("check_rms_norm(")
@@ -341,7 +345,7 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
                     page.locator(".lm-TabBar-tab", has_text="start.md").click()
                     page.locator(f".jp-RenderedMarkdown a[href*='notebooks/{lesson}.ipynb']").click()
                     page.locator(".jp-NotebookPanel:visible .jp-CodeCell").first.wait_for()
-                    check(f"{lesson}.ipynb" in page.url, f"opened {page.url}")
+                    current_tab(f"{lesson}.ipynb")
                     cell = student.code_cell("widgets.interact")
                     student.select(cell)
                     t0 = time.monotonic()
