@@ -91,7 +91,8 @@ def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
 def cmd_serve(args: argparse.Namespace) -> None:
     from miniinfer.server import serve
     name = args.served_model_name or (Path(args.model).name if args.model else "pycoder")
-    serve(engine_config(args), name, host=args.host, port=args.port, chat_max_tokens=args.chat_max_tokens)
+    serve(engine_config(args), name, host=args.host, port=args.port, chat_max_tokens=args.chat_max_tokens,
+          max_body_mb=args.max_body_mb)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -214,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.add_argument("--chat-max-tokens", type=int, default=512,  # server.CHAT_MAX_TOKENS, without importing it
                    help="max_tokens of a chat request that gives none (capped by the context left)")
+    p.add_argument("--max-body-mb", type=float, default=4,  # server.MAX_BODY_MB
+                   help="a request body larger than this is refused with 413 before it is read")
     p.set_defaults(run=cmd_serve)
 
     p = command("generate", "complete a prompt, streaming to the terminal")

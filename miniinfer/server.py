@@ -14,12 +14,16 @@ import uuid
 from typing import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from miniinfer import protocol
 from miniinfer.async_engine import AsyncLLMEngine
 from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.engine import EngineConfig
+from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from miniinfer.sampling import SamplingParams
 from miniinfer.sequence import RequestOutput
 
@@ -56,19 +60,18 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _field(body: dict, key: str, kind: type | tuple, default=None, check=None, need: str = ""):
-    """body[key] if it has the right type (and passes `check`), `default` if absent or null."""
-    value = body.get(key)
-    if value is None:
-        return default
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if int in kinds and isinstance(value, float) and value.is_integer():
-        value = int(value)  # 2.0 is an integer to JSON Schema, as to OpenAI's API
-    # bool is an int to Python, never to a JSON client.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds) or \
-            (check is not None and not check(value)):
-        raise APIError(f"'{key}' must be {need or ' or '.join(k.__name__ for k in kinds)}, got {value!r}", param=key)
-    return value
+def validate(model: type[BaseModel], body: dict) -> BaseModel:
+    """body as a request model, or an APIError naming the first field at fault."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        where = [".".join(map(str, e["loc"])) or "body" for e in errors]
+        said = "; ".join(f"{w}: {e['msg']}" for w, e in list(zip(where, errors))[:3])
+        first = errors[0]
+        got = repr(first.get("input"))
+        raise APIError(f"{said} (got {got[:80] + '...' if len(got) > 80 else got})",
+                       param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
 MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
@@ -77,6 +80,10 @@ MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is ref
 # a long answer. A completion without it gets 16, as OpenAI's API says.
 CHAT_MAX_TOKENS = 512
 DISCONNECT_POLL_S = 0.25  # how often a whole request checks that its client is still there
+# A request body larger than this is refused (413) before it is read: a 20 MB prompt used to hold
+# the event loop for 25 s while it was tokenized, only to be refused for the context anyway.
+MAX_BODY_MB = 4
+GRACE_S = 3  # after Ctrl-C, responses still open this long are cancelled
 
 
 def check_body(body: dict) -> None:
@@ -127,87 +134,83 @@ class StopStrings:
 class Server:
     """The OpenAI HTTP API over one AsyncLLMEngine: requests in, choices out, streamed or whole."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS,
+                 max_body_mb: float = MAX_BODY_MB):
         self.engine, self.model_name, self.chat_max_tokens = engine, model_name, chat_max_tokens
+        self.max_body_bytes = int(max_body_mb * 2 ** 20)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.limits.max_model_len
         self.vocab_size = engine.limits.vocab_size
         self.eos = set(engine.eos_token_ids)
         self.prompt_tokens = 0
         self.created = int(time.time())
+        # No token covers more characters than the longest entry of the vocabulary: a text longer
+        # than the context times that can never fit, and is refused without tokenizing it.
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
+        self.max_prompt_chars = self.max_model_len * longest
 
-    # ----- parsing: a JSON body -> token ids and sampling parameters, or APIError -----
+    # ----- parsing: a body -> a request model, token ids and sampling parameters, or APIError -----
 
-    def params(self, body: dict, default_max_tokens: int) -> tuple[SamplingParams, int, list[str]]:
-        """Sampling parameters, the number of choices and the stop strings of a request body."""
+    def parse(self, raw: bytes, chat: bool) -> tuple[SamplingFields, list[list[int]]]:
+        """A request body, validated, and its prompts' token ids. Run in a worker thread: a large
+        body takes a while to parse and tokenize, and the event loop must keep answering meanwhile."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise APIError(f"the body is not valid JSON: {err}") from None
+        except RecursionError:
+            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep") from None
+        if not isinstance(body, dict):
+            raise APIError("the body must be a JSON object")
+        check_body(body)
         for key in UNSUPPORTED:
             if body.get(key) not in (None, False, 0, [], {}):
                 raise APIError(f"'{key}' is not supported by this server", param=key)
         if body.get("best_of") not in (None, 1):
             raise APIError("'best_of' is not supported by this server", param="best_of")
-        model = _field(body, "model", str, self.model_name)
-        if model != self.model_name:
-            raise APIError(f"the model {model!r} does not exist; this server has {self.model_name!r}",
+        if chat:
+            req = validate(ChatCompletionRequest, body)
+            return req, [self.chat_ids(req)]
+        req = validate(CompletionRequest, body)
+        prompt = req.prompt
+        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
+        return req, [self.tokenize(p) if isinstance(p, str) else p for p in prompts]
+
+    def params(self, req: SamplingFields, default_max_tokens: int) -> tuple[SamplingParams, int, list[str]]:
+        """Sampling parameters, the number of choices and the stop strings of a request."""
+        if (req.model or self.model_name) != self.model_name:
+            raise APIError(f"the model {req.model!r} does not exist; this server has {self.model_name!r}",
                            status=404, param="model", code="model_not_found")
-        top_k = _field(body, "top_k", int, 0, lambda k: k >= -1, "an int >= -1 (-1 or 0: off)")
-        max_tokens = _field(body, "max_completion_tokens", int, None, lambda m: m >= 1, "an int >= 1")
-        max_tokens = _field(body, "max_tokens", int, max_tokens, lambda m: m >= 1, "an int >= 1")
-        stop = _field(body, "stop", (str, list), [], lambda s: isinstance(s, str) and s != "" or
-                      isinstance(s, list) and all(isinstance(x, str) and x for x in s),
-                      "a non-empty string or a list of them")
-        max_n = self.engine.max_num_seqs
-        n = _field(body, "n", int, 1, lambda n: 1 <= n <= max_n, f"an int in 1..{max_n}")
+        if req.n > self.engine.max_num_seqs:
+            raise APIError(f"'n' must be at most {self.engine.max_num_seqs} (max_num_seqs), got {req.n}", param="n")
+        max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None) or default_max_tokens
         try:
-            params = SamplingParams(
-                temperature=float(_field(body, "temperature", (int, float), 1.0)),
-                top_p=float(_field(body, "top_p", (int, float), 1.0)),
-                top_k=max(top_k, 0),
-                max_tokens=max_tokens or default_max_tokens,
-                ignore_eos=_field(body, "ignore_eos", bool, False),
-                seed=_field(body, "seed", int, None, lambda s: -2 ** 63 <= s < 2 ** 64, "an int in [-2^63, 2^64)"))
+            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                                    max_tokens=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed)
         except ValueError as err:
             raise APIError(str(err)) from None
-        return params, n, [stop] if isinstance(stop, str) else stop
+        return params, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or []
 
-    def prompts(self, body: dict) -> list[list[int]]:
-        """The token ids of each prompt of a completions request (text, token ids, or a list of either)."""
-        prompt = body.get("prompt")
-        is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-        if isinstance(prompt, str) or is_ids(prompt):
-            prompt = [prompt]
-        if not (isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt)):
-            raise APIError("'prompt' must be a string, a list of token ids, or a non-empty list of either",
-                           param="prompt")
-        return [self.tokenize(p) if isinstance(p, str) else p for p in prompt]
-
-    def chat_ids(self, body: dict) -> list[int]:
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         """The token ids of a chat request's messages."""
-        messages = body.get("messages")
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
-            raise APIError("'messages' must be a non-empty list of {role, content} objects", param="messages")
-        chat = []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: only text ones can be read here
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise APIError("only text content parts are supported", param="messages")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(m.get("role"), str) or not isinstance(content, str):
-                raise APIError("each message needs a string 'role' and 'content'", param="messages")
-            chat.append({"role": m["role"], "content": content})
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer: use /v1/completions with token ids")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        self.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages")
         try:
-            return chat_prompt(self.tokenizer, chat)
+            return chat_prompt(self.tokenizer, messages)
         except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
             raise APIError(f"the chat template failed: {err}", param="messages") from None
+
+    def check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(f"the prompt's {chars} characters cannot fit the context of {self.max_model_len} tokens",
+                           param=param)
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer: send token ids", param="prompt")
-        if not text:
-            raise APIError("the prompt is empty", param="prompt")
+        self.check_chars(len(text), "prompt")
         return self.tokenizer(text).input_ids
 
     # ----- generation: one request's choices as (choice index, text piece, finish reason, tokens) -----
@@ -242,24 +245,18 @@ class Server:
                     return
                 yield index, piece, out.finish_reason, len(out.token_ids)
 
-    async def run(self, body: dict, chat: bool) -> dict | AsyncIterator[str]:
-        """A parsed request's response: a JSON body, or (stream=true) an iterator of SSE events."""
-        if chat:
-            prompts = [self.chat_ids(body)]
-            left = self.max_model_len - len(prompts[0])
-            params, n, stops = self.params(body, max(min(self.chat_max_tokens, left), 1))
-        else:
-            prompts = self.prompts(body)
-            params, n, stops = self.params(body, 16)
-        stream = _field(body, "stream", bool, False)
-        options = _field(body, "stream_options", dict, {})
+    async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:
+        """A request's response: a JSON body, or (stream=true) an iterator of SSE events."""
+        req, prompts = await asyncio.to_thread(self.parse, raw, chat)
+        default = max(min(self.chat_max_tokens, self.max_model_len - len(prompts[0])), 1) if chat else 16
+        params, n, stops = self.params(req, default)
         choices = merge(self.requests(prompts, params, n, stops))
         prompt_tokens = sum(map(len, prompts))
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}
-        if stream:
+        if req.stream:
             return self.events(choices, head, prompt_tokens, chat, n * len(prompts),
-                               bool(options.get("include_usage")))
+                               req.stream_options is not None and req.stream_options.include_usage)
         texts, reasons, tokens = {}, {}, {}
         async for index, piece, reason, count in choices:
             texts[index] = texts.get(index, "") + piece
@@ -379,11 +376,93 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
             t.cancel()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS) -> FastAPI:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or 413 as soon as it is known to be over `limit` bytes: from its
+    Content-Length before reading anything, else while reading it."""
+    too_large = APIError(f"the body is larger than {limit / 2 ** 20:g} MiB", 413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_schema(model: type[BaseModel] | None, event_stream: bool = False) -> dict:
+    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}} if model else {}
+    if event_stream:  # stream=true: Server-Sent Events, each carrying a chunk of the response
+        data = {"type": "string", "description": "a chunk of the response as JSON, or [DONE] at the end"}
+        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                   "properties": {"data": data}}}
+    return {"content": content}
+
+
+def _token_ids_below(schema, vocab_size: int) -> None:
+    """Give every token id (an integer >= 0) in a prompt's schema this vocabulary's bound."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer" and schema.get("minimum") == 0:
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            _token_ids_below(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            _token_ids_below(value, vocab_size)
+
+
+def openapi_schema(app: FastAPI, server: Server) -> dict:
+    """FastAPI's schema of the routes, with the request bodies and responses of protocol.py and
+    this engine's limits: the endpoints read their bodies themselves (size limit, nesting, a
+    worker thread). One limit is left out, as JSON Schema cannot relate two fields: the prompt's
+    tokens and max_tokens together must fit the context."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    models = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.CompletionResponse,
+              protocol.ChatCompletionResponse, protocol.ErrorResponse, protocol.ModelList, protocol.Health]
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in models:
+        s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(s.pop("$defs", {}))
+        components[model.__name__] = s
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = components[name]["properties"]
+        fields["n"]["maximum"] = server.engine.max_num_seqs
+        for key in ("max_tokens", "max_completion_tokens"):
+            if key in fields:
+                fields[key]["anyOf"][0]["maximum"] = server.max_model_len
+    _token_ids_below(components["CompletionRequest"]["properties"]["prompt"], server.vocab_size)
+    errors = {str(code): {"description": why, **_json_schema(protocol.ErrorResponse)} for code, why in [
+        (400, "a bad request"), (404, "no such model"), (413, "the body is too large"),
+        (500, "the server failed")]}
+    for path, request, response in [("/v1/completions", protocol.CompletionRequest, protocol.CompletionResponse),
+                                    ("/v1/chat/completions", protocol.ChatCompletionRequest,
+                                     protocol.ChatCompletionResponse)]:
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {"required": True, **_json_schema(request)}
+        op["responses"] = {"200": {"description": "the response, or with stream=true its events",
+                                   **_json_schema(response, event_stream=True)}, **errors}
+    for path, model, extra in [("/v1/models", protocol.ModelList, {}),
+                               ("/health", protocol.Health, {"503": {"description": "the engine has stopped",
+                                                                     **_json_schema(protocol.Health)}})]:
+        schema["paths"][path]["get"]["responses"] = {"200": {"description": "OK", **_json_schema(model)}, **extra}
+    return schema
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS,
+              max_body_mb: float = MAX_BODY_MB) -> FastAPI:
     """The FastAPI application: the OpenAI routes, /health and /metrics."""
-    server = Server(engine, model_name, chat_max_tokens)
+    server = Server(engine, model_name, chat_max_tokens, max_body_mb)
     app = FastAPI(title="miniinfer")
     app.state.server = server
+
+    def cached_openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(app, server)
+        return app.openapi_schema
+
+    app.openapi = cached_openapi
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -410,21 +489,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
                 "max_model_len": server.max_model_len, "vocab_size": server.vocab_size}
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as err:
-            raise APIError(f"the body is not valid JSON: {err}") from None
-        except RecursionError:
-            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep") from None
-        if not isinstance(body, dict):
-            raise APIError("the body must be a JSON object")
-        check_body(body)
-        result = await until_disconnected(request, server.run(body, chat))
+        raw = await read_body(request, server.max_body_bytes)
+        result = await until_disconnected(request, server.run(raw, chat))
         if isinstance(result, (dict, Response)):
             return result
         return StreamingResponse(result, media_type="text/event-stream",
@@ -442,7 +513,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
 
 
 def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          chat_max_tokens: int = CHAT_MAX_TOKENS) -> None:
+          chat_max_tokens: int = CHAT_MAX_TOKENS, max_body_mb: float = MAX_BODY_MB) -> None:
     """Serve an engine over HTTP until interrupted. The engine runs in its own process: in this one,
     the event loop's work for every streamed token would hold the GIL that the engine's host code needs."""
     import uvicorn
@@ -457,6 +528,13 @@ def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: 
         yield
         async_engine.close()  # at shutdown: uvicorn may end the process right after
 
-    app = build_app(async_engine, model_name, chat_max_tokens)
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Ctrl-C: uvicorn waits for open responses to end, and streams may run for minutes. The
+            # engine stops now instead, aborting every request, so each response ends with an error.
+            async_engine.commands.put(("stop",))
+            super().handle_exit(sig, frame)
+
+    app = build_app(async_engine, model_name, chat_max_tokens, max_body_mb)
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=host, port=port, access_log=False)
+    Uvicorn(uvicorn.Config(app, host=host, port=port, access_log=False, timeout_graceful_shutdown=GRACE_S)).run()

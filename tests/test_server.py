@@ -3,6 +3,7 @@
 usage, stop strings, 1,000 concurrent streams, clients that disconnect, and bad requests."""
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -30,28 +32,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def start_server(log, *args: str) -> tuple[subprocess.Popen, str]:
+    """`miniinfer serve` with the course model on a free port, once it answers /health."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "miniinfer", "serve", "--port", str(port), "--num-blocks", "400",
-             "--block-size", "8", "--max-num-seqs", "128", "--chat-max-tokens", "24"],
-            stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--port", str(port), *args],
+                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
         try:
             if httpx.get(url + "/health").status_code == 200:
-                break
+                return proc, url
         except httpx.TransportError:
             pass
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
-    yield url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = start_server(log, "--num-blocks", "400", "--block-size", "8", "--max-num-seqs", "128",
+                             "--chat-max-tokens", "24")
+    yield proc, url
     proc.terminate()  # uvicorn shuts down gracefully, then ends itself with the same signal
     assert proc.wait(60) in (0, -signal.SIGTERM) and "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[1]
 
 
 @pytest.fixture(scope="module")
@@ -334,3 +345,119 @@ def test_every_shape_matches_transformers(hf_checkpoint, tmp_path, stream):
         assert engine.engine.block_manager.num_free_blocks == 64
     finally:
         engine.close()
+
+
+LIMITS = [({"prompt": "x", "stop": ["a"] * 17}, "stop"), ({"prompt": "x", "stop": "y" * 513}, "stop"),
+          ({"prompt": ["a"] * 2049}, "prompt"), ({"prompt": "x", "n": 129}, "n"),
+          ({"prompt": "x", "max_tokens": 1, "stream": "yes"}, "stream"),
+          ({"prompt": "x" * 300_000}, "prompt"), ({"messages": [{"role": "user", "content": "x" * 300_000}]}, "messages")]
+
+
+def test_limits_on_stops_prompts_and_choices(url):
+    for body, param in LIMITS:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text[:300])
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_a_huge_body_gets_413_at_once_while_health_answers(server):
+    """20 MB and a 6 MB body sent in chunks (no Content-Length) get 413 without being read; a 3.8 MB
+    prompt (under the 4 MiB limit) is refused for the context without being tokenized. /health
+    answers within 100 ms throughout, and the API process keeps its memory."""
+    proc, url = server
+
+    async def chunks():
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            before, results = rss_mb(proc.pid), []
+            for body, status in [(b'{"prompt": "' + b"x " * (10 << 20) + b'"}', 413), (chunks(), 413),
+                                 (b'{"prompt": "' + b"def f(x): return x " * 200_000 + b'"}', 400)]:
+                done, health = False, []
+
+                async def poll():
+                    while not done:
+                        t0 = time.perf_counter()
+                        assert (await http.get(url + "/health")).status_code == 200
+                        health.append(time.perf_counter() - t0)
+                        await asyncio.sleep(0.01)
+
+                task = asyncio.create_task(poll())
+                t0 = time.perf_counter()
+                r = await http.post(url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
+                results.append((r.status_code, r.json()["error"]["type"], time.perf_counter() - t0))
+                done = True
+                await task
+                assert r.status_code == status and max(health) < 0.1, (r.text, health)
+            return before, results
+
+    before, results = asyncio.run(main())
+    assert all(seconds < 1 for *_, seconds in results), results
+    assert rss_mb(proc.pid) < before * 1.1
+
+
+def test_openapi_describes_the_bodies_and_this_servers_limits(url):
+    spec = httpx.get(url + "/openapi.json").json()
+    schemas, completions = spec["components"]["schemas"], spec["paths"]["/v1/completions"]["post"]
+    assert completions["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
+    assert set(completions["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"200", "400", "404", "413"} <= set(completions["responses"])
+    assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == 128  # --max-num-seqs
+    assert '"maximum": 4095' in json.dumps(schemas["CompletionRequest"]["properties"]["prompt"])  # token ids
+    assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+
+
+def test_schemathesis_finds_no_5xx_and_no_response_off_its_schema(tmp_path):
+    """Schemathesis over /openapi.json, every check but one: positive_data_acceptance expects every
+    schema-valid body to succeed, but JSON Schema cannot say that prompt tokens + max_tokens must
+    fit the context. A context of 64 keeps each generated request short on a CPU."""
+    proc, url = start_server(tmp_path / "server.log", "--max-model-len", "64", "--num-blocks", "64",
+                             "--block-size", "8", "--max-num-seqs", "16", "--chat-max-tokens", "8")
+    try:
+        run = subprocess.run(
+            [str(Path(sys.executable).with_name("st")), "run", url + "/openapi.json", "--checks", "all",
+             "--exclude-checks", "positive_data_acceptance", "--max-examples", "40", "--max-response-time", "120",
+             "--request-timeout", "120", "--workers", "1", "--generation-database", "none", "--seed", "1",
+             "--no-color"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    print(run.stdout[-1500:])
+    assert run.returncode == 0 and "No issues found" in run.stdout, run.stdout[-6000:]
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
+
+
+def test_one_ctrl_c_aborts_running_requests_and_exits_in_seconds(tmp_path):
+    """12 streams of 2,000 tokens are running: one SIGINT stops the engine, ends every stream and
+    exits in seconds (it used to wait for the streams to finish, over 90 s)."""
+    proc, url = start_server(tmp_path / "server.log", "--max-num-seqs", "8")
+    body = {"prompt": "def f(x):\n", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+    def stream():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                return sum(1 for line in r.iter_lines() if line.startswith("data:"))
+        except httpx.HTTPError as err:
+            return err
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        clients = [pool.submit(stream) for _ in range(12)]
+        while read_metrics(url)["generation_tokens_total"] < 50:
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+        seconds = time.monotonic() - t0
+        ended = [c.result(timeout=30) for c in clients]
+    log = (tmp_path / "server.log").read_text()
+    # 130: a shell's status for a process ended by Ctrl-C, which uvicorn passes on once it has shut down.
+    assert code in (0, 130) and seconds < 10 and "Traceback" not in log, (code, seconds, log[-3000:])
+    assert all(not isinstance(n, int) or n < 2000 for n in ended)  # nobody was served to the end

@@ -1,0 +1,152 @@
+"""The OpenAI request and response bodies the server speaks, as pydantic models: they validate each
+request at the door and describe the API in /openapi.json. Hand-written module (chapter 08)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+
+def _integral(value):
+    """JSON Schema calls 2.0 an integer, and so does OpenAI's API: take it as 2 (in lists too)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+MAX_STOPS, MAX_STOP_CHARS = 16, 512  # a stop string is searched for at every token: bounded
+Stop = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+MAX_PROMPTS = 2048  # prompts in one completions request (OpenAI's limit on array inputs)
+
+
+class Strict(BaseModel):
+    # Strict: a JSON true is no number and "3" no int. Unknown fields are ignored, as OpenAI's
+    # clients send some (user, metadata) that change nothing here.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data):
+        return {k: _integral(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """What both endpoints take besides the prompt."""
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, description="-1 or 0: off; above the vocabulary: all of it")
+    n: int = Field(1, ge=1, description="at most the engine's max_num_seqs")
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64, description="what torch.Generator takes")
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Annotated[str, Field(min_length=1)] | TokenIds | \
+        Annotated[list[Annotated[str, Field(min_length=1)] | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: str
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# ----- responses -----
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (stream=true) each Server-Sent Event's chunk of one."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
