@@ -228,7 +228,17 @@ PARAMS = {'{"prompt": "ok \\ud800"}': "prompt", '{"prompt": ["fine", "\\udfff"]}
           '{"messages": [{"role": "user", "content": "a lone \\ud83d surrogate"}]}': "messages[0].content"}
 
 
+def stream_text(url: str, body: dict) -> str:
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: ") and line != "data: [DONE]")
+
+
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
+    innocent = {"prompt": "def add(a, b):\n", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    alone = stream_text(url, innocent)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    beside = pool.submit(stream_text, url, innocent)  # runs while every bad request below is refused
     cases = [("/v1/completions", b, s) for b, s in BAD] + [("/v1/chat/completions", b, s) for b, s in BAD_CHAT]
     for path, body, status in cases:
         for stream in (False, True):
@@ -251,6 +261,8 @@ def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     assert client.completions.create(model="pycoder", prompt="x", max_tokens=3).usage.completion_tokens >= 1
+    assert beside.result() == alone
+    pool.shutdown()
     assert wait_idle(url)["kv_blocks_used"] == 0
 
 
