@@ -66,8 +66,7 @@ def validate(model: type[BaseModel], body: dict) -> BaseModel:
         return model.model_validate(body)
     except ValidationError as err:
         errors = err.errors(include_url=False)
-        where = [".".join(map(str, e["loc"])) or "body" for e in errors]
-        said = "; ".join(f"{w}: {e['msg']}" for w, e in list(zip(where, errors))[:3])
+        said = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors[:3])
         first = errors[0]
         got = repr(first.get("input"))
         raise APIError(f"{said} (got {got[:80] + '...' if len(got) > 80 else got})",

@@ -158,8 +158,7 @@ def test_every_bit_of_a_64_bit_seed_counts_and_an_out_of_range_one_fails_alone(u
     checked at the door (64 bits) and folded into the noise's 32 with every bit counting."""
     body = {"model": "pycoder", "prompt": "def f(x):\n", "max_tokens": 12, "temperature": 1.5}
     innocent = {**body, "temperature": 0, "max_tokens": 40, "stream": True}
-    alone = "".join(json.loads(d)["choices"][0]["text"] for d in sse_lines(httpx.post(url + "/v1/completions",
-                                                                                      json=innocent)))
+    alone = stream_text(url, innocent)
     ask = lambda seed, n=1: [c.text for c in client.completions.create(**body, seed=seed, n=n).choices]
     assert ask(5) != ask(2 ** 32 + 5)  # only the low 32 bits counted before
     assert len(ask(2 ** 64 - 1, n=2)) == 2 and ask(2 ** 63) == ask(2 ** 63) and ask(-(2 ** 63))
@@ -229,9 +228,9 @@ PARAMS = {'{"prompt": "ok \\ud800"}': "prompt", '{"prompt": ["fine", "\\udfff"]}
 
 
 def stream_text(url: str, body: dict) -> str:
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-        return "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
-                       if line.startswith("data: ") and line != "data: [DONE]")
+    """The text of a streamed completion."""
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=120)
+    return "".join(json.loads(d)["choices"][0]["text"] for d in sse_lines(r))
 
 
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
