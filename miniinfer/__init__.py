@@ -14,12 +14,12 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from miniinfer import testing  # noqa: E402
-from miniinfer.chunked_prefill import ChunkedPrefillScheduler  # noqa: E402
 from miniinfer.block_manager import BlockCopy, BlockManager, OutOfBlocks, draw_pool, replay  # noqa: E402
 from miniinfer.async_engine import AsyncLLMEngine  # noqa: E402
 from miniinfer.course_model import course_model_path  # noqa: E402
 from miniinfer.detokenize import IncrementalDetokenizer  # noqa: E402
-from miniinfer.engine import EngineConfig, LLMEngine  # noqa: E402
+from miniinfer.config import EngineConfig  # noqa: E402
+from miniinfer.engine import LLMEngine, StepStats  # noqa: E402
 from miniinfer.generate import generate_naive  # noqa: E402
 from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
 from miniinfer.model import ModelConfig, Transformer  # noqa: E402
@@ -29,7 +29,7 @@ from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, gene
                                    paged_utilization, slot_mapping)
 from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
 from miniinfer.sampling import SamplingParams, sample  # noqa: E402
-from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput, SchedulingPolicy  # noqa: E402
+from miniinfer.scheduler import POLICIES, NewRequest, Scheduler, SchedulerOutput, SchedulingPolicy  # noqa: E402
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence, Status  # noqa: E402
 from miniinfer.varlen import VarlenBatch, VarlenKVCache, prefill_attention_ref, store_kv_ref  # noqa: E402
 from miniinfer.timeline import StepRecord, draw_timeline, trace_steps  # noqa: E402
@@ -48,9 +48,9 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "benchmark_lengths", "course_model_path", "generate_cached", "generate_naive",
            "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
            "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",
-           "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "SamplingBatch", "sample_batch",
-           "POLICIES", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestDataError", "RequestOutput", "Sequence",
+           "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "StepStats", "SamplingBatch", "sample_batch",
+           "POLICIES", "NewRequest", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestDataError", "RequestOutput", "Sequence",
            "Status",
-           "StepRecord", "draw_timeline", "trace_steps", "ChunkedPrefillScheduler", "PrefixCachingBlockManager",
+           "StepRecord", "draw_timeline", "trace_steps", "PrefixCachingBlockManager",
            "chain_hash", "RadixTree", "IncrementalDetokenizer",
            "AsyncLLMEngine"]

@@ -11,7 +11,8 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from miniinfer.engine import EngineConfig, Limits, LLMEngine, check_request
+from miniinfer.config import EngineConfig
+from miniinfer.engine import Limits, LLMEngine, check_request
 from miniinfer.loader import load_tokenizer
 from miniinfer.sampling import SamplingParams
 from miniinfer.sequence import RequestOutput, Status
@@ -39,15 +40,15 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
             else:
                 engine.abort(command[1])
             command = next_command(False)
-        t0 = time.perf_counter()
+        before = list(engine.requests)
         try:
             outputs = engine.step()
         except Exception as err:  # the engine aborted that step's requests: tell their clients
-            items += [(seq.request_id, err) for seq in engine.last_step.seqs]
+            items += [(rid, err) for rid in before if rid not in engine.requests]
             outputs = []
         # A request that failed on its own data (the others of its step ran): its client gets the error.
         items += [(o.request_id, RuntimeError(f"the request failed: {o.error}") if o.error else o) for o in outputs]
-        emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs), time.perf_counter() - t0))
+        emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs), engine.stats.seconds))
 
 
 def engine_stats(engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0) -> dict:

@@ -40,8 +40,12 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_needed(num_tokens, self.block_size)
 
+    def blocks_to_allocate(self, num_tokens: int, shared: list[int] | tuple = ()) -> int:
+        """Free blocks that allocate(_, num_tokens, shared) uses up."""
+        return self.blocks_for(num_tokens) - len(shared)
+
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.num_free_blocks
+        return self.blocks_to_allocate(num_tokens) <= self.num_free_blocks
 
     def _table(self, seq_id) -> list[int]:
         if seq_id not in self.tables:
@@ -56,35 +60,63 @@ class BlockManager:
             self.ref_count[b] = 1
         return blocks
 
-    def allocate(self, seq_id, num_tokens: int) -> list[int]:
-        """Blocks for a new sequence of num_tokens tokens; returns its block table."""
+    def allocate(self, seq_id, num_tokens: int, shared: list[int] | tuple = ()) -> list[int]:
+        """Blocks for a new sequence of num_tokens tokens; returns its block table. `shared`: full
+        blocks that already hold its first tokens (chapter 07's cache finds them), referenced
+        instead of taken."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        self.tables[seq_id] = self._take(self.blocks_for(num_tokens))
+        if num_tokens < max(1, len(shared) * self.block_size):
+            raise ValueError(f"num_tokens must be >= 1 and cover the shared blocks' {len(shared) * self.block_size} "
+                             f"tokens, got {num_tokens}")
+        new = self._take(self.blocks_for(num_tokens) - len(shared))
+        for b in shared:
+            self.ref_count[b] += 1
+        self.tables[seq_id] = list(shared) + new
         self.lengths[seq_id] = num_tokens
         return list(self.tables[seq_id])
 
-    def can_append(self, seq_id) -> bool:
-        """Whether one more token fits: a new block at a block boundary or for a copy on write."""
-        table = self._table(seq_id)
-        needs_block = self.lengths[seq_id] % self.block_size == 0 or self.ref_count[table[-1]] > 1
-        return not needs_block or self.num_free_blocks > 0
+    def slots_needed(self, seq_id, n: int = 1) -> int:
+        """Free blocks that n more tokens of seq_id take: new blocks past its last one, and one for a
+        copy on write when its last block is shared and not full."""
+        table, length = self._table(seq_id), self.lengths[seq_id]
+        cow = length % self.block_size != 0 and self.ref_count[table[-1]] > 1
+        return self.blocks_for(length + n) - len(table) + cow
+
+    def can_append(self, seq_id, n: int = 1) -> bool:
+        return self.slots_needed(seq_id, n) <= self.num_free_blocks
 
     def append_token(self, seq_id) -> BlockCopy | None:
         """Account for one more token; returns the block copy that copy-on-write requires, if any."""
         table = self._table(seq_id)
         copy = None
-        if self.lengths[seq_id] % self.block_size == 0:  # the last block is full: start a new one
-            table.extend(self._take(1))
-        elif self.ref_count[table[-1]] > 1:  # writing into a shared block: make it private first
-            (new,) = self._take(1)
+        if self.lengths[seq_id] % self.block_size and self.ref_count[table[-1]] > 1:
+            (new,) = self._take(1)  # writing into a shared block: make it private first
             self.ref_count[table[-1]] -= 1
             copy = BlockCopy(table[-1], new)
             table[-1] = new
-        self.lengths[seq_id] += 1
+        self.append_slots(seq_id, 1)
         return copy
+
+    def append_slots(self, seq_id, n: int) -> list[int]:
+        """Account for n more tokens in a sequence whose last block is its own (the engine's case:
+        the only blocks it shares are full); returns the blocks added."""
+        table = self._table(seq_id)
+        new = self._take(self.blocks_for(self.lengths[seq_id] + n) - len(table))
+        table.extend(new)
+        self.lengths[seq_id] += n
+        return new
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep only the first num_tokens tokens of a sequence (tokens it takes back, as rejected
+        speculative ones in chapter 09): blocks past them are released."""
+        table = self._table(seq_id)
+        if not 1 <= num_tokens <= self.lengths[seq_id]:
+            raise ValueError(f"num_tokens must be in 1..{self.lengths[seq_id]}, got {num_tokens}")
+        keep = self.blocks_for(num_tokens)
+        self._release(table[keep:])
+        del table[keep:]
+        self.lengths[seq_id] = num_tokens
 
     def fork(self, parent_id, child_id) -> list[int]:
         """A child sequence that shares all of the parent's blocks; returns its block table."""
@@ -99,11 +131,27 @@ class BlockManager:
 
     def free(self, seq_id) -> None:
         """Release a sequence; blocks nobody else references return to the free list."""
-        for b in reversed(self._table(seq_id)):
+        self._release(self._table(seq_id))
+        del self.tables[seq_id], self.lengths[seq_id]
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self.free_list.append(b)
-        del self.tables[seq_id], self.lengths[seq_id]
+                self._unused(b)
+
+    def _unused(self, block: int) -> None:
+        """A block nobody references any more (chapter 07 keeps a cached one)."""
+        self.free_list.append(block)
+
+    # Chapter 07 fills these two in, and the engine calls them: without a cache no prefix is ever
+    # found, and computed blocks are not remembered.
+    def match(self, seq) -> list[int]:
+        """Cached blocks that hold the longest prefix of seq's tokens."""
+        return []
+
+    def cache_blocks(self, seq) -> None:
+        """Remember the blocks that seq's computed tokens fill."""
 
     def block_table(self, seq_id) -> list[int]:
         return list(self._table(seq_id))

@@ -5,88 +5,22 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
 from miniinfer.block_manager import BlockManager, blocks_needed
-from miniinfer.chunked_prefill import ChunkedPrefillScheduler
-from miniinfer.loader import load_model, load_tokenizer
+from miniinfer.config import EngineConfig
+from miniinfer.loader import load_tokenizer
 from miniinfer.model import Transformer
 from miniinfer.model_runner import ModelRunner
-from miniinfer.prefix_cache import PrefixCachingBlockManager
 from miniinfer.sampling import SamplingParams
-from miniinfer.scheduler import Scheduler
+from miniinfer.scheduler import POLICIES, Scheduler
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
-from miniinfer.varlen import VarlenKVCache
 
-CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
-
-
-@dataclass
-class EngineConfig:
-    model: str | Path | None = None  # a checkpoint folder; None: the course model
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from free memory (GPU) or CPU_KV_BYTES (CPU)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(max_model_len, 8192)
-    max_model_len: int | None = None  # None: the model's context
-    gpu_memory_utilization: float = 0.9
-    preemption_mode: str = "recompute"  # or "swap"
-    num_cpu_blocks: int | None = None  # swap space; None: as many as device blocks (swap mode only)
-    policy: str = "fcfs"  # or "priority"
-    enable_prefix_caching: bool = False  # chapter 07
-    enable_chunked_prefill: bool = False  # chapter 07: prompts in pieces under max_num_batched_tokens
-    cuda_graph: bool = True
-    kernels: str | None = None  # attention kernels, "torch" or "triton"; None: triton on CUDA
-
-    def __post_init__(self):
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def kv_bytes_per_block(model: Transformer, block_size: int) -> int:
-    cfg, w = model.cfg, model.lm_head.weight
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * w.element_size()
-
-
-@torch.no_grad()
-def profile_num_blocks(model: Transformer, config: EngineConfig, max_model_len: int, max_tokens: int) -> int:
-    """KV blocks that fit in gpu_memory_utilization of the device once the weights and the peak
-    activations of a full token budget (measured by running it) are counted."""
-    free, total = torch.cuda.mem_get_info()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    # The budget as sequences of up to max_model_len tokens, in a throwaway pool just large enough.
-    full, rest = divmod(max_tokens, max_model_len)
-    lens = ([max_model_len] * full + [rest] * (rest > 0))[:config.max_num_seqs]
-    need = [blocks_needed(n, config.block_size) for n in lens]
-    cache = VarlenKVCache(model.cfg, sum(need), config.block_size, model.lm_head.weight.device,
-                          model.lm_head.weight.dtype, config.kernels)
-    starts = list(itertools.accumulate(need, initial=0))
-    tables = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
-    cache.run(model, [[0] * n for n in lens], tables, [0] * len(lens))
-    torch.cuda.synchronize()
-    activations = torch.cuda.max_memory_allocated() - before - cache.k.nbytes - cache.v.nbytes
-    # Kernels compile (Triton) or load (cuBLAS) a variant per size class on first use, which takes
-    # up to a second: meet every class now, with prompts of halving length, not while serving.
-    n = min(lens[0], max_model_len) // 2
-    while n >= 1:
-        cache.run(model, [[0] * n], tables[:1], [0])
-        n //= 2
-    del cache
-    torch.cuda.empty_cache()
-    usable = total * config.gpu_memory_utilization - (total - free) - activations
-    return max(0, int(usable // kv_bytes_per_block(model, config.block_size)))
+# The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07 adds True.
+BLOCK_MANAGERS: dict[bool, type[BlockManager]] = {False: BlockManager}
 
 
 class Limits(NamedTuple):
@@ -122,48 +56,47 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     return ids
 
 
+@dataclass
+class StepStats:
+    """What one step did, and the engine's state after it."""
+    scheduled: dict[str, int]  # request id -> tokens it computed
+    preempted: list[str]
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    seconds: float
+
+
 class LLMEngine:
     """Continuous batching over a paged KV pool: add requests at any time, step, read outputs."""
 
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None):
         config = config or EngineConfig()
+        if config.enable_prefix_caching not in BLOCK_MANAGERS:
+            raise ValueError("enable_prefix_caching=True needs chapter 07's block manager: import miniinfer")
         self.config = config
         if model is None:
-            model = load_model(config.model, device=config.device, dtype=config.dtype)
             try:
                 tokenizer = load_tokenizer(config.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
                 tokenizer = None
-        self.model, self.tokenizer = model, tokenizer
+        self.runner = ModelRunner(config, model)
+        self.model, self.tokenizer = self.runner.model, tokenizer
         self.detokenize = tokenizer.decode if tokenizer is not None else None
-        cfg = model.cfg
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        budget = config.max_num_batched_tokens or max(self.max_model_len, 8192)
-        if budget < self.max_model_len and not config.enable_chunked_prefill:
-            raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={self.max_model_len}: a prompt "
-                             "must fit one step's budget, or set enable_chunked_prefill=True")
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            if model.lm_head.weight.device.type == "cuda":
-                num_blocks = profile_num_blocks(model, config, self.max_model_len, budget)
-            else:
-                num_blocks = CPU_KV_BYTES // kv_bytes_per_block(model, config.block_size)
+        num_blocks = config.num_blocks or self.runner.num_blocks_that_fit()
         if num_blocks < 1:
             raise ValueError("no memory left for the KV pool: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization")
-        cpu_blocks = config.num_cpu_blocks if config.preemption_mode == "swap" else 0
+        cpu_blocks = 0 if config.preemption_mode != "swap" else config.num_cpu_blocks
         cpu_blocks = num_blocks if cpu_blocks is None else cpu_blocks
-        bm = (PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager)(num_blocks,
-                                                                                          config.block_size)
-        args = (bm, config.max_num_seqs, budget, config.policy, config.preemption_mode,
-                BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None)
-        if config.enable_prefix_caching or config.enable_chunked_prefill:  # chapter 07
-            self.scheduler = ChunkedPrefillScheduler(*args, chunked=config.enable_chunked_prefill)
-        else:
-            self.scheduler = Scheduler(*args)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
-                                  cpu_blocks, config.cuda_graph, config.kernels)
-        self.requests: dict[str, Sequence] = {}  # unfinished, by request id
+        self.runner.allocate_kv_cache(num_blocks, cpu_blocks)
+        self.scheduler = Scheduler(BLOCK_MANAGERS[config.enable_prefix_caching](num_blocks, config.block_size),
+                                   config.max_num_seqs, self.runner.max_num_batched_tokens, POLICIES[config.policy],
+                                   config.preemption_mode,
+                                   BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
+                                   config.enable_chunked_prefill, self.model.cfg.eos_token_ids)
+        self.stats = StepStats({}, [], 0, 0, 0, num_blocks, 0.0)
         self._arrivals = itertools.count()
 
     @property
@@ -171,9 +104,14 @@ class LLMEngine:
         return self.scheduler.block_manager
 
     @property
+    def requests(self) -> dict[str, Sequence]:
+        """Unfinished requests by id."""
+        return self.scheduler.requests
+
+    @property
     def limits(self) -> Limits:
         bm = self.block_manager
-        return Limits(self.model.cfg.vocab_size, self.max_model_len, bm.num_blocks, bm.block_size)
+        return Limits(self.model.cfg.vocab_size, self.runner.max_model_len, bm.num_blocks, bm.block_size)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if this request can never be served."""
@@ -192,9 +130,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Unseeded requests draw a seed from torch's generator: torch.manual_seed makes runs repeatable.
         seed = params.seed if params.seed is not None else int(torch.randint(2 ** 31, ()))
-        seq = Sequence(request_id, ids, params, priority, arrival, seed)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(Sequence(request_id, ids, params, priority, arrival, seed))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -202,45 +138,36 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        self._finish(seq, "abort")
+        self.scheduler.finish(seq, "abort")
         return RequestOutput.of(seq, self.detokenize)
-
-    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
-        self.scheduler.finish(seq, reason)
-        self.runner.tables.release(seq)
-        del self.requests[seq.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward; an output for every sequence that ran or failed."""
-        out, outputs = self.scheduler.schedule(), []
+        """Schedule, run, update: an output for every request that got tokens, finished or failed."""
+        t0 = time.perf_counter()
+        out, failed = self.scheduler.schedule(), []
         while True:
-            self.last_step = out
             try:
-                tokens = self.runner.execute(out)
+                sampled = self.runner.execute(out)
                 break
             except RequestDataError as err:  # one request's bad data must not fail the others
-                for seq, cause in err.errors.items():
+                for rid, cause in err.errors.items():
+                    seq = self.requests[rid]
                     seq.error = f"{type(cause).__name__}: {cause}"
-                    self._finish(seq, "error")
-                    outputs.append(RequestOutput.of(seq, self.detokenize))
+                    self.scheduler.finish(seq, "error")
+                    failed.append(seq)
                 out = out.without(err.errors)
             except BaseException:
-                for seq in out.seqs:  # nothing of this step happened: give its sequences' blocks back
-                    self.abort(seq.request_id)
+                for rid in out.num_new_tokens:  # nothing of this step happened: give its blocks back
+                    self.abort(rid)
                 raise
-        eos = self.model.cfg.eos_token_ids
-        for seq, n, token in zip(out.seqs, out.num_new_tokens, tokens):
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:  # a piece of a prompt (chapter 07): no token yet
-                continue
-            seq.append(token, eos)
-            if seq.finish_reason:
-                self._finish(seq)
-            outputs.append(RequestOutput.of(seq, self.detokenize))
-        return outputs
+        changed = self.scheduler.update_from_output(out, sampled)
+        s, bm = self.scheduler, self.block_manager
+        self.stats = StepStats(out.num_new_tokens, out.preempted_ids, len(s.running), len(s.waiting),
+                               len(s.swapped), bm.num_free_blocks, time.perf_counter() - t0)
+        return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -257,11 +184,11 @@ class LLMEngine:
         tokens, seconds = {"prefill": 0, "decode": 0}, {"prefill": 1e-9, "decode": 1e-9}
         try:
             while len(final) < len(ids):
-                t0 = time.perf_counter()
                 outputs = self.step()
-                kind = "decode" if self.last_step.num_batched_tokens == len(self.last_step.seqs) else "prefill"
-                tokens[kind] += self.last_step.num_batched_tokens
-                seconds[kind] += time.perf_counter() - t0
+                ran = self.stats.scheduled
+                kind = "decode" if sum(ran.values()) == len(ran) else "prefill"
+                tokens[kind] += sum(ran.values())
+                seconds[kind] += self.stats.seconds
                 for o in outputs:
                     if o.finished:
                         final[o.request_id] = o

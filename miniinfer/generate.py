@@ -26,7 +26,7 @@ def is_finished(token: int, generated: int, params: SamplingParams, eos_ids: lis
 def generate_naive(model: Transformer, prompt_ids: list[int], params: SamplingParams) -> list[int]:
     """Generate by recomputing the whole sequence every step; returns the new tokens only."""
     check_prompt(model, prompt_ids, params)
-    device = model.lm_head.weight.device
+    device = model.device
     gen = params.generator(device)
     ids = torch.tensor([prompt_ids], device=device)
     out: list[int] = []

@@ -249,6 +249,14 @@ class Transformer(nn.Module):
                              persistent=False)
         self.ops = TORCH_OPS
 
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
     def use_ops(self, name: str) -> "Transformer":
         """Select the implementation of the elementwise ops by name (see OPS_BACKENDS)."""
         if name not in OPS_BACKENDS:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from miniinfer.block_manager import blocks_needed
+from miniinfer.config import EngineConfig
+from miniinfer.loader import load_model
 from miniinfer.model import Transformer
-from miniinfer.sampler import SamplingBatch, sample_batch
-from miniinfer.scheduler import SchedulerOutput
-from miniinfer.sequence import Sequence
+from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
+from miniinfer.scheduler import NewRequest, SchedulerOutput
+from miniinfer.sequence import RequestDataError
 from miniinfer.varlen import VarlenBatch, VarlenKVCache
+
+CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -61,8 +69,8 @@ class DecodeGraphs:
 
 
 class BlockTableRows:
-    """The running sequences' block tables as rows of one NumPy array, kept from step to step. A
-    table only grows while its sequence runs (by a block every block_size decode steps), so a step
+    """The running requests' block tables as rows of one NumPy array, kept from step to step. A
+    table only grows while its request runs (by a block every block_size decode steps), so a step
     copies the new entries instead of flattening every table again: at batch 256 that flattening
     was the largest host cost of a decode step."""
 
@@ -70,21 +78,21 @@ class BlockTableRows:
         self.rows = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self.widths = [0] * max_num_seqs
         self.free = list(range(max_num_seqs))
-        self.row_of: dict[Sequence, int] = {}
+        self.row_of: dict[str, int] = {}
 
-    def release(self, seq: Sequence) -> None:
-        """seq stopped running (finished, aborted, preempted): its next table starts over."""
-        row = self.row_of.pop(seq, None)
+    def release(self, request_id: str) -> None:
+        """The request stopped running (finished, aborted, preempted): its next table starts over."""
+        row = self.row_of.pop(request_id, None)
         if row is not None:
             self.free.append(row)
 
-    def gather(self, seqs: list[Sequence], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """The tables of seqs, padded into [B, W], and their widths [B]."""
+    def gather(self, request_ids: list[str], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The tables of the requests, padded into [B, W], and their widths [B]."""
         index = []
-        for seq, table in zip(seqs, tables):
-            row = self.row_of.get(seq)
+        for rid, table in zip(request_ids, tables):
+            row = self.row_of.get(rid)
             if row is None:
-                row = self.row_of[seq] = self.free.pop()
+                row = self.row_of[rid] = self.free.pop()
                 self.widths[row] = 0
             if len(table) != self.widths[row]:
                 self.rows[row, self.widths[row]:len(table)] = table[self.widths[row]:]
@@ -94,23 +102,89 @@ class BlockTableRows:
         return self.rows[index, :widths.max()], widths
 
 
-class ModelRunner:
-    """Runs the scheduler's steps on the model: block moves, one varlen forward, sampling."""
+@dataclass
+class CachedRequest:
+    """The runner's own copy of a request, kept from step to step and advanced by the runner itself:
+    after the first step only deltas cross the boundary."""
+    token_ids: list[int]  # prompt and outputs, the runner's sampled tokens appended
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: tuple  # its sampling_row
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, num_cpu_blocks: int = 0, cuda_graph: bool = True,
-                 kernels: str | None = None):
-        self.model, self.block_size = model, block_size
-        w = model.lm_head.weight
-        self.device = w.device
-        self.cache = VarlenKVCache(model.cfg, num_blocks, block_size, w.device, w.dtype, kernels)
+    @classmethod
+    def of(cls, r: NewRequest, vocab_size: int) -> CachedRequest:
+        """Raises what sampling_row raises: the request's data cannot be sampled with."""
+        return cls(r.prompt_token_ids + r.output_token_ids, len(r.prompt_token_ids), list(r.block_ids),
+                   r.num_computed_tokens, sampling_row(r.params, r.seed, vocab_size))
+
+
+class ModelRunner:
+    """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
+    on them (block moves, one varlen forward, sampling). It sees plain data only."""
+
+    def __init__(self, config: EngineConfig, model: Transformer | None = None):
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, config.device, config.dtype)
+        cfg = self.model.cfg
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 8192)
+        if self.max_num_batched_tokens < self.max_model_len and not config.enable_chunked_prefill:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="
+                             f"{self.max_model_len}: a prompt must fit one step's budget, or set "
+                             "enable_chunked_prefill=True")
+        self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
+        self.requests: dict[str, CachedRequest] = {}
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model.cfg
+        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+
+    @torch.no_grad()
+    def num_blocks_that_fit(self) -> int:
+        """KV blocks for this device: on a GPU those that fit in gpu_memory_utilization of it once
+        the weights and the peak activations of a full token budget (measured by running it) are
+        counted; on a CPU, CPU_KV_BYTES' worth. Several ranks (chapter 11) take the minimum."""
+        if self.device.type != "cuda":
+            return CPU_KV_BYTES // self.kv_bytes_per_block()
+        config, model, max_len = self.config, self.model, self.max_model_len
+        free, total = torch.cuda.mem_get_info()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        # The budget as sequences of up to max_model_len tokens, in a throwaway pool just large enough.
+        full, rest = divmod(self.max_num_batched_tokens, max_len)
+        lens = ([max_len] * full + [rest] * (rest > 0))[:config.max_num_seqs]
+        need = [blocks_needed(n, config.block_size) for n in lens]
+        cache = VarlenKVCache(model.cfg, sum(need), config.block_size, self.device, self.kv_dtype, config.kernels)
+        starts = list(itertools.accumulate(need, initial=0))
+        tables = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+        cache.run(model, [[0] * n for n in lens], tables, [0] * len(lens))
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated() - before - cache.k.nbytes - cache.v.nbytes
+        # Kernels compile (Triton) or load (cuBLAS) a variant per size class on first use, which takes
+        # up to a second: meet every class now, with prompts of halving length, not while serving.
+        n = min(lens[0], max_len) // 2
+        while n >= 1:
+            cache.run(model, [[0] * n], tables[:1], [0])
+            n //= 2
+        del cache
+        torch.cuda.empty_cache()
+        usable = total * config.gpu_memory_utilization - (total - free) - activations
+        return max(0, int(usable // self.kv_bytes_per_block()))
+
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """The pool on the device, its swap space in CPU memory, and the decode graphs over it."""
+        config, cfg = self.config, self.model.cfg
+        self.cache = VarlenKVCache(cfg, num_blocks, config.block_size, self.device, self.kv_dtype, config.kernels)
         # The CPU side of swapping: pinned, so that copies to and from the device run at full speed.
         pin = self.device.type == "cuda"
-        self.cpu_k, self.cpu_v = (torch.zeros((model.cfg.num_layers, num_cpu_blocks) + self.cache.k.shape[2:],
-                                              dtype=w.dtype, pin_memory=pin) for _ in range(2))
-        use_graphs = cuda_graph and self.device.type == "cuda"
-        self.graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_model_len) if use_graphs else None
-        self.tables = BlockTableRows(max_num_seqs, -(-max_model_len // block_size))
+        self.cpu_k, self.cpu_v = (torch.zeros((cfg.num_layers, num_cpu_blocks) + self.cache.k.shape[2:],
+                                              dtype=self.kv_dtype, pin_memory=pin) for _ in range(2))
+        use_graphs = config.cuda_graph and self.device.type == "cuda"
+        self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
+                       if use_graphs else None)
+        self.tables = BlockTableRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         for pairs, src, dst in ((out.swap_out, (self.cache.k, self.cache.v), (self.cpu_k, self.cpu_v)),
@@ -119,29 +193,56 @@ class ModelRunner:
                 s, d = (torch.tensor(x) for x in zip(*pairs))
                 for a, b in zip(src, dst):  # every layer in one indexed copy
                     b[:, d.to(b.device)] = a[:, s.to(a.device)].to(b.device)
-        for copy in out.copies:
-            self.cache.copy_block(copy)
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Take in the step's data: forget finished requests, learn new ones, extend block tables.
+        Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
+        vocab, new, errors = self.model.cfg.vocab_size, {}, {}
+        for r in out.new_requests:
+            try:
+                new[r.request_id] = CachedRequest.of(r, vocab)
+            except (TypeError, ValueError, OverflowError) as err:
+                errors[r.request_id] = err
+        if errors:
+            raise RequestDataError(errors)
+        for rid in out.finished_ids:
+            self.requests.pop(rid, None)
+            self.tables.release(rid)
+        self.requests.update(new)
+        for rid, blocks in out.new_block_ids.items():
+            self.requests[rid].block_ids += blocks
 
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run one step; returns the token sampled for each sequence of out.seqs, in order. Requests
-        whose sampling parameters cannot be read raise RequestDataError before anything happens."""
-        seqs = out.seqs
-        sampling = SamplingBatch.build(seqs, self.model.cfg.vocab_size, self.device) if seqs else None
-        for seq in out.preempted + (list(self.tables.row_of) if out.copies else []):
-            self.tables.release(seq)  # a preempted table is rebuilt; a copy-on-write changed one
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step; the tokens sampled for each request that ran (none for a piece of a prompt)."""
+        self.update_states(out)
         self.move_blocks(out)
-        if not seqs:  # every request of the step failed: its block moves still had to happen
-            return []
-        tokens = [s.token_ids(s.num_computed_tokens, s.num_computed_tokens + n)
-                  for s, n in zip(seqs, out.num_new_tokens)]
-        tables, widths = self.tables.gather(seqs, out.block_tables)
-        batch = VarlenBatch.from_arrays(tokens, tables, widths, [s.num_computed_tokens for s in seqs],
-                                        self.block_size, self.device)
+        if not out.num_new_tokens:  # every request of the step failed: its block moves still had to happen
+            return {}
+        ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
+        reqs = [self.requests[rid] for rid in ids]
+        starts = [r.num_computed_tokens for r in reqs]
+        tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
+        tables, widths = self.tables.gather(ids, [r.block_ids for r in reqs])
+        batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
+        # Logits only where a request's known tokens end: a piece that stops inside a prompt samples nothing.
+        ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
+        every = len(ends) == len(reqs)
         if self.graphs is not None and batch.max_query_len == 1:
-            logits = self.graphs(batch)
+            logits = self.graphs(batch) if every else self.graphs(batch)[ends]
         else:
             self.cache.step(batch)
+            last = batch.query_start_loc[1:] - 1
             logits = self.model(batch.input_ids[None], batch.positions[None], attn=self.cache,
-                                logits_at=batch.query_start_loc[1:] - 1)
-        return sample_batch(logits, sampling).tolist()
+                                logits_at=last if every else last[ends])
+        for r, n in zip(reqs, counts):
+            r.num_computed_tokens += n
+        if not ends:
+            return {}
+        rows = [reqs[i].sampling + (len(reqs[i].token_ids) - reqs[i].num_prompt_tokens,) for i in ends]
+        sampled = sample_batch(logits, SamplingBatch.build(rows, self.model.cfg.vocab_size, self.device)).tolist()
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        for i, token in zip(ends, sampled):
+            reqs[i].token_ids.append(token)
+            result[ids[i]] = [token]
+        return result

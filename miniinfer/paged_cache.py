@@ -119,7 +119,7 @@ def generate_paged(model: Transformer, prompts: list[list[int]], params: Samplin
     bm = block_manager or BlockManager(num_blocks or need, block_size)
     if need > bm.num_free_blocks:
         raise OutOfBlocks(f"the batch can need {need} blocks, the pool has {bm.num_free_blocks} free")
-    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    device, dtype = model.device, model.dtype
     cache = make_cache(model.cfg, bm.num_blocks, bm.block_size, device, dtype)
     gen = params.generator(device)
     keys = [object() for _ in prompts]  # sequence ids no other user of the block manager has

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from miniinfer.block_manager import BlockManager, OutOfBlocks
+from miniinfer.engine import BLOCK_MANAGERS
+from miniinfer.sequence import Sequence
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -38,7 +40,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.cached: dict[int, int] = {}                       # hash -> block
         self.key: dict[int, tuple[int, tuple[int, ...]]] = {}  # cached block -> (parent hash, tokens)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
-        self.hashes: dict[object, list[int]] = {}               # sequence -> hashes of its cached blocks
+        self.num_registered: dict[Sequence, int] = {}          # sequence -> its leading blocks in the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,83 +55,81 @@ class PrefixCachingBlockManager(BlockManager):
             self.free_list.append(b)
         return super()._take(n)
 
-    def match(self, token_ids: list[int], keys: list | None = None) -> list[int]:
-        """The cached blocks that hold the longest prefix of token_ids, in order. The block of the
-        last token is never matched: its logits are needed, so at least that token is computed.
-        keys: block_keys(token_ids, block_size), from a caller that asks for the same tokens again
-        and again."""
-        keys = block_keys(token_ids, self.block_size) if keys is None else keys
+    def keys(self, seq: Sequence, num_blocks: int) -> list:
+        """block_keys of seq's first num_blocks blocks, kept in seq.block_hashes: a waiting request
+        is looked up at every step, and its tokens only grow, so each block is hashed once."""
+        keys, bs = seq.block_hashes, self.block_size
+        if len(keys) < num_blocks:
+            tokens = seq.token_ids(len(keys) * bs, num_blocks * bs)
+            keys += block_keys(tokens, bs, keys[-1][0] if keys else ROOT_HASH)
+        return keys[:num_blocks]
+
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks that hold the longest prefix of seq's tokens, in order. The block of
+        its last token is never matched: its logits are needed, so at least that token is computed."""
         blocks = []
-        for h, key in keys[:(len(token_ids) - 1) // self.block_size]:  # the blocks that leave a token after
+        for h, key in self.keys(seq, (seq.num_tokens - 1) // self.block_size):
             b = self.cached.get(h)
             if b is None or self.key[b] != key:  # a miss, or a hash collision
                 break
             blocks.append(b)
         return blocks
 
-    def blocks_to_allocate(self, num_tokens: int, hits: list[int]) -> int:
-        """Free blocks that allocating num_tokens tokens would use up when the cached blocks hits
-        (from match) are shared: the new ones, and the hits that were counted free."""
-        return self.blocks_for(num_tokens) - len(hits) + sum(b in self.evictable for b in hits)
+    def blocks_to_allocate(self, num_tokens: int, shared: list[int] | tuple = ()) -> int:
+        # The hits that nobody references were counted free: sharing them uses them up too.
+        return super().blocks_to_allocate(num_tokens, shared) + sum(b in self.evictable for b in shared)
 
-    def allocate(self, seq_id, num_tokens: int, token_ids: list[int] | None = None,
-                 keys: list | None = None) -> list[int]:
-        """Like BlockManager.allocate; given the tokens (and perhaps their block keys), the longest
-        cached prefix is shared instead of allocated. num_cached_tokens(seq_id) says how many
-        tokens that saves."""
-        if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(f"{len(token_ids)} token ids for {num_tokens} tokens")
-        if token_ids is None:
-            token_ids, keys = [], []
-        elif keys is None:
-            keys = block_keys(token_ids, self.block_size)
-        hits = self.match(token_ids, keys)
-        if seq_id in self.tables:  # checked before the hits are claimed, so that nothing leaks
-            raise ValueError(f"sequence {seq_id!r} is already allocated")
-        need = self.blocks_to_allocate(num_tokens, hits)
+    def allocate(self, seq_id, num_tokens: int, shared: list[int] | tuple = ()) -> list[int]:
+        need = self.blocks_to_allocate(num_tokens, shared)
         if need > self.num_free_blocks:
             raise OutOfBlocks(f"{need} blocks needed, {self.num_free_blocks} of {self.num_blocks} free")
-        for b in hits:  # claimed first: taking the new blocks must not evict them
+        if seq_id in self.tables:  # checked before the hits are claimed, so that nothing leaks
+            raise ValueError(f"sequence {seq_id!r} is already allocated")
+        for b in shared:  # claimed first: taking the new blocks must not evict them
             self.evictable.pop(b, None)
-            self.ref_count[b] += 1
-        super().allocate(seq_id, num_tokens - len(hits) * self.block_size)  # the blocks after them
-        self.tables[seq_id][:0] = hits
-        self.lengths[seq_id] = num_tokens
-        self.hashes[seq_id] = [h for h, _ in keys[:len(hits)]]
-        return list(self.tables[seq_id])
+        table = super().allocate(seq_id, num_tokens, shared)
+        self.num_registered[seq_id] = len(shared)
+        return table
 
-    def num_cached_tokens(self, seq_id) -> int:
-        """Tokens of seq_id whose K/V came from the cache at allocation or were cached since."""
-        return len(self.hashes[seq_id]) * self.block_size
-
-    def cache_blocks(self, seq_id, token_ids: list[int], start: int = 0) -> None:
-        """Register the full blocks of seq_id that its tokens whose K/V are now computed fill:
-        token_ids are those tokens from position `start` on, which may skip blocks already
-        registered (the engine passes only the new ones: a long sequence is not copied at every
-        block). A block whose prefix another block already caches stays private."""
-        hashes, table, bs = self.hashes[seq_id], self._table(seq_id), self.block_size
-        if start % bs or start > len(hashes) * bs:
-            raise ValueError(f"start={start} must be a block boundary at or before the first unregistered "
-                             f"block ({len(hashes) * bs})")
-        new = block_keys(token_ids[len(hashes) * bs - start:], bs, hashes[-1] if hashes else ROOT_HASH)
-        for b, (h, key) in zip(table[len(hashes):], new):
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks that seq's computed tokens fill and the cache does not know yet.
+        A block whose prefix another block already caches stays private."""
+        done, full = self.num_registered[seq], seq.num_computed_tokens // self.block_size
+        if full <= done:
+            return
+        table = self._table(seq)
+        for b, (h, key) in zip(table[done:full], self.keys(seq, full)[done:]):
             if h not in self.cached:
                 self.cached[h], self.key[b] = b, key
-            hashes.append(h)
+        self.num_registered[seq] = full
 
     def fork(self, parent_id, child_id) -> list[int]:
         table = super().fork(parent_id, child_id)
-        self.hashes[child_id] = list(self.hashes[parent_id])
+        self.num_registered[child_id] = self.num_registered[parent_id]
         return table
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        # Tokens past num_tokens are taken back: so are the hashes of the blocks they were in. A
+        # cached block cut in the middle will be written again: it leaves the cache unless shared.
+        full = num_tokens // self.block_size
+        for b in self._table(seq)[full:self.blocks_for(num_tokens)]:
+            if b in self.key and self.ref_count[b] == 1:
+                del self.cached[chain_hash(*self.key.pop(b))]
+        super().truncate(seq, num_tokens)
+        self.num_registered[seq] = min(self.num_registered[seq], full)
+        del seq.block_hashes[full:]
+
+    def _unused(self, block: int) -> None:
+        # A cached block keeps its K/V: it is evicted only when the free list runs dry. A sequence
+        # is released tail first, so its head, which a later request more likely shares, stays longest.
+        if block in self.key:
+            self.evictable[block] = None
+        else:
+            self.free_list.append(block)
+
     def free(self, seq_id) -> None:
-        """Release a sequence. Its cached blocks that nobody else uses become evictable, the tail of
-        the sequence before its head (a later request more likely shares the head)."""
-        for b in reversed(self._table(seq_id)):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                if b in self.key:
-                    self.evictable[b] = None
-                else:
-                    self.free_list.append(b)
-        del self.tables[seq_id], self.lengths[seq_id], self.hashes[seq_id]
+        super().free(seq_id)
+        del self.num_registered[seq_id]
+
+
+BLOCK_MANAGERS[True] = PrefixCachingBlockManager  # what EngineConfig(enable_prefix_caching=True) builds

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miniinfer.sampling import top_p_filter
-from miniinfer.sequence import RequestDataError
+from miniinfer.sampling import SamplingParams, top_p_filter
 
 _MASK32 = 0xFFFFFFFF
 
@@ -51,24 +50,21 @@ class SamplingBatch:
     any_filter: bool           # whether some row uses top-k or top-p
 
     @classmethod
-    def build(cls, seqs: list, vocab_size: int, device) -> "SamplingBatch":
-        """The rows of seqs. A row whose values are not numbers of the kinds the tensors take is that
-        request's own fault: RequestDataError names them all, and the others can run without them."""
-        rows, errors = [], {}
-        for s in seqs:
-            p = s.params
-            try:
-                rows.append((float(p.temperature), float(p.top_p), min(operator.index(p.top_k), vocab_size)
-                             or vocab_size, seed32(operator.index(s.seed)), len(s.output_token_ids)))
-            except (TypeError, ValueError, OverflowError) as err:
-                errors[s] = err
-        if errors:
-            raise RequestDataError(errors)
+    def build(cls, rows: list[tuple], vocab_size: int, device) -> SamplingBatch:
+        """From rows (temperature, top_p, top_k, seed, step), each a sampling_row plus its step."""
         temperature, top_p, top_k, seeds, steps = zip(*rows)
         floats = torch.from_numpy(np.array([temperature, top_p], dtype=np.float32)).to(device)
         ints = torch.from_numpy(np.array([top_k, seeds, steps], dtype=np.int64)).to(device)
         return cls(floats[0], ints[0], floats[1], ints[1], ints[2], any(t > 0 for t in temperature),
                    any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p))
+
+
+def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple[float, float, int, int]:
+    """A request's (temperature, top_p, top_k, seed) as the numbers the tensors take, converted once.
+    Values that are not numbers of those kinds raise TypeError, ValueError or OverflowError: that
+    request's own fault, found before its step runs."""
+    top_k = min(operator.index(params.top_k), vocab_size) or vocab_size
+    return float(params.temperature), float(params.top_p), top_k, seed32(operator.index(seed))
 
 
 def sample_batch(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from dataclasses import dataclass, field
 
-from miniinfer.block_manager import BlockCopy, BlockManager
+from miniinfer.block_manager import BlockManager
+from miniinfer.sampling import SamplingParams
 from miniinfer.sequence import Sequence, Status
 
 
@@ -28,56 +28,71 @@ POLICIES: dict[str, SchedulingPolicy] = {"fcfs": SchedulingPolicy(), "priority":
 
 
 @dataclass
+class NewRequest:
+    """A request the runner does not know (new, or back after a preemption), sent once."""
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose K/V are already in the pool: a cached prefix, swapped-in blocks
+
+
+@dataclass
 class SchedulerOutput:
-    """One step's work: seqs[i] computes num_new_tokens[i] tokens (1 = a decode), once the block
-    moves below are done."""
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
+    """One step's work as plain data, keyed by request id: what a runner in another process needs."""
+    num_new_tokens: dict[str, int] = field(default_factory=dict)      # tokens each computes, in batch order
+    new_requests: list[NewRequest] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks added since its last step
+    finished_ids: list[str] = field(default_factory=list)  # for the runner to forget: finished or preempted
+    preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (CPU block, device block)
-    copies: list[BlockCopy] = field(default_factory=list)          # copy-on-write
 
-    def without(self, seqs) -> "SchedulerOutput":
-        """This step without seqs (requests that failed before it ran); the block moves stay."""
-        keep = [i for i, s in enumerate(self.seqs) if s not in seqs]
-        new = [self.num_new_tokens[i] for i in keep]
-        return dataclasses.replace(self, seqs=[self.seqs[i] for i in keep], num_new_tokens=new,
-                                   block_tables=[self.block_tables[i] for i in keep], num_batched_tokens=sum(new))
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens.values())
+
+    def without(self, request_ids) -> SchedulerOutput:
+        """This step without some new requests (that failed before it ran); the block moves stay."""
+        return SchedulerOutput({r: n for r, n in self.num_new_tokens.items() if r not in request_ids},
+                               [r for r in self.new_requests if r.request_id not in request_ids],
+                               self.new_block_ids, self.finished_ids, self.preempted_ids, self.swap_out, self.swap_in)
 
 
 class Scheduler:
+    """Which requests compute how many tokens in the next step, under a token budget; and what
+    follows from the tokens the step produced."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", preemption_mode: str = "recompute",
-                 cpu_block_manager: BlockManager | None = None):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: available {sorted(POLICIES)}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+                 policy: SchedulingPolicy = POLICIES["fcfs"], preemption_mode: str = "recompute",
+                 cpu_block_manager: BlockManager | None = None, enable_chunked_prefill: bool = False,
+                 eos_token_ids: list[int] | tuple = ()):
         if preemption_mode == "swap" and cpu_block_manager is None:
             raise ValueError("preemption_mode='swap' needs a CPU block manager")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs: each running sequence "
-                             "decodes one token per step")
         self.block_manager, self.cpu_block_manager = block_manager, cpu_block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.policy, self.preemption_mode = POLICIES[policy], preemption_mode
+        self.policy, self.preemption_mode = policy, preemption_mode
+        self.chunked, self.eos_token_ids = enable_chunked_prefill, list(eos_token_ids)
         # Admissions leave this many blocks free for the running sequences' next blocks (1%, as
         # vLLM): without it, a full pool preempts a newly admitted sequence at the next step.
         self.watermark = block_manager.num_blocks // 100
+        self.requests: dict[str, Sequence] = {}  # unfinished, by id
         # Each queue is kept in policy order, most urgent first.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.sent: dict[str, int] = {}  # requests the runner knows -> blocks of their table it has
+        self.finished_ids: list[str] = []  # forgotten since the last step
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        self.requests[seq.request_id] = seq
         bisect.insort(self.waiting, seq, key=self.policy.key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.requests)
 
     def finish(self, seq: Sequence, reason: str | None = None) -> None:
         """Take seq out of its queue and give its blocks back, on the device and in CPU memory."""
@@ -87,75 +102,104 @@ class Scheduler:
         for bm in (self.block_manager, self.cpu_block_manager):
             if bm is not None and seq in bm.tables:
                 bm.free(seq)
+        self._forget(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason or seq.finish_reason
+        del self.requests[seq.request_id]
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.sent.pop(seq.request_id, None) is not None:
+            self.finished_ids.append(seq.request_id)
 
     def schedule(self) -> SchedulerOutput:
+        """Every request gets min(its tokens not yet computed, the budget left), most urgent first:
+        a prompt, a piece of one and a decode are the same rule. Running requests go first; the pool
+        running short preempts the least urgent; requests join only in a step without preemption."""
         out = SchedulerOutput()
         self.running.sort(key=self.policy.key)
         self._preempt_for_urgent(out)
         todo, self.running, short = self.running, [], False
-        while todo:  # 1. every running sequence continues, most urgent first
+        while todo:
             seq = todo.pop(0)
-            while not self._continue(seq, out):
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget_left(out))
+            while not self.block_manager.can_append(seq, n):
                 victim = todo.pop() if todo else seq
                 self._preempt(victim, out)
                 short = True
                 if victim is seq:
                     break
+            else:
+                self.block_manager.append_slots(seq, n)
+                self._run(seq, n, out)
         if not short:  # the pool ran out: an admission now would be preempted at the next step
             self._admit(out)
+        out.finished_ids, self.finished_ids = self.finished_ids, []  # since the last step, preempted included
         return out
 
-    def _continue(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """A running sequence decodes: a slot for its pending token (after a copy on write, if its
-        last block is shared), which it computes. False if the pool has no block for it."""
-        bm = self.block_manager
-        if not bm.can_append(seq):
-            return False
-        copy = bm.append_token(seq)
-        if copy:
-            out.copies.append(copy)
-        self._run(seq, 1, out)
-        return True
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.max_num_batched_tokens - out.num_batched_tokens
 
-    def _admit(self, out: SchedulerOutput) -> None:
-        """2. Swapped sequences come back first, 3. then waiting ones are admitted, while they fit."""
-        bm = self.block_manager
-        while self.swapped and self._fits(bm.blocks_for(self.swapped[0].num_computed_tokens + 1), 1, out):
-            self._swap_in(self.swapped.pop(0), out)
-        while self.waiting and self._fits(*self._admission(self.waiting[0]), out):
-            self._prefill(self.waiting.pop(0), out)
-
-    def _admission(self, seq: Sequence) -> tuple[int, int]:
-        """What admitting seq takes: (free blocks, tokens of the step's budget). Here: its whole prompt."""
-        return self.block_manager.blocks_for(seq.num_tokens), seq.num_tokens
-
-    def _prefill(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.allocate(seq, seq.num_tokens)
-        self._run(seq, seq.num_tokens, out)
-
-    def _fits(self, num_blocks: int, num_new_tokens: int, out: SchedulerOutput) -> bool:
-        """Whether a sequence that takes num_blocks free blocks and computes num_new_tokens can join."""
-        reserve = self.watermark if self.running else 0
-        return (len(self.running) < self.max_num_seqs
-                and out.num_batched_tokens + num_new_tokens <= self.max_num_batched_tokens
-                and num_blocks + reserve <= self.block_manager.num_free_blocks)
-
-    def _run(self, seq: Sequence, num_new_tokens: int, out: SchedulerOutput) -> None:
+    def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """seq runs; it computes n tokens this step (0: the budget is spent, it keeps its blocks)."""
         seq.status = Status.RUNNING
         self.running.append(seq)
-        out.seqs.append(seq)
-        out.num_new_tokens.append(num_new_tokens)
-        out.block_tables.append(self.block_manager.tables[seq])
-        out.num_batched_tokens += num_new_tokens
+        if n == 0:
+            return
+        rid, table = seq.request_id, self.block_manager.tables[seq]
+        out.num_new_tokens[rid] = n
+        sent = self.sent.get(rid)
+        if sent is None:
+            out.new_requests.append(NewRequest(rid, list(seq.prompt_token_ids), list(seq.output_token_ids),
+                                               seq.params, seq.seed, list(table), seq.num_computed_tokens))
+        elif len(table) > sent:
+            out.new_block_ids[rid] = table[sent:]
+        self.sent[rid] = len(table)
+
+    def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
+        """What admitting seq now takes: the cached blocks of its prefix, and the tokens it computes
+        (0: it cannot start, as a prompt larger than the budget without chunking)."""
+        hits = self.block_manager.match(seq)
+        rest = seq.num_tokens - len(hits) * self.block_manager.block_size
+        n = min(rest, budget)
+        return hits, n if self.chunked or n == rest else 0
+
+    def _fits(self, num_blocks: int, n: int) -> bool:
+        """Whether a request that takes num_blocks free blocks and computes n tokens can join."""
+        reserve = self.watermark if self.running else 0
+        return (n > 0 and len(self.running) < self.max_num_seqs
+                and num_blocks + reserve <= self.block_manager.num_free_blocks)
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Swapped requests come back first, then waiting ones join, while they fit."""
+        bm, cpu = self.block_manager, self.cpu_block_manager
+        while self.swapped:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget_left(out))
+            if not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
+                break
+            self.swapped.pop(0)
+            out.swap_in += zip(cpu.block_table(seq), bm.allocate(seq, seq.num_computed_tokens))
+            cpu.free(seq)
+            bm.append_slots(seq, n)
+            self._run(seq, n, out)
+        while self.waiting:
+            seq = self.waiting[0]
+            hits, n = self._admission(seq, self._budget_left(out))
+            cached = len(hits) * bm.block_size
+            if not self._fits(bm.blocks_to_allocate(cached + n, hits), n):
+                break
+            self.waiting.pop(0)
+            bm.allocate(seq, cached + n, hits)
+            seq.num_computed_tokens = cached
+            if seq.num_cached_tokens is None:  # the first admission's, not a re-admission's own blocks
+                seq.num_cached_tokens = cached
+            self._run(seq, n, out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Make seq give its device blocks back: swapped to CPU memory, or dropped to be recomputed."""
         bm, cpu = self.block_manager, self.cpu_block_manager
-        out.preempted.append(seq)
-        # Only a decoding sequence is swapped; one in the middle of its prompt (chapter 07) is recomputed.
-        decoding = seq.num_tokens - seq.num_computed_tokens == 1
-        if self.preemption_mode == "swap" and decoding and cpu.can_allocate(seq.num_computed_tokens):
+        out.preempted_ids.append(seq.request_id)
+        self._forget(seq)
+        if self.preemption_mode == "swap" and cpu.can_allocate(seq.num_computed_tokens):
             out.swap_out += zip(bm.block_table(seq), cpu.allocate(seq, seq.num_computed_tokens))
             bm.free(seq)
             seq.status = Status.SWAPPED
@@ -165,22 +209,36 @@ class Scheduler:
             seq.num_computed_tokens = 0
             self.add(seq)
 
-    def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
-        cpu_blocks = self.cpu_block_manager.block_table(seq)
-        out.swap_in += zip(cpu_blocks, self.block_manager.allocate(seq, seq.num_computed_tokens))
-        self.cpu_block_manager.free(seq)
-        self.block_manager.append_token(seq)  # the slot of its pending token: it decodes now
-        self._run(seq, 1, out)
-
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
         """Preempt less urgent running sequences while the most urgent waiting one outranks them
         and does not fit (under FCFS a waiting sequence never outranks a running one)."""
-        key = self.policy.key
+        key, bm = self.policy.key, self.block_manager
         while self.waiting and self.running and key(self.waiting[0]) < key(self.running[-1]):
-            (blocks, tokens), n = self._admission(self.waiting[0]), len(self.running)
+            running = len(self.running)
+            hits, n = self._admission(self.waiting[0], self.max_num_batched_tokens - running)
             # Room for it once each running sequence has taken one more block.
-            fits = (n < self.max_num_seqs and n + tokens <= self.max_num_batched_tokens
-                    and blocks + n + self.watermark <= self.block_manager.num_free_blocks)
-            if fits:
+            blocks = bm.blocks_to_allocate(len(hits) * bm.block_size + n, hits)
+            if n and running < self.max_num_seqs and blocks + running + self.watermark <= bm.num_free_blocks:
                 return
             self._preempt(self.running.pop(), out)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Sequence]:
+        """The step ran: its requests computed their tokens and produced `sampled` (none for a piece
+        of a prompt; several, later, for speculation). Appends them, checks stops, frees finished
+        requests; returns the requests with new tokens."""
+        changed = []
+        for rid, n in out.num_new_tokens.items():
+            seq = self.requests.get(rid)
+            if seq is None or seq.status is not Status.RUNNING:  # aborted in the meantime
+                continue
+            seq.num_computed_tokens += n
+            self.block_manager.cache_blocks(seq)
+            new = sampled.get(rid, ())
+            for token in new:
+                seq.append(token, self.eos_token_ids)
+                if seq.finish_reason:
+                    self.finish(seq)
+                    break
+            if new:
+                changed.append(seq)
+        return changed

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
+
 from miniinfer.sampling import SamplingParams
 
 
@@ -13,22 +15,26 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False, repr=False)  # identity, not value: a sequence is a key of the block manager's tables
 class Sequence:
     """One request's state, from arrival to finish."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival: int = 0
+    seed: int = 0  # the sampling noise of output token i depends on (seed, i) only
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
+    finish_reason: str | None = None
+    error: str | None = None  # why it failed, when its finish reason is "error"
+    num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission (chapter 07)
+    num_reported: int = 0  # output tokens already handed out in a RequestOutput
+    block_hashes: list = field(default_factory=list)  # chapter 07's cache keeps its blocks' hashes here
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, arrival: int = 0, seed: int = 0):
-        self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.params, self.priority, self.arrival = params, priority, arrival
-        self.seed = seed  # the sampling noise of output token i depends on (seed, i) only
-        self.status = Status.WAITING
-        self.num_computed_tokens = 0  # tokens whose K/V are in the pool
-        self.finish_reason: str | None = None
-        self.num_cached_tokens: int | None = None  # prompt tokens found cached (chapter 07)
-        self.num_reported = 0  # output tokens already handed out in a RequestOutput
-        self.error: str | None = None  # why it failed, when its finish reason is "error"
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens} computed)"
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +95,6 @@ class RequestDataError(Exception):
     """Some requests' data cannot become a step's inputs, found before the device has seen any of
     the step: those requests fail, and the step runs without them."""
 
-    def __init__(self, errors: dict[Sequence, Exception]):
-        super().__init__("; ".join(f"request {s.request_id}: {e}" for s, e in errors.items()))
-        self.errors = errors
+    def __init__(self, errors: dict[str, Exception]):
+        super().__init__("; ".join(f"request {rid}: {e}" for rid, e in errors.items()))
+        self.errors = errors  # request id -> its cause

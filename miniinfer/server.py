@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from miniinfer import protocol
 from miniinfer.async_engine import AsyncLLMEngine
 from miniinfer.detokenize import IncrementalDetokenizer
-from miniinfer.engine import EngineConfig
+from miniinfer.config import EngineConfig
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from miniinfer.sampling import SamplingParams
 from miniinfer.sequence import RequestOutput

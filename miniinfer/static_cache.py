@@ -101,8 +101,8 @@ class StaticBatchGenerator:
 
     def __init__(self, model: Transformer, batch: int, cache_len: int, cuda_graph: bool = True):
         self.model = model
-        self.device = model.lm_head.weight.device
-        self.cache = StaticKVCache(model.cfg, batch, cache_len, self.device, model.lm_head.weight.dtype)
+        self.device = model.device
+        self.cache = StaticKVCache(model.cfg, batch, cache_len, self.device, model.dtype)
         self.decode = DecodeStep(model, self.cache, cuda_graph and self.device.type == "cuda")
 
     @torch.no_grad()

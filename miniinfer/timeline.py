@@ -27,9 +27,8 @@ def trace_steps(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
             i = pending.pop(0)
             engine.add_request(prompts[i], params[i], request_id=str(i))
         engine.step()
-        s = engine.last_step
-        steps.append(StepRecord({q.request_id: n for q, n in zip(s.seqs, s.num_new_tokens)},
-                                [q.request_id for q in s.preempted], engine.block_manager.num_free_blocks))
+        s = engine.stats
+        steps.append(StepRecord(s.scheduled, s.preempted, s.num_free_blocks))
     return steps
 
 

@@ -65,14 +65,17 @@ def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:
 
 
 @contextlib.contextmanager
-def eos_is(model, token: int):
-    """Pretend `token` is the model's end-of-sequence token, for stopping tests."""
-    saved = model.cfg.eos_token_ids
-    model.cfg.eos_token_ids = [token]
+def eos_is(model, token: int, engine=None):
+    """Pretend `token` is the model's end-of-sequence token (and its engine's), for stopping tests."""
+    holders = [model.cfg] + ([engine.scheduler] if engine is not None else [])
+    saved = [h.eos_token_ids for h in holders]
+    for h in holders:
+        h.eos_token_ids = [token]
     try:
         yield
     finally:
-        model.cfg.eos_token_ids = saved
+        for h, ids in zip(holders, saved):
+            h.eos_token_ids = ids
 
 
 def unchanged_on_error(snapshot, fn, *args):

@@ -84,7 +84,7 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
     execute = runner.execute
 
     def fail_the_third(out):
-        forwards.append(len(out.seqs))
+        forwards.append(len(out.num_new_tokens))
         if len(forwards) == 3:
             raise RuntimeError("injected failure")
         return execute(out)
@@ -110,8 +110,9 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
 
 
 def test_a_request_that_fails_on_its_own_data_ends_only_its_stream(course_model):
-    """Thread mode (the request's parameters are this process's object): a stream whose top_k turns
-    into a string after its first token ends with the error; the streams beside it are exact."""
+    """Thread mode (the request's parameters are this process's object): a stream whose top_k turned
+    into a string after its SamplingParams were checked ends with the error when its data reaches the
+    runner; the streams beside it are exact."""
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6),
                                          model=course_model))
     params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -119,8 +120,9 @@ def test_a_request_that_fails_on_its_own_data_ends_only_its_stream(course_model)
     prompts = [[i + 1, 2] for i in range(4)]
 
     async def spoiled():
+        bad.top_k = "many"
         async for out in eng.generate([9, 9, 9], bad):
-            bad.top_k = "many"
+            pass
         return out.token_ids
 
     async def main():

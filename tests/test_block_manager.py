@@ -1,4 +1,5 @@
-"""Property-based tests of the block manager: random allocate / append / fork / free sequences."""
+"""Property-based tests of the block manager: random allocate / append / append_slots / truncate / fork /
+free sequences."""
 
 import copy
 
@@ -56,6 +57,35 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.ref_count[result.dst] == 1
         else:
             assert result is None and self.bm.block_table(seq) == table
+
+    @rule(seq=IDS, n=st.integers(0, 9))
+    def append_slots(self, seq, n):
+        """The engine's growth: its sequences' last blocks are their own."""
+        bm = self.bm
+        if seq not in bm.tables or bm.ref_count[bm.tables[seq][-1]] > 1:
+            return
+        can, length, table = bm.can_append(seq, n), bm.num_tokens(seq), bm.block_table(seq)
+        new = self.attempt(bm.append_slots, seq, n)
+        assert (new is not None) == can
+        if can:
+            assert bm.block_table(seq) == table + new and bm.num_tokens(seq) == length + n
+
+    @rule(seq=IDS, data=st.data())
+    def truncate(self, seq, data):
+        bm = self.bm
+        if seq not in bm.tables:
+            return
+        free, table, n = bm.num_free_blocks, bm.block_table(seq), data.draw(st.integers(0, bm.num_tokens(seq) + 1))
+        if not 1 <= n <= bm.num_tokens(seq):
+            before = state(bm)
+            with pytest.raises(ValueError, match="num_tokens must be in"):
+                bm.truncate(seq, n)
+            assert state(bm) == before
+            return
+        bm.truncate(seq, n)
+        keep = -(-n // 4)
+        assert bm.block_table(seq) == table[:keep] and bm.num_tokens(seq) == n
+        assert bm.num_free_blocks == free + sum(bm.ref_count[b] == 0 for b in table[keep:])
 
     @rule(parent=IDS, child=IDS)
     def fork(self, parent, child):

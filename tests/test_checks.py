@@ -577,7 +577,7 @@ def test_reference_scheduler_helpers_agree_with_the_engine_scheduler():
     for i, n in enumerate(lens):
         sched.add(mi.Sequence(str(i), [1] * n, mi.SamplingParams(max_tokens=1), arrival=i))
     out = sched.schedule()
-    assert len(out.seqs) == testing._admit_ref(lens, 10, 4, 3, 30) == 3
+    assert len(out.num_new_tokens) == testing._admit_ref(lens, 10, 4, 3, 30) == 3
 
 
 def hashes_without_the_chain(tokens, block_size):

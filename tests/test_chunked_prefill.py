@@ -1,5 +1,6 @@
 """Chapter 07 in the engine: prefix caching and chunked prefill give transformers' greedy tokens,
-round after round on one engine, under preemption; a step's budget goes to decodes first; blocks
+round after round on one engine, under preemption; a step's budget goes to the decoders (which came
+first) before a new prompt; blocks
 come back (the block manager's and the scheduler's state machines are in test_prefix_cache.py
 and test_scheduler.py)."""
 
@@ -81,10 +82,10 @@ def test_decodes_go_first_while_a_long_prompt_is_chunked(course_model):
     pieces = []
     while not engine.requests[long_id].output_token_ids:
         engine.step()
-        ran = {s.request_id: n for s, n in zip(engine.last_step.seqs, engine.last_step.num_new_tokens)}
+        ran = engine.stats.scheduled
         assert all(ran[i] == 1 for i in short)  # every decoder gets its token in every step
         pieces.append(ran[long_id])
-    assert pieces == [7] * 14 + [2] and engine.last_step.num_batched_tokens == 5
+    assert pieces == [7] * 14 + [2] and sum(engine.stats.scheduled.values()) == 5
     final, _ = run_steps(engine)
     assert final[long_id].token_ids == mi.generate_cached(course_model, list(range(1, 101)), long_params)
     for i, rid in enumerate(short):

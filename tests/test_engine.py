@@ -35,7 +35,7 @@ def run_steps(engine) -> tuple[dict, int]:
             assert o.request_id not in final
             if o.finished:
                 final[o.request_id] = o
-        preempted += len(engine.last_step.preempted)
+        preempted += len(engine.stats.preempted)
         assert len(engine.scheduler.running) <= engine.config.max_num_seqs
     return final, preempted
 
@@ -85,7 +85,7 @@ def test_generate_in_prompt_order_with_params_per_prompt_and_eos(course_engine):
     assert [o.token_ids for o in outs] == full
     assert outs[0].text == tok.decode(full[0]) and outs[1].prompt_token_ids == tok("import os\n").input_ids
     eos = full[0][3]
-    with eos_is(engine.model, eos):
+    with eos_is(engine.model, eos, engine):
         out = engine.generate([prompts[0]], params[0], use_tqdm=False)[0]
     assert out.token_ids == full[0][:full[0].index(eos) + 1] and out.finish_reason == "stop"
     assert engine.block_manager.num_free_blocks == 96
@@ -159,20 +159,21 @@ def test_a_request_whose_own_data_fails_fails_alone(course_model, swap):
 
     dry, steps = mi.LLMEngine(config, model=course_model), 0
     start(dry)
-    while not (steps and dry.last_step.preempted):  # to the first step that preempts
+    while not (steps and dry.stats.preempted):  # to the first step that preempts
         dry.step()
         steps += 1
     a, bad, b = start(engine)
     final = {}
-    for i in range(steps):
-        if i == steps - 1:
-            engine.requests[bad].params.top_k = "40"  # it fails in the step that preempts
+    for _ in range(steps):
         final.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert engine.last_step.preempted and final[bad].finish_reason == "error"
+    # The runner takes a request's data in when the request (re)enters it: the preempted one fails
+    # when it comes back, in a step that moves its blocks in (swap) or recomputes it.
+    (victim,) = engine.stats.preempted
+    engine.requests[victim].params.top_k = "40"
     final.update(run_steps(engine)[0])
-    assert final[bad].finish_reason == "error" and final[bad].error.startswith("TypeError")
-    assert 0 < len(final[bad].token_ids) < 14
-    assert [final[a].token_ids, final[b].token_ids] == alone
+    assert final[victim].finish_reason == "error" and final[victim].error.startswith("TypeError")
+    assert 0 < len(final[victim].token_ids) < 14
+    assert [final[r].token_ids for r in (a, b) if r != victim] == [t for r, t in zip((a, b), alone) if r != victim]
     assert engine.block_manager.num_free_blocks == 12 and not engine.requests
     # A step whose only request fails runs nothing, and the engine goes on.
     alone_bad = engine.add_request([8, 9], mi.SamplingParams(max_tokens=3))
@@ -227,7 +228,7 @@ def test_bad_engine_configs_are_refused():
 def test_cpu_pool_default_and_duplicate_ids():
     engine = mi.LLMEngine(mi.EngineConfig())
     per_block = 2 * 6 * 16 * 2 * 64 * 4  # K and V, 6 layers, 16 tokens, 2 KV heads of 64 floats
-    assert engine.block_manager.num_blocks == mi.engine.CPU_KV_BYTES // per_block
+    assert engine.block_manager.num_blocks == mi.model_runner.CPU_KV_BYTES // per_block
     engine.add_request([1, 2], request_id="x")
     with pytest.raises(ValueError, match="in use"):
         engine.add_request([1, 2], request_id="x")

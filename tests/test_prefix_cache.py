@@ -1,5 +1,5 @@
-"""Prefix caching in the block manager: a hypothesis state machine over allocate / append / fork /
-free / cache, the cases engines have broken on, and the radix-tree reference."""
+"""Prefix caching in the block manager: a hypothesis state machine over allocate / append / truncate /
+fork / free / cache, the cases engines have broken on, and the radix-tree reference."""
 
 import copy
 
@@ -12,6 +12,8 @@ from conftest import unchanged_on_error
 
 from miniinfer.prefix_cache import ROOT_HASH, PrefixCachingBlockManager, chain_hash
 from miniinfer.radix import RadixTree, common_prefix
+from miniinfer.sampling import SamplingParams
+from miniinfer.sequence import Sequence
 
 IDS = st.integers(0, 5)
 # Few distinct tokens and short prompts, so that prefixes repeat and the cache gets hits.
@@ -19,53 +21,85 @@ PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 
 
 def state(bm: PrefixCachingBlockManager) -> tuple:
-    return (sorted(bm.free_list), list(bm.ref_count), copy.deepcopy(bm.tables), dict(bm.lengths),
-            dict(bm.cached), dict(bm.key), list(bm.evictable), copy.deepcopy(bm.hashes))
+    def by_id(d: dict) -> dict:  # sequences are keys by identity: a copy of one is another key
+        return {s.request_id: copy.copy(v) for s, v in d.items()}
+
+    return (sorted(bm.free_list), list(bm.ref_count), by_id(bm.tables), by_id(bm.lengths),
+            dict(bm.cached), dict(bm.key), list(bm.evictable), by_id(bm.num_registered))
+
+
+def computed(name: str, tokens: list[int]) -> Sequence:
+    """A request whose tokens have all been computed (as after its steps in the engine)."""
+    seq = Sequence(name, list(tokens), SamplingParams())
+    seq.num_computed_tokens = len(tokens)
+    return seq
+
+
+def admit(bm: PrefixCachingBlockManager, seq: Sequence) -> list[int]:
+    """Allocate seq as the scheduler admits it: its cached prefix shared; then its blocks cached."""
+    hits = bm.match(seq)
+    bm.allocate(seq, seq.num_tokens, hits)
+    bm.cache_blocks(seq)
+    return hits
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
-    """Each sequence's tokens are tracked beside the manager; after every step its computed blocks
-    are registered, as the engine does after a model step."""
+    """Each sequence's computed blocks are registered after every change, as the engine does after
+    a model step."""
 
     def __init__(self):
         super().__init__()
         self.bm = PrefixCachingBlockManager(num_blocks=10, block_size=3)
-        self.tokens: dict[int, list[int]] = {}
+        self.seqs: dict[int, Sequence] = {}
 
     def attempt(self, fn, *args):
         return unchanged_on_error(lambda: state(self.bm), fn, *args)
 
-    def computed(self, s: int) -> None:
-        self.bm.cache_blocks(s, self.tokens[s])
-
     @rule(s=IDS, prompt=PROMPTS)
     def allocate(self, s, prompt):
-        if self.attempt(self.bm.allocate, s, len(prompt), prompt) is not None:
-            assert self.bm.num_cached_tokens(s) < len(prompt)  # the last token is always computed
-            self.tokens[s] = list(prompt)
-            self.computed(s)
+        seq = self.seqs.get(s) or computed(str(s), prompt)
+        hits = self.bm.match(seq)
+        if self.attempt(self.bm.allocate, seq, seq.num_tokens, hits) is not None:
+            assert len(hits) * self.bm.block_size < seq.num_tokens  # the last token is always computed
+            assert self.bm.block_table(seq)[:len(hits)] == hits
+            self.bm.cache_blocks(seq)
+            self.seqs[s] = seq
 
     @rule(s=IDS, token=st.integers(0, 2))
     def append(self, s, token):
-        if s in self.tokens and self.bm.can_append(s):
-            self.bm.append_token(s)
-            self.tokens[s].append(token)
-            self.computed(s)
+        seq = self.seqs.get(s)
+        if seq is not None and self.bm.can_append(seq):
+            self.bm.append_token(seq)  # copy on write, after a fork
+            seq.output_token_ids.append(token)
+            seq.num_computed_tokens += 1
+            self.bm.cache_blocks(seq)
+
+    @rule(s=IDS, data=st.data())
+    def truncate(self, s, data):
+        seq = self.seqs.get(s)
+        if seq is not None:
+            n = data.draw(st.integers(1, seq.num_tokens))
+            self.bm.truncate(seq, n)
+            seq.prompt_token_ids, seq.output_token_ids = seq.token_ids(0, n), []
+            seq.num_computed_tokens = n
 
     @rule(parent=IDS, child=IDS)
     def fork(self, parent, child):
-        if self.attempt(self.bm.fork, parent, child) is not None:
-            self.tokens[child] = list(self.tokens[parent])
+        if parent not in self.seqs:
+            return
+        p = self.seqs[parent]
+        c = self.seqs.get(child) or computed(str(child), p.token_ids(0, p.num_tokens))
+        if self.attempt(self.bm.fork, p, c) is not None:
+            self.seqs[child] = c
 
     @rule(s=IDS)
     def free(self, s):
-        if s in self.tokens:
-            self.bm.free(s)
-            del self.tokens[s]
+        if s in self.seqs:
+            self.bm.free(self.seqs.pop(s))
         else:
-            self.attempt(self.bm.free, s)
+            self.attempt(self.bm.free, computed(str(s), [0]))
 
-    @precondition(lambda self: not self.tokens)
+    @precondition(lambda self: not self.seqs)
     @rule()
     def all_free(self):
         assert self.bm.num_free_blocks == self.bm.num_blocks
@@ -83,12 +117,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert {b: h for h, b in bm.cached.items()} == {b: chain_hash(*k) for b, k in bm.key.items()}
         # A cached block in use holds the tokens of its user at that position, after the same
         # prefix: its key is (the hash of the user's preceding blocks, its tokens).
-        for s, table in bm.tables.items():
-            toks, size, parent = self.tokens[s], bm.block_size, ROOT_HASH
+        for seq, table in bm.tables.items():
+            toks, size, parent = seq.token_ids(0, seq.num_tokens), bm.block_size, ROOT_HASH
+            assert bm.num_registered[seq] <= len(toks) // size
             for i, b in enumerate(table):
                 block = tuple(toks[i * size:(i + 1) * size])
-                if b in bm.key:
-                    assert bm.key[b] == (parent, block)
+                if b in bm.key:  # (a block cut by truncate holds the first tokens of its key)
+                    assert bm.key[b][0] == parent and bm.key[b][1][:len(block)] == block
                 parent = chain_hash(parent, block)
 
 
@@ -99,42 +134,42 @@ TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 def test_second_request_reuses_the_shared_prefix_and_computes_its_last_token():
     bm = PrefixCachingBlockManager(num_blocks=8, block_size=4)
     prompt = list(range(12))  # three full blocks
-    bm.allocate("a", 12, prompt)
-    bm.cache_blocks("a", prompt)
-    bm.free("a")
+    a = computed("a", prompt)
+    admit(bm, a)
+    bm.free(a)
     assert bm.num_free_blocks == 8  # cached but unused counts as free
-    bm.allocate("b", 12, prompt)  # fully cached: the block of its last token is computed again
-    assert bm.num_cached_tokens("b") == 8
-    bm.allocate("c", 14, prompt + [20, 21])
-    assert bm.num_cached_tokens("c") == 12 and bm.block_table("c")[:2] == bm.block_table("b")[:2]
+    b, c = computed("b", prompt), computed("c", prompt + [20, 21])
+    assert len(admit(bm, b)) == 2  # fully cached: the block of its last token is computed again
+    assert len(admit(bm, c)) == 3 and bm.block_table(c)[:2] == bm.block_table(b)[:2]
 
 
 def test_eviction_is_least_recently_used_and_forgets_the_hash():
     bm = PrefixCachingBlockManager(num_blocks=4, block_size=2)
-    for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
-        bm.allocate(name, 3, prompt)
-        bm.cache_blocks(name, prompt)
-    bm.free("a")  # a's first block is now the least recently used cached block
-    bm.free("b")
-    bm.allocate("c", 3, [7, 8, 9])  # 2 blocks: the never-cached free ones go first
-    bm.allocate("d", 1, [7])        # then a's cached block is evicted
-    assert bm.match([1, 2, 3]) == [] and len(bm.match([4, 5, 6])) == 1
+    a, b = computed("a", [1, 2, 3]), computed("b", [4, 5, 6])
+    for seq in (a, b):
+        admit(bm, seq)
+    bm.free(a)  # a's first block is now the least recently used cached block
+    bm.free(b)
+    admit(bm, computed("c", [7, 8, 9]))  # 2 blocks: the never-cached free ones go first
+    admit(bm, computed("d", [7]))        # then a's cached block is evicted
+    assert bm.match(computed("e", [1, 2, 3])) == [] and len(bm.match(computed("f", [4, 5, 6]))) == 1
 
 
 def test_a_different_prefix_never_hits_even_with_an_equal_block():
     bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
-    bm.allocate("a", 5, [1, 2, 3, 4, 0])
-    bm.cache_blocks("a", [1, 2, 3, 4, 0])
-    assert bm.match([9, 9, 3, 4, 0]) == []  # block [3, 4] is cached, but after [1, 2]
-    assert len(bm.match([1, 2, 3, 4, 5])) == 2
+    admit(bm, computed("a", [1, 2, 3, 4, 0]))
+    assert bm.match(computed("b", [9, 9, 3, 4, 0])) == []  # block [3, 4] is cached, but after [1, 2]
+    assert len(bm.match(computed("c", [1, 2, 3, 4, 5]))) == 2
 
 
-@pytest.mark.parametrize("bad", [dict(num_tokens=3, token_ids=[1, 2]), dict(num_tokens=0, token_ids=[])])
-def test_bad_allocation_changes_nothing(bad):
+@pytest.mark.parametrize("num_tokens", [0, 3])
+def test_bad_allocation_changes_nothing(num_tokens):
     bm = PrefixCachingBlockManager(num_blocks=4, block_size=2)
+    admit(bm, computed("a", [1, 2, 3, 4, 5]))
+    hits = bm.match(computed("b", [1, 2, 3, 4, 5]))  # two blocks: 3 tokens cannot cover them
     before = state(bm)
     with pytest.raises(ValueError):
-        bm.allocate("a", **bad)
+        bm.allocate(computed("b", [1]), num_tokens, hits)
     assert state(bm) == before
 
 

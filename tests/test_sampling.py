@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
+from miniinfer.sampler import sampling_row
 from conftest import eos_is
 from miniinfer.sampling import sample, top_p_filter
 
@@ -88,10 +89,8 @@ def test_prompt_that_cannot_fit_is_refused(course):
 # Chapter 06: the engine's vectorized sampler.
 
 def batch_of(params: list[mi.SamplingParams], seeds: list[int], steps: list[int], vocab: int) -> mi.SamplingBatch:
-    seqs = [mi.Sequence(str(i), [1], p, seed=s) for i, (p, s) in enumerate(zip(params, seeds))]
-    for seq, n in zip(seqs, steps):
-        seq.output_token_ids = [0] * n
-    return mi.SamplingBatch.build(seqs, vocab, "cpu")
+    rows = [sampling_row(p, s, vocab) + (n,) for p, s, n in zip(params, seeds, steps)]
+    return mi.SamplingBatch.build(rows, vocab, "cpu")
 
 
 def test_exponential_race_samples_the_softmax():

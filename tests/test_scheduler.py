@@ -1,13 +1,14 @@
-"""Chapters 06 and 07: the scheduler as a hypothesis state machine (random arrivals, lengths, aborts,
-pool sizes, both policies, both preemption modes, prefix caching and chunked prefill on or off),
-with a fake model that emits token 7 and a fake pool that records which token each slot holds."""
+"""Chapters 06 and 07: the token-budget scheduler as a hypothesis state machine (random arrivals,
+lengths, aborts, pool sizes, both policies, both preemption modes, prefix caching and chunked prefill
+on or off), with a fake runner that knows only the plain data the scheduler sends, returns 1 to 3
+tokens for each request whose known tokens it reached, and a fake pool that records which token
+each slot holds."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import miniinfer as mi
-from miniinfer.block_manager import blocks_needed
 
 
 def check_pool(bm: mi.BlockManager) -> None:
@@ -37,11 +38,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.capacity = min(num_blocks * block_size, 24)
         # As LLMEngine: unchunked, the budget holds any admissible request whole (prompt + outputs - 1).
         self.budget = max_num_seqs + extra_budget if chunked else max(max_num_seqs, self.capacity) + extra_budget
-        if caching or chunked:
-            self.s = mi.ChunkedPrefillScheduler(self.bm, max_num_seqs, self.budget, policy, mode, self.cpu,
-                                                chunked=chunked)
-        else:
-            self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, policy, mode, self.cpu)
+        self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, mi.POLICIES[policy], mode, self.cpu, chunked)
+        self.runner: dict[str, dict] = {}  # the fake runner's copy of each request it knows
         self.seqs: list[mi.Sequence] = []
         self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds
         self.cpu_pool: dict[int, int] = {}
@@ -73,33 +71,46 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if a * bs + i in src:
                     dst[b * bs + i] = src[a * bs + i]
 
-    @rule()
-    def step(self):
-        admitted = set(self.s.waiting)
+    @rule(data=st.data())
+    def step(self, data):
+        self.run_step(lambda: data.draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3)))
+
+    def run_step(self, tokens) -> None:
+        """One step; tokens() gives what a request whose known tokens were reached produces."""
         out = self.s.schedule()
-        assert out.num_batched_tokens == sum(out.num_new_tokens) <= self.budget
-        assert len(out.seqs) == len(set(map(id, out.seqs))) <= len(self.s.running) <= self.s.max_num_seqs
+        assert out.num_batched_tokens <= self.budget
+        assert len(out.num_new_tokens) <= len(self.s.running) <= self.s.max_num_seqs
+        for rid in out.finished_ids:
+            del self.runner[rid]
+        for r in out.new_requests:
+            assert r.request_id not in self.runner
+            self.runner[r.request_id] = {"tokens": r.prompt_token_ids + r.output_token_ids, "blocks": r.block_ids,
+                                         "computed": r.num_computed_tokens}
+        for rid, blocks in out.new_block_ids.items():
+            self.runner[rid]["blocks"] += blocks
         self.move(out.swap_out, self.pool, self.cpu_pool)
         self.move(out.swap_in, self.cpu_pool, self.pool)
-        for seq, n, table in zip(out.seqs, out.num_new_tokens, out.block_tables):
-            assert seq.status is mi.Status.RUNNING and table == self.bm.tables[seq] and n >= 1
-            assert seq.num_computed_tokens + n <= self.bm.lengths[seq] == seq.num_tokens
+        sampled = {}
+        for rid, n in out.num_new_tokens.items():
+            seq, r = self.s.requests[rid], self.runner[rid]
+            # What the runner holds from the plain data is the scheduler's state.
+            assert seq.status is mi.Status.RUNNING and n >= 1
+            assert r["blocks"] == self.bm.tables[seq] and r["tokens"] == seq.token_ids(0, seq.num_tokens)
+            assert r["computed"] == seq.num_computed_tokens and r["computed"] + n == self.bm.lengths[seq] <= seq.num_tokens
             # The K/V it attends to, whether computed, swapped back or found in the cache, are its own
             # tokens': a cached block is never handed out for other tokens.
-            assert [self.pool.get(self.slot(seq, i)) for i in range(seq.num_computed_tokens)] == \
-                seq.token_ids(0, seq.num_computed_tokens)
-            if seq in admitted and hasattr(self.bm, "cached"):  # it starts after its cached prefix
-                assert seq.num_computed_tokens == self.bm.num_cached_tokens(seq)
-        for seq, n in zip(out.seqs, out.num_new_tokens):  # the model "runs": a whole prompt gets token 7
-            for i in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            assert [self.pool.get(self.slot(seq, i)) for i in range(r["computed"])] == r["tokens"][:r["computed"]]
+            for i in range(r["computed"], r["computed"] + n):
                 assert self.bm.ref_count[self.bm.tables[seq][i // self.bm.block_size]] == 1  # never a shared block
-                self.pool[self.slot(seq, i)] = seq.token_ids(i, i + 1)[0]
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue
-            seq.append(7, [])
-            if seq.finish_reason:
-                self.s.finish(seq)
+                self.pool[self.slot(seq, i)] = r["tokens"][i]
+            r["computed"] += n
+            # A piece inside the known tokens yields nothing; reaching their end, 1 to 3 tokens.
+            sampled[rid] = [] if r["computed"] < len(r["tokens"]) else tokens()
+            r["tokens"] += sampled[rid]
+        changed = self.s.update_from_output(out, sampled)
+        assert {s.request_id for s in changed} == {rid for rid, new in sampled.items() if new}
+        for seq in changed:
+            assert seq.num_computed_tokens == self.runner[seq.request_id]["computed"]
 
     @invariant()
     def consistent(self):
@@ -116,8 +127,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             on_device = seq in self.bm.tables
             assert on_device == (seq.status is mi.Status.RUNNING)
             assert (self.cpu is not None and seq in self.cpu.tables) == (seq.status is mi.Status.SWAPPED)
-            if on_device:  # decoding: slots up to its computed tokens; inside a prompt: the whole prompt
-                assert self.bm.lengths[seq] in (seq.num_computed_tokens, seq.num_tokens)
+            if on_device:  # between steps: slots for its computed tokens, no more
+                assert self.bm.lengths[seq] == seq.num_computed_tokens
             if seq.status is mi.Status.WAITING:
                 assert seq.num_computed_tokens == 0
         for queue in queues.values():  # each queue in policy order
@@ -130,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(10_000):  # every request finishes: nothing starves, nothing is stuck
             if not self.s.has_unfinished():
                 break
-            self.step()
+            self.run_step(lambda: [1])
         assert all(s.status is mi.Status.FINISHED for s in self.seqs)
         assert all(s.finish_reason == "abort" or len(s.output_token_ids) == s.params.max_tokens for s in self.seqs)
         assert self.bm.num_free_blocks == self.bm.num_blocks
