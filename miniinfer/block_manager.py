@@ -178,8 +178,10 @@ def draw_pool(bm: BlockManager, ax, title: str = "") -> None:
     """Physical blocks as cells (color = owning sequence, hatched = shared), tables as labels."""
     import matplotlib.patches as patches
 
-    # A sequence keeps its color from one snapshot to the next (str hashes vary between runs).
-    colors = {seq: f"C{sum(map(ord, str(seq))) % 10}" for seq in bm.tables}
+    # A sequence is named by its request id (chapter 06's sequences) or its key, and keeps its color
+    # from one snapshot to the next (str hashes vary between runs).
+    names = {seq: str(getattr(seq, "request_id", seq)) for seq in bm.tables}
+    colors = {seq: f"C{sum(map(ord, name)) % 10}" for seq, name in names.items()}
     owners = {}
     for seq, table in bm.tables.items():
         for b in table:
@@ -192,8 +194,8 @@ def draw_pool(bm: BlockManager, ax, title: str = "") -> None:
                                        hatch="//" if len(seqs) > 1 else None, edgecolor="0.3"))
         ax.text(x + 0.45, y + 0.45, str(b), ha="center", va="center", fontsize=8)
     rows = -(-bm.num_blocks // per_row)
-    for i, (seq, table) in enumerate(sorted(bm.tables.items(), key=lambda kv: str(kv[0]))):
-        ax.text(per_row + 0.5, 0.45 - i * 0.6, f"{seq}: {table} ({bm.lengths[seq]} tokens)",
+    for i, (seq, table) in enumerate(sorted(bm.tables.items(), key=lambda kv: names[kv[0]])):
+        ax.text(per_row + 0.5, 0.45 - i * 0.6, f"{names[seq]}: {table} ({bm.lengths[seq]} tokens)",
                 color=colors[seq], va="center", fontsize=9)
     ax.set_xlim(0, per_row + 7)
     ax.set_ylim(-rows + 0.8 - max(0, len(bm.tables) * 0.6 - rows), 1.1)

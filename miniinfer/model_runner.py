@@ -20,88 +20,6 @@ from miniinfer.varlen import VarlenBatch, VarlenKVCache
 CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
 
 
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes with a recorded decode graph: powers of two to 16, then every 16."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sizes + [max_num_seqs]
-
-
-class DecodeGraphs:
-    """Decode steps as CUDA graphs, one per bucket of batch sizes, over shared static buffers."""
-
-    def __init__(self, model: Transformer, cache: VarlenKVCache, max_num_seqs: int, max_model_len: int):
-        self.model, self.cache = model, cache
-        self.buckets = graph_buckets(max_num_seqs)
-        dev, B = cache.k.device, self.buckets[-1]
-        max_blocks = -(-max_model_len // cache.block_size)
-        self.ids = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.slots = torch.full((B,), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
-        self.tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev)
-        self.max_model_len = max_model_len
-        self.graphs, self.logits = {}, {}
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
-            self._use(b)
-            self.model(self.ids[None, :b], self.positions[None, :b], attn=cache)  # warm-up, compiles
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.model(self.ids[None, :b], self.positions[None, :b], attn=cache)[0]
-            self.graphs[b] = graph
-
-    def _use(self, b: int) -> None:
-        # Decode kernels pick their split from max_seq_len: the longest context any replay may see.
-        self.cache.step(VarlenBatch(self.ids[:b], self.positions[:b], self.slots[:b], self.query_start_loc[:b + 1],
-                                    self.seq_lens[:b], self.tables[:b], 1, self.max_model_len))
-
-    def __call__(self, batch: VarlenBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode batch (one token per sequence)."""
-        B, width = batch.seq_lens.shape[0], batch.block_tables.shape[1]
-        b = next(b for b in self.buckets if b >= B)
-        self.ids[:B], self.positions[:B], self.slots[:B] = batch.input_ids, batch.positions, batch.slot_mapping
-        self.seq_lens[:B], self.tables[:B, :width] = batch.seq_lens, batch.block_tables
-        self.slots[B:b] = -1  # padding rows: write nowhere, read one token
-        self.seq_lens[B:b] = 1
-        self.graphs[b].replay()
-        return self.logits[b][:B]
-
-
-class BlockTableRows:
-    """The running requests' block tables as rows of one NumPy array, kept from step to step. A
-    table only grows while its request runs (by a block every block_size decode steps), so a step
-    copies the new entries instead of flattening every table again: at batch 256 that flattening
-    was the largest host cost of a decode step."""
-
-    def __init__(self, max_num_seqs: int, max_blocks: int):
-        self.rows = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
-        self.widths = [0] * max_num_seqs
-        self.free = list(range(max_num_seqs))
-        self.row_of: dict[str, int] = {}
-
-    def release(self, request_id: str) -> None:
-        """The request stopped running (finished, aborted, preempted): its next table starts over."""
-        row = self.row_of.pop(request_id, None)
-        if row is not None:
-            self.free.append(row)
-
-    def gather(self, request_ids: list[str], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """The tables of the requests, padded into [B, W], and their widths [B]."""
-        index = []
-        for rid, table in zip(request_ids, tables):
-            row = self.row_of.get(rid)
-            if row is None:
-                row = self.row_of[rid] = self.free.pop()
-                self.widths[row] = 0
-            if len(table) != self.widths[row]:
-                self.rows[row, self.widths[row]:len(table)] = table[self.widths[row]:]
-                self.widths[row] = len(table)
-            index.append(row)
-        widths = np.array([self.widths[r] for r in index])
-        return self.rows[index, :widths.max()], widths
-
-
 @dataclass
 class CachedRequest:
     """The runner's own copy of a request, kept from step to step and advanced by the runner itself:
@@ -135,6 +53,80 @@ class ModelRunner:
                              "enable_chunked_prefill=True")
         self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
         self.requests: dict[str, CachedRequest] = {}
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        for pairs, src, dst in ((out.swap_out, (self.cache.k, self.cache.v), (self.cpu_k, self.cpu_v)),
+                                (out.swap_in, (self.cpu_k, self.cpu_v), (self.cache.k, self.cache.v))):
+            if pairs:
+                s, d = (torch.tensor(x) for x in zip(*pairs))
+                for a, b in zip(src, dst):  # every layer in one indexed copy
+                    b[:, d.to(b.device)] = a[:, s.to(a.device)].to(b.device)
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Take in the step's data: forget finished requests, learn new ones, extend block tables.
+        Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
+        vocab, new, errors = self.model.cfg.vocab_size, {}, {}
+        for r in out.new_requests:
+            try:
+                new[r.request_id] = CachedRequest.of(r, vocab)
+            except (TypeError, ValueError, OverflowError) as err:
+                errors[r.request_id] = err
+        if errors:
+            raise RequestDataError(errors)
+        for rid in out.finished_ids:
+            self.requests.pop(rid, None)
+            self.tables.release(rid)
+        self.requests.update(new)
+        for rid, blocks in out.new_block_ids.items():
+            self.requests[rid].block_ids += blocks
+
+    @torch.no_grad()
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """Run one step; the tokens sampled for each request that ran (none for a piece of a prompt)."""
+        self.update_states(out)
+        self.move_blocks(out)
+        if not out.num_new_tokens:  # every request of the step failed: its block moves still had to happen
+            return {}
+        step = self.prepare(out)
+        return self.sample(step, self.forward(step))
+
+    def prepare(self, out: SchedulerOutput) -> StepBatch:
+        """The varlen batch of the step's tokens, from the runner's own copies of the requests."""
+        ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
+        reqs = [self.requests[rid] for rid in ids]
+        starts = [r.num_computed_tokens for r in reqs]
+        tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
+        tables, widths = self.tables.gather(ids, [r.block_ids for r in reqs])
+        batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
+        # Logits only where a request's known tokens end: a piece that stops inside a prompt samples nothing.
+        ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
+        return StepBatch(ids, reqs, counts, batch, ends)
+
+    def forward(self, step: StepBatch) -> torch.Tensor:
+        """Logits [len(step.ends), vocab]: a decode batch replays a CUDA graph, any other runs eagerly."""
+        batch, every = step.batch, len(step.ends) == len(step.requests)
+        if self.graphs is not None and batch.max_query_len == 1:
+            logits = self.graphs(batch)
+            return logits if every else logits[step.ends]
+        self.cache.step(batch)
+        last = batch.query_start_loc[1:] - 1
+        return self.model(batch.input_ids[None], batch.positions[None], attn=self.cache,
+                          logits_at=last if every else last[step.ends])
+
+    def sample(self, step: StepBatch, logits: torch.Tensor) -> dict[str, list[int]]:
+        """Sample the rows that end, each by its request's parameters; advance the runner's copies."""
+        for r, n in zip(step.requests, step.num_new_tokens):
+            r.num_computed_tokens += n
+        sampled: dict[str, list[int]] = {rid: [] for rid in step.request_ids}
+        if not step.ends:
+            return sampled
+        reqs = [step.requests[i] for i in step.ends]
+        rows = [r.sampling + (len(r.token_ids) - r.num_prompt_tokens,) for r in reqs]
+        tokens = sample_batch(logits, SamplingBatch.build(rows, self.model.cfg.vocab_size, self.device)).tolist()
+        for i, r, token in zip(step.ends, reqs, tokens):
+            r.token_ids.append(token)
+            sampled[step.request_ids[i]] = [token]
+        return sampled
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model.cfg
@@ -186,63 +178,94 @@ class ModelRunner:
                        if use_graphs else None)
         self.tables = BlockTableRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
 
-    def move_blocks(self, out: SchedulerOutput) -> None:
-        for pairs, src, dst in ((out.swap_out, (self.cache.k, self.cache.v), (self.cpu_k, self.cpu_v)),
-                                (out.swap_in, (self.cpu_k, self.cpu_v), (self.cache.k, self.cache.v))):
-            if pairs:
-                s, d = (torch.tensor(x) for x in zip(*pairs))
-                for a, b in zip(src, dst):  # every layer in one indexed copy
-                    b[:, d.to(b.device)] = a[:, s.to(a.device)].to(b.device)
 
-    def update_states(self, out: SchedulerOutput) -> None:
-        """Take in the step's data: forget finished requests, learn new ones, extend block tables.
-        Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
-        vocab, new, errors = self.model.cfg.vocab_size, {}, {}
-        for r in out.new_requests:
-            try:
-                new[r.request_id] = CachedRequest.of(r, vocab)
-            except (TypeError, ValueError, OverflowError) as err:
-                errors[r.request_id] = err
-        if errors:
-            raise RequestDataError(errors)
-        for rid in out.finished_ids:
-            self.requests.pop(rid, None)
-            self.tables.release(rid)
-        self.requests.update(new)
-        for rid, blocks in out.new_block_ids.items():
-            self.requests[rid].block_ids += blocks
+class BlockTableRows:
+    """The running requests' block tables as rows of one NumPy array, kept from step to step. A
+    table only grows while its request runs (by a block every block_size decode steps), so a step
+    copies the new entries instead of flattening every table again: at batch 256 that flattening
+    was the largest host cost of a decode step."""
 
-    @torch.no_grad()
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Run one step; the tokens sampled for each request that ran (none for a piece of a prompt)."""
-        self.update_states(out)
-        self.move_blocks(out)
-        if not out.num_new_tokens:  # every request of the step failed: its block moves still had to happen
-            return {}
-        ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
-        reqs = [self.requests[rid] for rid in ids]
-        starts = [r.num_computed_tokens for r in reqs]
-        tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
-        tables, widths = self.tables.gather(ids, [r.block_ids for r in reqs])
-        batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
-        # Logits only where a request's known tokens end: a piece that stops inside a prompt samples nothing.
-        ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
-        every = len(ends) == len(reqs)
-        if self.graphs is not None and batch.max_query_len == 1:
-            logits = self.graphs(batch) if every else self.graphs(batch)[ends]
-        else:
-            self.cache.step(batch)
-            last = batch.query_start_loc[1:] - 1
-            logits = self.model(batch.input_ids[None], batch.positions[None], attn=self.cache,
-                                logits_at=last if every else last[ends])
-        for r, n in zip(reqs, counts):
-            r.num_computed_tokens += n
-        if not ends:
-            return {}
-        rows = [reqs[i].sampling + (len(reqs[i].token_ids) - reqs[i].num_prompt_tokens,) for i in ends]
-        sampled = sample_batch(logits, SamplingBatch.build(rows, self.model.cfg.vocab_size, self.device)).tolist()
-        result: dict[str, list[int]] = {rid: [] for rid in ids}
-        for i, token in zip(ends, sampled):
-            reqs[i].token_ids.append(token)
-            result[ids[i]] = [token]
-        return result
+    def __init__(self, max_num_seqs: int, max_blocks: int):
+        self.rows = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.widths = [0] * max_num_seqs
+        self.free = list(range(max_num_seqs))
+        self.row_of: dict[str, int] = {}
+
+    def release(self, request_id: str) -> None:
+        """The request stopped running (finished, aborted, preempted): its next table starts over."""
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.free.append(row)
+
+    def gather(self, request_ids: list[str], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The tables of the requests, padded into [B, W], and their widths [B]."""
+        index = []
+        for rid, table in zip(request_ids, tables):
+            row = self.row_of.get(rid)
+            if row is None:
+                row = self.row_of[rid] = self.free.pop()
+                self.widths[row] = 0
+            if len(table) != self.widths[row]:
+                self.rows[row, self.widths[row]:len(table)] = table[self.widths[row]:]
+                self.widths[row] = len(table)
+            index.append(row)
+        widths = np.array([self.widths[r] for r in index])
+        return self.rows[index, :widths.max()], widths
+
+
+@dataclass
+class StepBatch:
+    """A step's batch on the device, and which of its requests it samples."""
+    request_ids: list[str]
+    requests: list[CachedRequest]
+    num_new_tokens: list[int]
+    batch: VarlenBatch
+    ends: list[int]  # rows (request indices) whose last token's logits are sampled
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a recorded decode graph: powers of two to 16, then every 16."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """Decode steps as CUDA graphs, one per bucket of batch sizes, over shared static buffers."""
+
+    def __init__(self, model: Transformer, cache: VarlenKVCache, max_num_seqs: int, max_model_len: int):
+        self.model, self.cache = model, cache
+        self.buckets = graph_buckets(max_num_seqs)
+        dev, B = cache.k.device, self.buckets[-1]
+        max_blocks = -(-max_model_len // cache.block_size)
+        self.ids = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.slots = torch.full((B,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.max_model_len = max_model_len
+        self.graphs, self.logits = {}, {}
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
+            self._use(b)
+            self.model(self.ids[None, :b], self.positions[None, :b], attn=cache)  # warm-up, compiles
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self.model(self.ids[None, :b], self.positions[None, :b], attn=cache)[0]
+            self.graphs[b] = graph
+
+    def _use(self, b: int) -> None:
+        # Decode kernels pick their split from max_seq_len: the longest context any replay may see.
+        self.cache.step(VarlenBatch(self.ids[:b], self.positions[:b], self.slots[:b], self.query_start_loc[:b + 1],
+                                    self.seq_lens[:b], self.tables[:b], 1, self.max_model_len))
+
+    def __call__(self, batch: VarlenBatch) -> torch.Tensor:
+        """Logits [B, vocab] of a decode batch (one token per sequence)."""
+        B, width = batch.seq_lens.shape[0], batch.block_tables.shape[1]
+        b = next(b for b in self.buckets if b >= B)
+        self.ids[:B], self.positions[:B], self.slots[:B] = batch.input_ids, batch.positions, batch.slot_mapping
+        self.seq_lens[:B], self.tables[:B, :width] = batch.seq_lens, batch.block_tables
+        self.slots[B:b] = -1  # padding rows: write nowhere, read one token
+        self.seq_lens[B:b] = 1
+        self.graphs[b].replay()
+        return self.logits[b][:B]

@@ -34,7 +34,8 @@ class Sequence:
     block_hashes: list = field(default_factory=list)  # chapter 07's cache keeps its blocks' hashes here
 
     def __repr__(self) -> str:
-        return f"Sequence({self.request_id!r}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens} computed)"
+        computed = f"{self.num_computed_tokens}/{self.num_tokens} computed"
+        return f"Sequence({self.request_id!r}, {self.status.value}, {computed})"
 
     @property
     def num_tokens(self) -> int:

@@ -96,7 +96,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             # What the runner holds from the plain data is the scheduler's state.
             assert seq.status is mi.Status.RUNNING and n >= 1
             assert r["blocks"] == self.bm.tables[seq] and r["tokens"] == seq.token_ids(0, seq.num_tokens)
-            assert r["computed"] == seq.num_computed_tokens and r["computed"] + n == self.bm.lengths[seq] <= seq.num_tokens
+            assert r["computed"] == seq.num_computed_tokens
+            assert r["computed"] + n == self.bm.lengths[seq] <= seq.num_tokens
             # The K/V it attends to, whether computed, swapped back or found in the cache, are its own
             # tokens': a cached block is never handed out for other tokens.
             assert [self.pool.get(self.slot(seq, i)) for i in range(r["computed"])] == r["tokens"][:r["computed"]]

@@ -82,8 +82,8 @@ def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = Non
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter() - t0
-        s = engine.last_step
-        trace.append((round(now, 5), len(s.seqs), s.num_batched_tokens, len(s.preempted)))
+        s = engine.stats
+        trace.append((round(now, 5), len(s.scheduled), sum(s.scheduled.values()), len(s.preempted)))
         if late and late_id is None and now > 2.0:
             late_id, late_t0 = engine.add_request(late, greedy(16)), now
         if late_id is not None and ttft is None and any(o.request_id == late_id for o in outputs):
@@ -200,39 +200,29 @@ def batch1(model, gbps: float) -> dict:
 def profile(model, prompts, outs) -> dict:
     """Where a full decode step's time goes: the scheduler, building the batch on the host,
     the graph replay (with its input copies), sampling, and the engine's bookkeeping after."""
-    from miniinfer.sampler import SamplingBatch, sample_batch
-    from miniinfer.varlen import VarlenBatch
-
     engine = engine_for(model)
     engine.generate(prompts[:8], greedy(8), use_tqdm=False)
     for p in prompts:
         engine.add_request(p, greedy(1024 - 100))
-    runner, rows = engine.runner, []
+    runner, scheduler, rows = engine.runner, engine.scheduler, []
     while len(rows) < 100:
         t0 = time.perf_counter()
-        out = engine.scheduler.schedule()
+        out = scheduler.schedule()
         t1 = time.perf_counter()
-        seqs = out.seqs
-        if out.num_batched_tokens > len(seqs):  # a prefill step: run it, time nothing
-            tokens = runner.execute(out)
-        else:
-            tables, widths = runner.tables.gather(seqs, out.block_tables)
-            batch = VarlenBatch.from_arrays([[s.output_token_ids[-1]] for s in seqs], tables, widths,
-                                            [s.num_computed_tokens for s in seqs], runner.block_size, runner.device)
-            sampling = SamplingBatch.build(seqs, model.cfg.vocab_size, runner.device)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            logits = runner.graphs(batch)
-            torch.cuda.synchronize()
-            t3 = time.perf_counter()
-            tokens = sample_batch(logits, sampling).tolist()
-            t4 = time.perf_counter()
-        for seq, n, t in zip(seqs, out.num_new_tokens, tokens):  # the engine's bookkeeping
-            seq.num_computed_tokens += n
-            seq.append(t, [])
+        runner.update_states(out)
+        runner.move_blocks(out)
+        step = runner.prepare(out)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        logits = runner.forward(step)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        sampled = runner.sample(step, logits)
+        t4 = time.perf_counter()
+        for seq in scheduler.update_from_output(out, sampled):  # the engine's bookkeeping
             mi.RequestOutput.of(seq)
-        if out.num_batched_tokens == len(seqs):
-            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4, len(seqs)))
+        if out.num_batched_tokens == len(out.num_new_tokens):  # decode steps only
+            rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4, len(out.num_new_tokens)))
     for rid in list(engine.requests):
         engine.abort(rid)
     replay = {}

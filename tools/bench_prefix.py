@@ -58,7 +58,7 @@ def serve(engine, arrivals: list[tuple[float, list[int], int]]) -> dict:
             continue  # nothing to run until the next arrival
         outputs = engine.step()
         now = time.perf_counter() - t0
-        steps.append((round(now, 5), len(engine.last_step.seqs), engine.last_step.num_batched_tokens))
+        steps.append((round(now, 5), len(engine.stats.scheduled), sum(engine.stats.scheduled.values())))
         for o in outputs:
             times[index[o.request_id]] += [now] * len(o.new_token_ids)
             if o.finished:
