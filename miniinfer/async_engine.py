@@ -4,59 +4,241 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import multiprocessing
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Union
 
 from miniinfer.config import EngineConfig
 from miniinfer.engine import Limits, LLMEngine, check_request
 from miniinfer.loader import load_tokenizer
 from miniinfer.sampling import SamplingParams
-from miniinfer.sequence import RequestOutput, Status
+from miniinfer.sequence import RequestOutput
 
 
-def run_engine(engine: LLMEngine, next_command: Callable[[bool], tuple | None],
-               emit: Callable[[list, dict], None]) -> None:
-    """Step `engine` until a ("stop",) command. Commands, ("add", id, token ids, params) and ("abort", id),
-    are applied between steps (`next_command(True)` waits for one while the engine is idle).
-    emit(items, stats) gets each step's (request id, output or exception) pairs and the engine's state."""
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]  # checked at the front end's door: the engine does not check again
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    """Stop after the step in flight; every unfinished request ends with an error."""
+
+
+EngineCommand = Union[AddRequest, AbortRequest, Shutdown]
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What one step did for one request: only what is new crosses to the front end."""
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None  # the request failed: its stream raises RuntimeError(error)
+
+
+@dataclass
+class EngineStats:
+    """The engine's state after a step, and what the step did."""
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    new_tokens: int = 0
+    step_seconds: float = 0.0
+    wait_seconds: float = 0.0  # waiting to hand the previous step's outputs over (a slow reader)
+
+    @classmethod
+    def of(cls, engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0) -> EngineStats:
+        s, bm = engine.scheduler, engine.block_manager
+        return cls(len(s.running), len(s.waiting), len(s.swapped), bm.num_blocks - bm.num_free_blocks,
+                   bm.num_blocks, new_tokens, step_seconds)
+
+
+@dataclass
+class EngineInfo:
+    """What the front end learns once, when the engine starts."""
+    limits: Limits
+    eos_token_ids: list[int]
+    max_num_seqs: int
+    stats: EngineStats
+
+
+def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand | None],
+               emit: Callable[[list[EngineOutput], EngineStats], None]) -> None:
+    """Step `engine` until Shutdown. Commands are applied between steps (`next_command(True)` waits
+    for one while the engine is idle); emit gets each step's outputs and the engine's state."""
     while True:
-        items, command = [], next_command(not engine.has_unfinished_requests())
+        outputs, command = [], next_command(not engine.has_unfinished_requests())
         while command is not None:
-            if command[0] == "stop":
-                items = [(rid, RuntimeError("the engine was closed")) for rid in engine.requests]
+            if isinstance(command, Shutdown):
+                outputs = [EngineOutput(rid, [], "abort", error="the engine was closed") for rid in engine.requests]
                 for rid in list(engine.requests):
                     engine.abort(rid)
-                emit(items, engine_stats(engine))
+                emit(outputs, EngineStats.of(engine))
                 return
-            if command[0] == "add":
+            if isinstance(command, AddRequest):
                 try:
-                    engine.add_request(command[2], command[3], request_id=command[1])
+                    engine.enqueue(command.prompt_token_ids, command.params, request_id=command.request_id)
                 except ValueError as err:
-                    items.append((command[1], err))
+                    outputs.append(EngineOutput(command.request_id, [], "error", error=str(err)))
             else:
-                engine.abort(command[1])
+                engine.abort(command.request_id)
             command = next_command(False)
         before = list(engine.requests)
         try:
-            outputs = engine.step()
+            done = engine.step()
         except Exception as err:  # the engine aborted that step's requests: tell their clients
-            items += [(rid, err) for rid in before if rid not in engine.requests]
-            outputs = []
+            failure = f"{type(err).__name__}: {err}"
+            outputs += [EngineOutput(rid, [], "error", error=failure) for rid in before if rid not in engine.requests]
+            done = []
         # A request that failed on its own data (the others of its step ran): its client gets the error.
-        items += [(o.request_id, RuntimeError(f"the request failed: {o.error}") if o.error else o) for o in outputs]
-        emit(items, engine_stats(engine, sum(len(o.new_token_ids) for o in outputs), engine.stats.seconds))
+        outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
+                                 o.error and f"the request failed: {o.error}") for o in done]
+        emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds))
 
 
-def engine_stats(engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0) -> dict:
-    """The engine's state after a step, and what the step did."""
-    s, bm = engine.scheduler, engine.block_manager
-    return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
-            "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_total": bm.num_blocks,
-            "new_tokens": new_tokens, "step_seconds": step_seconds, "wait_seconds": 0.0}
+Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], None]
+
+
+class EngineClient:
+    """The front end's line to an engine: commands go in by `send`; each step's outputs come back to
+    the `receive` callback given at start, from another thread (None, None: the engine is gone)."""
+    info: EngineInfo
+    commands: queue.Queue  # to the engine's thread, or to the thread that writes them down the pipe
+
+    def send(self, command: EngineCommand) -> None:
+        self.commands.put(command)
+
+    def is_alive(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Shut the engine down and wait for it."""
+        raise NotImplementedError
+
+
+class InprocClient(EngineClient):
+    """The engine in a thread of this process: commands through a queue, outputs by direct call."""
+
+    def __init__(self, engine: LLMEngine, receive: Receive):
+        self.engine, self.commands = engine, queue.Queue()
+        self.info = EngineInfo(engine.limits, engine.model.cfg.eos_token_ids, engine.config.max_num_seqs,
+                               EngineStats.of(engine))
+        self.thread = threading.Thread(target=run_engine, args=(engine, self._next, receive), daemon=True,
+                                       name="miniinfer-engine")
+        self.thread.start()
+
+    def _next(self, block: bool) -> EngineCommand | None:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def close(self) -> None:
+        self.send(Shutdown())
+        self.thread.join()
+
+
+class MultiprocClient(EngineClient):
+    """The engine in a process of its own, over a pipe: a thread sends commands (a full pipe must
+    not block the caller), another receives each step's outputs."""
+
+    def __init__(self, config: EngineConfig, receive: Receive):
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=engine_process, args=(config, child), daemon=True, name="miniinfer-engine")
+        self.process.start()
+        child.close()
+        info = self.conn.recv()
+        if isinstance(info, BaseException):  # a bad checkpoint or config
+            self.process.join()
+            raise info
+        self.info, self.commands = info, queue.Queue()
+        self.receiver = threading.Thread(target=self._receive, args=(receive,), daemon=True,
+                                         name="miniinfer-receiver")
+        self.receiver.start()
+        threading.Thread(target=self._forward, daemon=True, name="miniinfer-sender").start()
+
+    def _forward(self) -> None:
+        while True:
+            command = self.commands.get()
+            self.conn.send(command)
+            if isinstance(command, Shutdown):
+                return
+
+    def _receive(self, receive: Receive) -> None:
+        while True:
+            try:
+                outputs, stats = self.conn.recv()
+            except (EOFError, OSError):  # the engine process is gone
+                receive(None, None)
+                return
+            receive(outputs, stats)
+
+    def is_alive(self) -> bool:
+        return self.receiver.is_alive()
+
+    def close(self) -> None:
+        self.send(Shutdown())
+        self.receiver.join()
+        self.process.join()
+
+
+def engine_process(config: EngineConfig, conn) -> None:
+    """The engine's own process: build it, tell the parent what it can serve, then serve commands."""
+    try:
+        engine = LLMEngine(config)
+    except Exception as err:  # a bad checkpoint or config: the parent raises it
+        conn.send(err)
+        return
+    conn.send(EngineInfo(engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, EngineStats.of(engine)))
+    waited = 0.0  # in the previous send: a send blocks while the pipe is full
+
+    def emit(outputs: list[EngineOutput], stats: EngineStats) -> None:
+        nonlocal waited
+        t0 = time.perf_counter()
+        conn.send((outputs, dataclasses.replace(stats, wait_seconds=waited)))
+        waited = time.perf_counter() - t0
+
+    def next_command(block: bool) -> EngineCommand | None:
+        try:
+            return conn.recv() if block or conn.poll() else None
+        except EOFError:  # the parent is gone
+            return Shutdown()
+
+    run_engine(engine, next_command, emit)
+
+
+@dataclass
+class Stream:
+    """One request as the front end follows it: where its outputs go, and its tokens so far."""
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for outputs, item in batch:
+        outputs.put_nowait(item)
 
 
 class AsyncLLMEngine:
@@ -64,66 +246,55 @@ class AsyncLLMEngine:
     Given an engine, a thread steps it; given an EngineConfig, the engine runs in its own process."""
 
     def __init__(self, engine: LLMEngine | EngineConfig):
-        self.streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.streams: dict[str, Stream] = {}
         self.ids = itertools.count()
         self.generated_tokens = 0
         # Seconds the engine spent in steps, and waiting to hand outputs over (a server too slow to read).
         self.totals = {"steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0}
         self.recent: collections.deque = collections.deque()  # (time, tokens) of the last minute's steps
-        self.commands: queue.Queue = queue.Queue()
+        self.client: EngineClient
         if isinstance(engine, LLMEngine):
-            self.engine, self.process = engine, None
-            self.tokenizer, self.limits = engine.tokenizer, engine.limits
-            self.eos_token_ids, self.max_num_seqs = engine.model.cfg.eos_token_ids, engine.config.max_num_seqs
-            self.stats = engine_stats(engine)
-            self.thread = threading.Thread(target=run_engine, args=(engine, self._next_command, self._emit),
-                                           daemon=True, name="miniinfer-engine")
+            self.tokenizer = engine.tokenizer
+            self.client = InprocClient(engine, self._receive)
         else:
-            ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
-            self.conn, child = ctx.Pipe()
-            self.process = ctx.Process(target=engine_process, args=(engine, child), daemon=True,
-                                       name="miniinfer-engine")
-            self.process.start()
-            child.close()
-            info = self.conn.recv()
-            if isinstance(info, BaseException):
-                self.process.join()
-                raise info
-            self.limits, self.eos_token_ids, self.max_num_seqs, self.stats = info
+            self.client = MultiprocClient(engine, self._receive)
             try:
                 self.tokenizer = load_tokenizer(engine.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
                 self.tokenizer = None
-            self.mirrors: dict[str, _Mirror] = {}  # what the engine process has sent of each request
-            self.thread = threading.Thread(target=self._receive, daemon=True, name="miniinfer-receiver")
-            # Commands go through a thread of their own: a full pipe must not block the event loop.
-            threading.Thread(target=self._forward, daemon=True, name="miniinfer-sender").start()
-        self.thread.start()
+        self.detokenize = self.tokenizer.decode if self.tokenizer is not None else None
+        info = self.client.info
+        self.limits, self.eos_token_ids, self.max_num_seqs = info.limits, info.eos_token_ids, info.max_num_seqs
+        self.stats = info.stats
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The door: the prompt's token ids, or ValueError if the engine can never serve the request."""
         return check_request(prompt, params, self.tokenizer, self.limits)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as its tokens arrive. A bad request raises ValueError before
-        anything is queued; leaving the loop early aborts the request."""
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as its tokens arrive. A bad request raises ValueError here, before
+        anything is queued."""
         params = params or SamplingParams()
-        ids = self.check_request(prompt, params)
+        return self.stream(self.check_request(prompt, params), params, request_id)
+
+    async def stream(self, token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request whose token ids check_request returned (so it is checked once);
+        leaving the loop early aborts the request."""
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        outputs: asyncio.Queue = asyncio.Queue()
-        self.streams[request_id] = (asyncio.get_running_loop(), outputs)
-        if self.process is not None:
-            self.mirrors[request_id] = _Mirror(request_id, ids)
-        self.commands.put(("add", request_id, ids, params))
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
+        self.streams[request_id] = stream
+        self.client.send(AddRequest(request_id, token_ids, params))
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
+                out = await stream.outputs.get()
                 # A reader slower than the engine gets the tokens of several steps in one output.
-                while not isinstance(out, BaseException) and not outputs.empty():
-                    later = outputs.get_nowait()
+                while not isinstance(out, BaseException) and not stream.outputs.empty():
+                    later = stream.outputs.get_nowait()
                     if not isinstance(later, BaseException):
                         later.new_token_ids = out.new_token_ids + later.new_token_ids
                     out = later
@@ -133,10 +304,8 @@ class AsyncLLMEngine:
                 yield out
         finally:
             del self.streams[request_id]
-            if self.process is not None:
-                self.mirrors.pop(request_id, None)
             if not finished:
-                self.commands.put(("abort", request_id))
+                self.client.send(AbortRequest(request_id))
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Tokens generated per second over the last `window` seconds."""
@@ -144,110 +313,34 @@ class AsyncLLMEngine:
         return sum(n for t, n in list(self.recent) if t > now - window) / window
 
     def close(self) -> None:
-        """Stop the engine after the step in flight; unfinished requests are aborted."""
-        self.commands.put(("stop",))
-        self.thread.join()
-        if self.process is not None:
-            self.process.join()
+        """Stop the engine after the step in flight; unfinished requests end with an error."""
+        self.client.close()
 
-    def _forward(self) -> None:
-        while True:
-            command = self.commands.get()
-            self.conn.send(command)
-            if command[0] == "stop":
-                return
-
-    def _next_command(self, block: bool) -> tuple | None:
-        try:
-            return self.commands.get(block=block)
-        except queue.Empty:
-            return None
-
-    def _emit(self, items: list[tuple[str, object]], stats: dict[str, int]) -> None:
-        # Read by other threads (metrics): replaced whole, never changed in place.
-        self.stats = stats
-        self.generated_tokens += stats["new_tokens"]
-        self.totals = {"steps": self.totals["steps"] + (stats["step_seconds"] > 0),
-                       "step_seconds": self.totals["step_seconds"] + stats["step_seconds"],
-                       "wait_seconds": self.totals["wait_seconds"] + stats["wait_seconds"]}
+    def _receive(self, outputs: list[EngineOutput] | None, stats: EngineStats | None) -> None:
+        """In the engine's thread (or the receiver's): each output becomes its stream's RequestOutput,
+        built here once in both modes, with the tokenizer that gives its text."""
+        if outputs is None or stats is None:
+            outputs = [EngineOutput(rid, [], "error", error="the engine process ended") for rid in list(self.streams)]
+            stats = dataclasses.replace(self.stats, new_tokens=0, step_seconds=0.0, wait_seconds=0.0)
+        self.stats = stats  # read by other threads (metrics): replaced whole, never changed in place
+        self.generated_tokens += stats.new_tokens
+        self.totals = {"steps": self.totals["steps"] + (stats.step_seconds > 0),
+                       "step_seconds": self.totals["step_seconds"] + stats.step_seconds,
+                       "wait_seconds": self.totals["wait_seconds"] + stats.wait_seconds}
         now = time.perf_counter()
-        self.recent.append((now, stats["new_tokens"]))
+        self.recent.append((now, stats.new_tokens))
         while self.recent[0][0] < now - 60:
             self.recent.popleft()
         # One hand-over to each event loop per step, not one per request: each costs a wake-up.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            stream = self.streams.get(request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], item))
+        for o in outputs:
+            stream = self.streams.get(o.request_id)
+            if stream is None:  # its client has left
+                continue
+            stream.token_ids += o.new_token_ids
+            item = RuntimeError(o.error) if o.error else RequestOutput(
+                o.request_id, stream.prompt_token_ids, stream.token_ids, o.new_token_ids, o.finish_reason,
+                o.num_cached_tokens, detokenize=self.detokenize)
+            by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
-
-    def _receive(self) -> None:
-        """Process mode: turn what the engine process sends into outputs, until it ends."""
-        while True:
-            try:
-                items, stats = self.conn.recv()
-            except (EOFError, OSError):  # the engine process is gone
-                self._emit([(rid, RuntimeError("the engine process ended")) for rid in list(self.streams)],
-                           {**self.stats, "new_tokens": 0})
-                return
-            outputs = []
-            for request_id, item in items:
-                mirror = self.mirrors.get(request_id)
-                if mirror is None:  # its client has left
-                    continue
-                if not isinstance(item, BaseException):
-                    item = mirror.update(*item)
-                outputs.append((request_id, item))
-            self._emit(outputs, stats)
-
-
-class _Mirror:
-    """Process mode: the parts of a request's Sequence that a RequestOutput reads."""
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int]):
-        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
-        self.output_token_ids: list[int] = []
-        self.status, self.finish_reason, self.num_cached_tokens = Status.RUNNING, None, 0
-        self.error = None  # a failed request crosses the pipe as an exception instead
-
-    def update(self, new: list[int], finish_reason: str | None, num_cached_tokens: int) -> RequestOutput:
-        self.output_token_ids += new
-        self.finish_reason, self.num_cached_tokens = finish_reason, num_cached_tokens
-        if finish_reason is not None:
-            self.status = Status.FINISHED
-        return RequestOutput(self, new)
-
-
-def engine_process(config: EngineConfig, conn) -> None:
-    """The engine's own process: build it, tell the parent its limits, then serve commands."""
-    try:
-        engine = LLMEngine(config)
-    except Exception as err:  # a bad checkpoint or config: the parent raises it
-        conn.send(err)
-        return
-    conn.send((engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, engine_stats(engine)))
-    waited = 0.0  # in the previous send: a send blocks while the pipe is full
-
-    def emit(items, stats):
-        nonlocal waited
-        t0 = time.perf_counter()
-        # Only each step's new tokens cross the pipe: the parent keeps the rest.
-        conn.send(([(rid, (x if isinstance(x, ValueError) else RuntimeError(f"{type(x).__name__}: {x}"))
-                     if isinstance(x, BaseException) else (x.new_token_ids, x.finish_reason, x.num_cached_tokens))
-                    for rid, x in items], {**stats, "wait_seconds": waited}))
-        waited = time.perf_counter() - t0
-
-    def next_command(block):
-        try:
-            return conn.recv() if block or conn.poll() else None
-        except EOFError:  # the parent is gone
-            return ("stop",)
-
-    run_engine(engine, next_command, emit)
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for outputs, item in batch:
-        outputs.put_nowait(item)

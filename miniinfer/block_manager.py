@@ -76,15 +76,11 @@ class BlockManager:
         self.lengths[seq_id] = num_tokens
         return list(self.tables[seq_id])
 
-    def slots_needed(self, seq_id, n: int = 1) -> int:
-        """Free blocks that n more tokens of seq_id take: new blocks past its last one, and one for a
-        copy on write when its last block is shared and not full."""
-        table, length = self._table(seq_id), self.lengths[seq_id]
-        cow = length % self.block_size != 0 and self.ref_count[table[-1]] > 1
-        return self.blocks_for(length + n) - len(table) + cow
-
-    def can_append(self, seq_id, n: int = 1) -> bool:
-        return self.slots_needed(seq_id, n) <= self.num_free_blocks
+    def can_append(self, seq_id) -> bool:
+        """Whether one more token fits: a new block at a block boundary or for a copy on write."""
+        table = self._table(seq_id)
+        needs_block = self.lengths[seq_id] % self.block_size == 0 or self.ref_count[table[-1]] > 1
+        return not needs_block or self.num_free_blocks > 0
 
     def append_token(self, seq_id) -> BlockCopy | None:
         """Account for one more token; returns the block copy that copy-on-write requires, if any."""
@@ -100,11 +96,11 @@ class BlockManager:
 
     def append_slots(self, seq_id, n: int) -> list[int]:
         """Account for n more tokens in a sequence whose last block is its own (the engine's case:
-        the only blocks it shares are full); returns the blocks added."""
-        table = self._table(seq_id)
-        new = self._take(self.blocks_for(self.lengths[seq_id] + n) - len(table))
-        table.extend(new)
-        self.lengths[seq_id] += n
+        the only blocks it shares are full); returns the blocks added. OutOfBlocks: nothing changed."""
+        table, length = self._table(seq_id), self.lengths[seq_id] + n
+        new = self._take(-(-length // self.block_size) - len(table)) if length > len(table) * self.block_size else []
+        table += new
+        self.lengths[seq_id] = length
         return new
 
     def truncate(self, seq_id, num_tokens: int) -> None:

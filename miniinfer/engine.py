@@ -121,7 +121,11 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a request; returns its id. Bad input raises ValueError and changes nothing."""
         params = params or SamplingParams()
-        ids = self.check_request(prompt, params)
+        return self.enqueue(self.check_request(prompt, params), params, priority, request_id)
+
+    def enqueue(self, token_ids: list[int], params: SamplingParams, priority: int = 0,
+                request_id: str | None = None) -> str:
+        """Queue a request that check_request has passed (a server checks at its door, once)."""
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         arrival = next(self._arrivals)
@@ -130,7 +134,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Unseeded requests draw a seed from torch's generator: torch.manual_seed makes runs repeatable.
         seed = params.seed if params.seed is not None else int(torch.randint(2 ** 31, ()))
-        self.scheduler.add(Sequence(request_id, ids, params, priority, arrival, seed))
+        self.scheduler.add(Sequence(request_id, list(token_ids), params, priority, arrival, seed))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:

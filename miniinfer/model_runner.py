@@ -13,7 +13,7 @@ from miniinfer.config import EngineConfig
 from miniinfer.loader import load_model
 from miniinfer.model import Transformer
 from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
-from miniinfer.scheduler import NewRequest, SchedulerOutput
+from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
 from miniinfer.varlen import VarlenBatch, VarlenKVCache
 
@@ -28,13 +28,7 @@ class CachedRequest:
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    sampling: tuple  # its sampling_row
-
-    @classmethod
-    def of(cls, r: NewRequest, vocab_size: int) -> CachedRequest:
-        """Raises what sampling_row raises: the request's data cannot be sampled with."""
-        return cls(r.prompt_token_ids + r.output_token_ids, len(r.prompt_token_ids), list(r.block_ids),
-                   r.num_computed_tokens, sampling_row(r.params, r.seed, vocab_size))
+    row: int  # in BatchRows: its block table and sampling values
 
 
 class ModelRunner:
@@ -65,18 +59,22 @@ class ModelRunner:
     def update_states(self, out: SchedulerOutput) -> None:
         """Take in the step's data: forget finished requests, learn new ones, extend block tables.
         Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
-        vocab, new, errors = self.model.cfg.vocab_size, {}, {}
+        vocab, sampling, errors = self.model.cfg.vocab_size, {}, {}
         for r in out.new_requests:
             try:
-                new[r.request_id] = CachedRequest.of(r, vocab)
+                sampling[r.request_id] = sampling_row(r.params, r.seed, vocab)
             except (TypeError, ValueError, OverflowError) as err:
                 errors[r.request_id] = err
         if errors:
             raise RequestDataError(errors)
         for rid in out.finished_ids:
-            self.requests.pop(rid, None)
-            self.tables.release(rid)
-        self.requests.update(new)
+            gone = self.requests.pop(rid, None)
+            if gone is not None:
+                self.rows.release(gone.row)
+        for r in out.new_requests:
+            self.requests[r.request_id] = CachedRequest(r.prompt_token_ids + r.output_token_ids, len(r.prompt_token_ids),
+                                                        list(r.block_ids), r.num_computed_tokens,
+                                                        self.rows.add(sampling[r.request_id]))
         for rid, blocks in out.new_block_ids.items():
             self.requests[rid].block_ids += blocks
 
@@ -96,7 +94,7 @@ class ModelRunner:
         reqs = [self.requests[rid] for rid in ids]
         starts = [r.num_computed_tokens for r in reqs]
         tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
-        tables, widths = self.tables.gather(ids, [r.block_ids for r in reqs])
+        tables, widths = self.rows.gather([r.row for r in reqs], [r.block_ids for r in reqs])
         batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
         # Logits only where a request's known tokens end: a piece that stops inside a prompt samples nothing.
         ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
@@ -114,16 +112,18 @@ class ModelRunner:
                           logits_at=last if every else last[step.ends])
 
     def sample(self, step: StepBatch, logits: torch.Tensor) -> dict[str, list[int]]:
-        """Sample the rows that end, each by its request's parameters; advance the runner's copies."""
+        """Sample the rows that end, each by its request's parameters; advance the runner's copies.
+        Returns the tokens of the requests that sampled."""
         for r, n in zip(step.requests, step.num_new_tokens):
             r.num_computed_tokens += n
-        sampled: dict[str, list[int]] = {rid: [] for rid in step.request_ids}
         if not step.ends:
-            return sampled
+            return {}
         reqs = [step.requests[i] for i in step.ends]
-        rows = [r.sampling + (len(r.token_ids) - r.num_prompt_tokens,) for r in reqs]
-        tokens = sample_batch(logits, SamplingBatch.build(rows, self.model.cfg.vocab_size, self.device)).tolist()
-        for i, r, token in zip(step.ends, reqs, tokens):
+        steps = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs])
+        values = self.rows.sampling[:, [r.row for r in reqs]]
+        tokens = sample_batch(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
+        sampled = {}
+        for i, r, token in zip(step.ends, reqs, tokens.tolist()):
             r.token_ids.append(token)
             sampled[step.request_ids[i]] = [token]
         return sampled
@@ -176,41 +176,40 @@ class ModelRunner:
         use_graphs = config.cuda_graph and self.device.type == "cuda"
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
                        if use_graphs else None)
-        self.tables = BlockTableRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+        self.rows = BatchRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
 
 
-class BlockTableRows:
-    """The running requests' block tables as rows of one NumPy array, kept from step to step. A
-    table only grows while its request runs (by a block every block_size decode steps), so a step
-    copies the new entries instead of flattening every table again: at batch 256 that flattening
-    was the largest host cost of a decode step."""
+class BatchRows:
+    """The running requests as rows of NumPy arrays kept from step to step: block tables and sampling
+    values. A table only grows while its request runs (by a block every block_size decode steps), so
+    a step copies the new entries instead of flattening every table again: at batch 256 that
+    flattening was the largest host cost of a decode step. The sampling values are set once, when a
+    request arrives: gathered from 256 requests every step, they cost more than sampling itself."""
 
     def __init__(self, max_num_seqs: int, max_blocks: int):
-        self.rows = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
+        self.tables = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self.widths = [0] * max_num_seqs
+        self.sampling = np.zeros((4, max_num_seqs))  # sampling_row values by row, as columns
         self.free = list(range(max_num_seqs))
-        self.row_of: dict[str, int] = {}
 
-    def release(self, request_id: str) -> None:
-        """The request stopped running (finished, aborted, preempted): its next table starts over."""
-        row = self.row_of.pop(request_id, None)
-        if row is not None:
-            self.free.append(row)
+    def add(self, sampling: tuple) -> int:
+        """A row for a request that starts running (again, after a preemption: its table starts over)."""
+        row = self.free.pop()
+        self.widths[row] = 0
+        self.sampling[:, row] = sampling
+        return row
 
-    def gather(self, request_ids: list[str], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """The tables of the requests, padded into [B, W], and their widths [B]."""
-        index = []
-        for rid, table in zip(request_ids, tables):
-            row = self.row_of.get(rid)
-            if row is None:
-                row = self.row_of[rid] = self.free.pop()
-                self.widths[row] = 0
+    def release(self, row: int) -> None:
+        self.free.append(row)
+
+    def gather(self, rows: list[int], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The tables of the requests in rows, padded into [B, W], and their widths [B]."""
+        for row, table in zip(rows, tables):
             if len(table) != self.widths[row]:
-                self.rows[row, self.widths[row]:len(table)] = table[self.widths[row]:]
+                self.tables[row, self.widths[row]:len(table)] = table[self.widths[row]:]
                 self.widths[row] = len(table)
-            index.append(row)
-        widths = np.array([self.widths[r] for r in index])
-        return self.rows[index, :widths.max()], widths
+        widths = np.array([self.widths[r] for r in rows])
+        return self.tables[rows, :widths.max()], widths
 
 
 @dataclass

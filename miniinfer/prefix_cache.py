@@ -110,10 +110,11 @@ class PrefixCachingBlockManager(BlockManager):
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         # Tokens past num_tokens are taken back: so are the hashes of the blocks they were in. A
-        # cached block cut in the middle will be written again: it leaves the cache unless shared.
+        # cached block cut in the middle will be written again: it leaves the cache (a request that
+        # shares it keeps it, and a write while it does copies it first).
         full = num_tokens // self.block_size
         for b in self._table(seq)[full:self.blocks_for(num_tokens)]:
-            if b in self.key and self.ref_count[b] == 1:
+            if b in self.key:
                 del self.cached[chain_hash(*self.key.pop(b))]
         super().truncate(seq, num_tokens)
         self.num_registered[seq] = min(self.num_registered[seq], full)

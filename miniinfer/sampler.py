@@ -50,13 +50,14 @@ class SamplingBatch:
     any_filter: bool           # whether some row uses top-k or top-p
 
     @classmethod
-    def build(cls, rows: list[tuple], vocab_size: int, device) -> SamplingBatch:
-        """From rows (temperature, top_p, top_k, seed, step), each a sampling_row plus its step."""
-        temperature, top_p, top_k, seeds, steps = zip(*rows)
-        floats = torch.from_numpy(np.array([temperature, top_p], dtype=np.float32)).to(device)
-        ints = torch.from_numpy(np.array([top_k, seeds, steps], dtype=np.int64)).to(device)
-        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], any(t > 0 for t in temperature),
-                   any(k < vocab_size for k in top_k) or any(p < 1 for p in top_p))
+    def build(cls, values: np.ndarray, steps: np.ndarray, vocab_size: int, device) -> SamplingBatch:
+        """From the rows' sampling_row values as columns of values [4, B] (float64 holds the integer
+        ones exactly) and the index of the token each samples, steps [B]."""
+        temperature, top_p, top_k, _ = values
+        floats = torch.from_numpy(values[:2].astype(np.float32)).to(device)
+        ints = torch.from_numpy(np.stack([values[2], values[3], steps]).astype(np.int64)).to(device)
+        return cls(floats[0], ints[0], floats[1], ints[1], ints[2], bool((temperature > 0).any()),
+                   bool((top_k < vocab_size).any() or (top_p < 1).any()))
 
 
 def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple[float, float, int, int]:

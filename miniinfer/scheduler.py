@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from miniinfer.block_manager import BlockManager
+from miniinfer.block_manager import BlockManager, OutOfBlocks
 from miniinfer.sampling import SamplingParams
 from miniinfer.sequence import Sequence, Status
 
@@ -114,29 +114,33 @@ class Scheduler:
         """Every request gets min(its tokens not yet computed, the budget left), most urgent first:
         a prompt, a piece of one and a decode are the same rule. Running requests go first; the pool
         running short preempts the least urgent; requests join only in a step without preemption."""
-        out = SchedulerOutput()
+        out, budget = SchedulerOutput(), self.max_num_batched_tokens
         self.running.sort(key=self.policy.key)
         self._preempt_for_urgent(out)
-        todo, self.running, short = self.running, [], False
+        todo, self.running, urgent = self.running, [], len(out.preempted_ids)
         while todo:
             seq = todo.pop(0)
-            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget_left(out))
-            while not self.block_manager.can_append(seq, n):
-                victim = todo.pop() if todo else seq
-                self._preempt(victim, out)
-                short = True
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.append_slots(seq, n)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._slots(seq, n, todo, out):
                 self._run(seq, n, out)
-        if not short:  # the pool ran out: an admission now would be preempted at the next step
-            self._admit(out)
+                budget -= n
+        if len(out.preempted_ids) == urgent:  # else the pool ran out: an admission would be preempted next step
+            self._admit(out, budget)
         out.finished_ids, self.finished_ids = self.finished_ids, []  # since the last step, preempted included
         return out
 
-    def _budget_left(self, out: SchedulerOutput) -> int:
-        return self.max_num_batched_tokens - out.num_batched_tokens
+    def _slots(self, seq: Sequence, n: int, todo: list[Sequence], out: SchedulerOutput) -> bool:
+        """Slots for seq's n new tokens. While the pool has too few blocks, the least urgent running
+        request (the last of todo, else seq itself) is preempted; False if seq was."""
+        while True:
+            try:
+                self.block_manager.append_slots(seq, n)
+                return True
+            except OutOfBlocks:
+                victim = todo.pop() if todo else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    return False
 
     def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """seq runs; it computes n tokens this step (0: the budget is spent, it keeps its blocks)."""
@@ -152,6 +156,8 @@ class Scheduler:
                                                seq.params, seq.seed, list(table), seq.num_computed_tokens))
         elif len(table) > sent:
             out.new_block_ids[rid] = table[sent:]
+        else:
+            return
         self.sent[rid] = len(table)
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
@@ -168,12 +174,12 @@ class Scheduler:
         return (n > 0 and len(self.running) < self.max_num_seqs
                 and num_blocks + reserve <= self.block_manager.num_free_blocks)
 
-    def _admit(self, out: SchedulerOutput) -> None:
-        """Swapped requests come back first, then waiting ones join, while they fit."""
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Swapped requests come back first, then waiting ones join, while they fit the budget left."""
         bm, cpu = self.block_manager, self.cpu_block_manager
         while self.swapped:
             seq = self.swapped[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget_left(out))
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
                 break
             self.swapped.pop(0)
@@ -181,9 +187,10 @@ class Scheduler:
             cpu.free(seq)
             bm.append_slots(seq, n)
             self._run(seq, n, out)
+            budget -= n
         while self.waiting:
             seq = self.waiting[0]
-            hits, n = self._admission(seq, self._budget_left(out))
+            hits, n = self._admission(seq, budget)
             cached = len(hits) * bm.block_size
             if not self._fits(bm.blocks_to_allocate(cached + n, hits), n):
                 break
@@ -193,6 +200,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:  # the first admission's, not a re-admission's own blocks
                 seq.num_cached_tokens = cached
             self._run(seq, n, out)
+            budget -= n
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Make seq give its device blocks back: swapped to CPU memory, or dropped to be recomputed."""
@@ -232,7 +240,8 @@ class Scheduler:
             if seq is None or seq.status is not Status.RUNNING:  # aborted in the meantime
                 continue
             seq.num_computed_tokens += n
-            self.block_manager.cache_blocks(seq)
+            if seq.num_computed_tokens % self.block_manager.block_size < n:  # the step filled a block
+                self.block_manager.cache_blocks(seq)
             new = sampled.get(rid, ())
             for token in new:
                 seq.append(token, self.eos_token_ids)

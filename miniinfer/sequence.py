@@ -61,14 +61,16 @@ class Sequence:
 class RequestOutput:
     """What a request has produced so far, as of one step."""
 
-    def __init__(self, seq: Sequence, new_token_ids: list[int], detokenize=None):
-        self.request_id, self.prompt_token_ids = seq.request_id, seq.prompt_token_ids
+    def __init__(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                 new_token_ids: list[int], finish_reason: str | None = None, num_cached_tokens: int = 0,
+                 error: str | None = None, detokenize=None):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.new_token_ids = new_token_ids  # generated since the previous output of this request
-        self.finished, self.finish_reason, self.error = seq.status is Status.FINISHED, seq.finish_reason, seq.error
-        self.num_cached_tokens = seq.num_cached_tokens or 0
-        # The sequence's output list only ever grows: its first n tokens are this snapshot's, and
-        # copying them is left to whoever reads token_ids (an engine step makes 256 outputs).
-        self._outputs, self._n, self._detokenize = seq.output_token_ids, len(seq.output_token_ids), detokenize
+        self.finished, self.finish_reason, self.error = finish_reason is not None, finish_reason, error
+        self.num_cached_tokens = num_cached_tokens
+        # output_token_ids only ever grows: its first n tokens are this snapshot's, and copying them
+        # is left to whoever reads token_ids (an engine step makes 256 outputs).
+        self._outputs, self._n, self._detokenize = output_token_ids, len(output_token_ids), detokenize
 
     @property
     def token_ids(self) -> list[int]:
@@ -89,7 +91,8 @@ class RequestOutput:
         """A snapshot of seq; it advances what the next snapshot reports as new."""
         new = seq.output_token_ids[seq.num_reported:]
         seq.num_reported = len(seq.output_token_ids)
-        return cls(seq, new, detokenize)
+        return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new, seq.finish_reason,
+                   seq.num_cached_tokens or 0, seq.error, detokenize)
 
 
 class RequestDataError(Exception):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from miniinfer import protocol
-from miniinfer.async_engine import AsyncLLMEngine
+from miniinfer.async_engine import AsyncLLMEngine, Shutdown
 from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.config import EngineConfig
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -235,7 +235,7 @@ class Server:
     async def choice(self, index: int, ids: list[int], params: SamplingParams, stops: list[str]):
         detok, stop = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
         # Closed as soon as this choice ends: a stream left early aborts its request at once.
-        async with contextlib.aclosing(self.engine.generate(ids, params)) as outputs:
+        async with contextlib.aclosing(self.engine.stream(ids, params)) as outputs:  # checked in requests()
             async for out in outputs:
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
@@ -300,11 +300,11 @@ class Server:
         """Prometheus text exposition of the engine's state."""
         s, lines = self.engine.stats, []
         for name, kind, value, help in [
-            ("requests_running", "gauge", s["running"], "Requests in the running batch."),
-            ("requests_waiting", "gauge", s["waiting"], "Requests waiting to be admitted."),
-            ("requests_swapped", "gauge", s["swapped"], "Preempted requests whose KV is in CPU memory."),
-            ("kv_blocks_used", "gauge", s["blocks_used"], "KV cache blocks in use."),
-            ("kv_blocks_total", "gauge", s["blocks_total"], "KV cache blocks in the pool."),
+            ("requests_running", "gauge", s.running, "Requests in the running batch."),
+            ("requests_waiting", "gauge", s.waiting, "Requests waiting to be admitted."),
+            ("requests_swapped", "gauge", s.swapped, "Preempted requests whose KV is in CPU memory."),
+            ("kv_blocks_used", "gauge", s.blocks_used, "KV cache blocks in use."),
+            ("kv_blocks_total", "gauge", s.blocks_total, "KV cache blocks in the pool."),
             ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of accepted requests."),
             ("generation_tokens_total", "counter", self.engine.generated_tokens, "Tokens generated."),
             ("generation_tokens_per_second", "gauge", round(self.engine.tokens_per_second(), 3),
@@ -478,7 +478,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
 
     @app.get("/health")
     async def health():
-        if not engine.thread.is_alive():  # the engine's thread, or its process's receiver
+        if not engine.client.is_alive():
             return JSONResponse({"status": "the engine has stopped"}, status_code=503)
         return {"status": "ok"}
 
@@ -531,7 +531,7 @@ def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: 
         def handle_exit(self, sig, frame) -> None:
             # Ctrl-C: uvicorn waits for open responses to end, and streams may run for minutes. The
             # engine stops now instead, aborting every request, so each response ends with an error.
-            async_engine.commands.put(("stop",))
+            async_engine.client.send(Shutdown())
             super().handle_exit(sig, frame)
 
     app = build_app(async_engine, model_name, chat_max_tokens, max_body_mb)

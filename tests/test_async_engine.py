@@ -15,7 +15,8 @@ def engine(request, course_model):
     eng = mi.AsyncLLMEngine(mi.LLMEngine(config, model=course_model) if request.param == "thread" else config)
     yield eng
     eng.close()
-    assert not eng.thread.is_alive() and (eng.process is None or not eng.process.is_alive())
+    assert not eng.client.is_alive()
+    assert isinstance(eng.client, mi.async_engine.InprocClient) or not eng.client.process.is_alive()
 
 
 async def collect(engine, prompt, params, leave_after=None):
@@ -32,7 +33,7 @@ async def drained(engine):
     """Wait until the engine has taken every command and holds no request and no block."""
     for _ in range(500):
         s = engine.stats
-        if engine.commands.empty() and s["running"] + s["waiting"] + s["swapped"] + s["blocks_used"] == 0:
+        if engine.client.commands.empty() and s.running + s.waiting + s.swapped + s.blocks_used == 0:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"requests left behind: {engine.stats}")
@@ -48,7 +49,7 @@ def test_concurrent_streams_give_the_engines_tokens(engine, course_model):
         return got
 
     assert asyncio.run(main()) == [mi.generate_cached(course_model, p, params) for p in prompts]
-    assert engine.stats["blocks_total"] == 64
+    assert engine.stats.blocks_total == 64
 
 
 def test_clients_that_leave_free_their_blocks(engine):
@@ -60,8 +61,8 @@ def test_clients_that_leave_free_their_blocks(engine):
         return got
 
     assert all(len(t) >= 2 for t in asyncio.run(main()))
-    if engine.process is None:
-        assert engine.engine.block_manager.num_free_blocks == 64 and not engine.engine.requests
+    if isinstance(engine.client, mi.async_engine.InprocClient):
+        assert engine.client.engine.block_manager.num_free_blocks == 64 and not engine.client.engine.requests
 
 
 def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, course_model):
@@ -80,7 +81,7 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
     """Thread mode (the runner can be patched in this process): the third forward raises."""
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6),
                                          model=course_model))
-    runner, forwards = eng.engine.runner, []
+    runner, forwards = eng.client.engine.runner, []
     execute = runner.execute
 
     def fail_the_third(out):
@@ -103,10 +104,10 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
     finally:
         eng.close()
     failed = [g for g in got if isinstance(g, RuntimeError)]
-    assert failed and all(str(g) == "injected failure" for g in failed)
+    assert failed and all(str(g) == "RuntimeError: injected failure" for g in failed)
     assert all(g == mi.generate_cached(course_model, p, params) for g, p in zip(got, prompts) if g not in failed)
     assert after == mi.generate_cached(course_model, [3, 4], params)
-    assert eng.engine.block_manager.num_free_blocks == 64 and not eng.engine.requests
+    assert eng.client.engine.block_manager.num_free_blocks == 64 and not eng.client.engine.requests
 
 
 def test_a_request_that_fails_on_its_own_data_ends_only_its_stream(course_model):
@@ -136,4 +137,24 @@ def test_a_request_that_fails_on_its_own_data_ends_only_its_stream(course_model)
         eng.close()
     assert isinstance(got[0], RuntimeError) and str(got[0]).startswith("the request failed: TypeError")
     assert got[1:] == [mi.generate_cached(course_model, p, params) for p in prompts]
-    assert eng.engine.block_manager.num_free_blocks == 64 and not eng.engine.requests
+    assert eng.client.engine.block_manager.num_free_blocks == 64 and not eng.client.engine.requests
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_text_is_the_tokenizers_decoding_in_both_modes(mode, course_model):
+    """The front end builds each RequestOutput, with its text, whichever side runs the engine."""
+    tok = mi.load_tokenizer(None)
+    config = mi.EngineConfig(num_blocks=64, block_size=4)
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(config, model=course_model, tokenizer=tok) if mode == "thread" else config)
+    params = mi.SamplingParams(temperature=0, max_tokens=16)
+
+    async def main():
+        async for out in eng.generate("def add(a, b):\n", params):
+            assert out.text == tok.decode(out.token_ids)
+        return out
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        eng.close()
+    assert out.finished and out.text and out.text == tok.decode(out.token_ids)

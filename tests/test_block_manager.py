@@ -64,7 +64,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm = self.bm
         if seq not in bm.tables or bm.ref_count[bm.tables[seq][-1]] > 1:
             return
-        can, length, table = bm.can_append(seq, n), bm.num_tokens(seq), bm.block_table(seq)
+        length, table = bm.num_tokens(seq), bm.block_table(seq)
+        can = -(-(length + n) // 4) - len(table) <= bm.num_free_blocks
         new = self.attempt(bm.append_slots, seq, n)
         assert (new is not None) == can
         if can:

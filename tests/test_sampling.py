@@ -1,5 +1,6 @@
 """SamplingParams validation, the sampler, and the stopping rules of generation."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,8 +90,8 @@ def test_prompt_that_cannot_fit_is_refused(course):
 # Chapter 06: the engine's vectorized sampler.
 
 def batch_of(params: list[mi.SamplingParams], seeds: list[int], steps: list[int], vocab: int) -> mi.SamplingBatch:
-    rows = [sampling_row(p, s, vocab) + (n,) for p, s, n in zip(params, seeds, steps)]
-    return mi.SamplingBatch.build(rows, vocab, "cpu")
+    values = np.array([sampling_row(p, s, vocab) for p, s in zip(params, seeds)], dtype=np.float64).T
+    return mi.SamplingBatch.build(values, np.array(steps), vocab, "cpu")
 
 
 def test_exponential_race_samples_the_softmax():

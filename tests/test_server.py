@@ -353,7 +353,7 @@ def test_every_shape_matches_transformers(hf_checkpoint, tmp_path, stream):
 
     try:
         assert asyncio.run(main()) == expected
-        assert engine.engine.block_manager.num_free_blocks == 64
+        assert engine.client.engine.block_manager.num_free_blocks == 64
     finally:
         engine.close()
 
