@@ -21,10 +21,10 @@ def imported_modules(path: Path) -> set[str]:
     """The miniinfer modules path imports, at any depth of its code (lazy imports included)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("miniinfer"):
+        if isinstance(node, ast.ImportFrom) and node.module == "miniinfer":  # from miniinfer import kernels
+            names.update(f"miniinfer.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("miniinfer."):
             names.add(node.module)
-            if node.module == "miniinfer":
-                names.update(f"miniinfer.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names if a.name.startswith("miniinfer."))
     return names
