@@ -35,6 +35,8 @@ reset:
 	python3 tools/lab.py reset $(NB)
 
 test: $(STAMP)
+	$(PY) -m ruff check
+	$(PY) -m mypy miniinfer
 	$(PY) tools/build.py export --check
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)

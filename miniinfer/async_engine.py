@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Union
+from typing import AsyncGenerator, Callable, Union
 
 from miniinfer.config import EngineConfig
 from miniinfer.engine import Limits, LLMEngine, check_request
@@ -272,14 +272,14 @@ class AsyncLLMEngine:
         return check_request(prompt, params, self.tokenizer, self.limits)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                 request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                 request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as its tokens arrive. A bad request raises ValueError here, before
         anything is queued."""
         params = params or SamplingParams()
         return self.stream(self.check_request(prompt, params), params, request_id)
 
     async def stream(self, token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of a request whose token ids check_request returned (so it is checked once);
         leaving the loop early aborts the request."""
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id

@@ -14,7 +14,7 @@ import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import httpx
 from tqdm.auto import tqdm
@@ -111,7 +111,7 @@ def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float]:
     return {"mean": statistics.fmean(xs), **out}
 
 
-async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate: float = math.inf,
+async def run_bench(url: str, requests: Sequence[tuple[list[int] | str, int]], rate: float = math.inf,
                     concurrency: int | None = None, model: str | None = None, extra: dict | None = None,
                     seed: int = 0, progress: bool = True, processes: int = 1) -> dict:
     """Send `requests` ((prompt, max_tokens) pairs) to an OpenAI-compatible server at `url`: Poisson
@@ -146,7 +146,7 @@ async def run_bench(url: str, requests: list[tuple[list[int] | str, int]], rate:
     }
 
 
-async def drive(url: str, requests: list, rate: float, concurrency: int | None, model: str, extra: dict | None,
+async def drive(url: str, requests: Sequence, rate: float, concurrency: int | None, model: str, extra: dict | None,
                 seed: int, progress: bool, start_at: float | None = None) -> tuple[list[Result], float]:
     """One client process's part: every request's Result, and the seconds from the first send to the end."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -165,7 +166,9 @@ def replay(num_blocks: int, block_size: int, ops: list[tuple]) -> list[tuple[str
     bm = BlockManager(num_blocks, block_size)
     states = [("empty pool", copy.deepcopy(bm))]
     for op, *args in ops:
-        {"allocate": bm.allocate, "append": bm.append_token, "fork": bm.fork, "free": bm.free}[op](*args)
+        apply: dict[str, Callable[..., object]] = {"allocate": bm.allocate, "append": bm.append_token,
+                                                    "fork": bm.fork, "free": bm.free}
+        apply[op](*args)
         states.append((f"{op} {' '.join(map(str, args))}", copy.deepcopy(bm)))
     return states
 
@@ -178,7 +181,7 @@ def draw_pool(bm: BlockManager, ax, title: str = "") -> None:
     # from one snapshot to the next (str hashes vary between runs).
     names = {seq: str(getattr(seq, "request_id", seq)) for seq in bm.tables}
     colors = {seq: f"C{sum(map(ord, name)) % 10}" for seq, name in names.items()}
-    owners = {}
+    owners: dict[int, list] = {}
     for seq, table in bm.tables.items():
         for b in table:
             owners.setdefault(b, []).append(seq)

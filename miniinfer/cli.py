@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -20,41 +21,49 @@ class Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not (action.default is None or action.default is False or action.default == argparse.SUPPRESS) and "default" not in text and action.option_strings:
+        shown = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not shown and "default" not in text and action.option_strings:
             text += f" (default: {action.default})"
         return text.strip()
 
 
+# What the command line does that EngineConfig's defaults do not: pick the GPU when there is one.
+AUTO = {"device": "default: cuda when available, else cpu", "dtype": "default: bfloat16 on CUDA, else float32"}
+
+
 def engine_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded course model)")
-    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    ap.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, else float32")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool size (default: from free memory)")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="requests in one batch at most")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="tokens in one step at most (default: the larger of the context length and 8192)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                    help="fraction of the GPU's memory the engine may use")
-    ap.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
-                    help="what a preempted request loses")
-    ap.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV of shared prompt prefixes")
-    ap.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts over steps")
-    ap.add_argument("--no-cuda-graph", action="store_true", help="decode without CUDA graphs")
+    """One option per EngineConfig field, in the field's group, with its help, default and choices."""
+    from miniinfer.config import EngineConfig
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(EngineConfig):
+        group = f.metadata["group"]
+        if group not in groups:
+            groups[group] = ap.add_argument_group(f"engine: {group}")
+        flag, kind, text = "--" + f.name.replace("_", "-"), str(f.type), f.metadata["help"]
+        if f.name in AUTO:
+            text, default = f"{text} ({AUTO[f.name]})", None
+        else:
+            default = f.default
+        if "dtype" in kind:
+            groups[group].add_argument(flag, choices=DTYPES, default=default and str(default).removeprefix("torch."),
+                                       help=text)
+        elif isinstance(f.default, bool):
+            groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            convert = int if "int" in kind else float if "float" in kind else str
+            groups[group].add_argument(flag, type=convert, default=default, help=text,
+                                       choices=[c for c in f.metadata["choices"] if c is not None] or None)
 
 
 def engine_config(args: argparse.Namespace):
     import torch
     import miniinfer as mi
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
-    return mi.EngineConfig(
-        model=args.model, device=args.device, dtype=dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-        preemption_mode=args.preemption_mode, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, cuda_graph=not args.no_cuda_graph)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(mi.EngineConfig)}
+    values["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    values["dtype"] = args.dtype or ("bfloat16" if values["device"].startswith("cuda") else "float32")
+    for name in ("dtype", "kv_cache_dtype"):
+        values[name] = values[name] and getattr(torch, values[name])
+    return mi.EngineConfig(**values)
 
 
 def make_engine(args: argparse.Namespace):
@@ -66,8 +75,10 @@ def sampling_options(ap: argparse.ArgumentParser, max_tokens: int) -> None:
     ap.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of this total probability")
-    ap.add_argument("--seed", type=int, default=None, help="the request's random seed (default: none, not reproducible)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="sample among the likeliest tokens of this total probability")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="the request's random seed (default: none, not reproducible)")
 
 
 def sampling(args: argparse.Namespace):
@@ -172,7 +183,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     vocab = args.vocab or card.get("vocab_size")
     if vocab is None:
         raise SystemExit(f"{args.url}/v1/models gives no vocab_size for {card['id']}: pass --vocab")
-    span = lambda s: tuple(int(x) for x in s.split(":")) if ":" in s else (int(s), int(s))
+    def span(s: str) -> tuple[int, int]:
+        low, _, high = s.partition(":")
+        return int(low), int(high or low)
+
     requests = random_requests(args.num_prompts, span(args.input_len), span(args.output_len), vocab, args.seed)
     result = asyncio.run(run_bench(args.url, requests, args.rate, args.concurrency, card["id"],
                                    seed=args.seed, processes=args.processes))
@@ -228,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = command("chat", "chat, in-process or with a running server (--url)")
     p.add_argument("--url", default=None, help="a server, e.g. http://127.0.0.1:8000 (default: in-process)")
-    p.add_argument("--model-name", default=None, help="the served model to ask for, with --url (default: the server's first)")
+    p.add_argument("--model-name", default=None,
+                   help="the served model to ask for, with --url (default: the server's first)")
     p.add_argument("--system", default=None, help="a system message (default: none)")
     engine_options(p)
     sampling_options(p, 128)
@@ -243,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=None, help="prompt token ids are uniform in 0..VOCAB-1 "
                    "(default: the vocab_size the server's /v1/models gives)")
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: all at once)")
-    p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight (default: no limit)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="at most this many requests in flight (default: no limit)")
     p.add_argument("--processes", type=int, default=1, help="client processes (one reads ~20k chunks/s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     p.add_argument("--out", default=None, help="write the result as JSON here (default: print it only)")

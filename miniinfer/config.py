@@ -2,47 +2,58 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-# The settings that take one of a few names, with their choices.
-CHOICES = {"policy": ("fcfs", "priority"), "preemption_mode": ("recompute", "swap"),
-           "kernels": (None, "torch", "triton")}
+
+def setting(default: Any, group: str, help: str, choices: tuple = ()) -> Any:
+    """An EngineConfig field, with what its checks and the command line need: its group, a line of
+    help, and the values it may take when they are few."""
+    return dataclasses.field(default=default, metadata={"group": group, "help": help, "choices": choices})
 
 
 @dataclass
 class EngineConfig:
-    model: str | Path | None = None  # a checkpoint folder; None: the course model
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from free memory (GPU) or CPU_KV_BYTES (CPU)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # the step's token budget; None: max(max_model_len, 8192)
-    max_model_len: int | None = None  # None: the model's context
-    gpu_memory_utilization: float = 0.9
-    preemption_mode: str = "recompute"  # or "swap"
-    num_cpu_blocks: int | None = None  # swap space; None: as many as device blocks (swap mode only)
-    policy: str = "fcfs"  # or "priority"
-    enable_prefix_caching: bool = False  # chapter 07
-    enable_chunked_prefill: bool = False  # a prompt may be split over steps by the token budget
-    cuda_graph: bool = True
-    kernels: str | None = None  # attention kernels, "torch" or "triton"; None: triton on CUDA
+    model: str | Path | None = setting(None, "model", "checkpoint folder (default: the embedded course model)")
+    device: str = setting("cpu", "model", "where the model runs: cpu, cuda, cuda:1, ...")
+    dtype: torch.dtype = setting(torch.float32, "model", "the weights' and activations' dtype")
+    max_model_len: int | None = setting(None, "model", "context length (default: the model's)")
+    kv_cache_dtype: torch.dtype | None = setting(None, "cache", "the KV pool's dtype (default: the model's)")
+    block_size: int = setting(16, "cache", "tokens per KV block")
+    num_blocks: int | None = setting(None, "cache", "KV pool size (default: from free memory, or 256 MiB on a CPU)")
+    gpu_memory_utilization: float = setting(0.9, "cache", "fraction of the GPU's memory the engine may use")
+    enable_prefix_caching: bool = setting(False, "cache", "reuse the KV of shared prompt prefixes (chapter 07)")
+    max_num_seqs: int = setting(256, "scheduler", "requests in one step at most")
+    max_num_batched_tokens: int | None = setting(
+        None, "scheduler", "the step's token budget (default: the larger of the context and 8192)")
+    enable_chunked_prefill: bool = setting(False, "scheduler", "let the budget split a long prompt over steps")
+    policy: str = setting("fcfs", "scheduler", "who goes first: first come, or lower priority value",
+                          ("fcfs", "priority"))
+    preemption_mode: str = setting("recompute", "scheduler", "what a preempted request loses: its K/V, or "
+                                   "nothing (swapped to CPU memory)", ("recompute", "swap"))
+    num_cpu_blocks: int | None = setting(None, "scheduler", "swap space in blocks (default: as many as the pool)")
+    cuda_graph: bool = setting(True, "runner", "replay decode steps from CUDA graphs (on a GPU)")
+    kernels: str | None = setting(None, "runner", "attention kernels (default: triton on CUDA, else torch)",
+                                  (None, "torch", "triton"))
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a
         minute of loading and profiling."""
-        for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "num_cpu_blocks"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_cpu_blocks is not None and not (isinstance(self.num_cpu_blocks, int) and self.num_cpu_blocks >= 0):
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {self.num_cpu_blocks!r}")
+        if not isinstance(self.dtype, torch.dtype) or not isinstance(self.kv_cache_dtype, (torch.dtype, type(None))):
+            raise ValueError(f"dtype and kv_cache_dtype must be torch dtypes, got {self.dtype!r} and "
+                             f"{self.kv_cache_dtype!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from collections import abc
 from typing import Iterator, NamedTuple
 
 import torch
@@ -38,8 +39,9 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass token ids")
-        prompt = tokenizer(prompt).input_ids
-    ids = list(prompt)
+        ids = list(tokenizer(prompt).input_ids)
+    else:
+        ids = list(prompt)
     if not ids:
         raise ValueError("the prompt is empty")
     vocab = limits.vocab_size
@@ -93,7 +95,6 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks, cpu_blocks)
         self.scheduler = Scheduler(BLOCK_MANAGERS[config.enable_prefix_caching](num_blocks, config.block_size),
                                    config.max_num_seqs, self.runner.max_num_batched_tokens, POLICIES[config.policy],
-                                   config.preemption_mode,
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, self.model.cfg.eos_token_ids)
         self.stats = StepStats({}, [], 0, 0, 0, num_blocks, 0.0)
@@ -173,16 +174,19 @@ class LLMEngine:
                                len(s.swapped), bm.num_free_blocks, time.perf_counter() - t0)
         return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
 
-    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: abc.Sequence[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Serve a list of prompts to the end; final outputs in prompt order."""
-        many = isinstance(params, (list, tuple))
-        if many and len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        params = list(params) if many else [params or SamplingParams()] * len(prompts)
-        for p, sp in zip(prompts, params):  # all checked before any is queued
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            each = list(params)
+        else:
+            each = [params or SamplingParams()] * len(prompts)
+        for p, sp in zip(prompts, each):  # all checked before any is queued
             self.check_request(p, sp)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, each)]
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
         tokens, seconds = {"prefill": 0, "decode": 0}, {"prefill": 1e-9, "decode": 1e-9}

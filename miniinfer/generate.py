@@ -32,7 +32,7 @@ def generate_naive(model: Transformer, prompt_ids: list[int], params: SamplingPa
     out: list[int] = []
     while True:
         token = sample(model(ids)[:, -1], params, gen)
-        out.append(token.item())
+        out.append(int(token.item()))
         if is_finished(out[-1], len(out), params, model.cfg.eos_token_ids):
             return out
         ids = torch.cat([ids, token[:, None]], dim=1)

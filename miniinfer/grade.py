@@ -97,18 +97,17 @@ def grade_notebook(path: Path, timeout: float = 600, name: str | None = None) ->
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     name = name or str(path)
+    broken: str | None = None
     try:
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)
     except Exception as err:  # not JSON, or JSON that is not a notebook
         nb, broken = None, f"not a readable notebook ({type(err).__name__}: {str(err)[:200]})"
-    else:
-        broken = None
-    chapter = chapter_of(nb, path)
+    chapter = chapter_of(nb, path) or ""
     exercises = problem_set(chapter) if chapter else []
     if not exercises:
         why = broken or "no exercise of the course found (no check ids in its cells, no chapter number in its name)"
-        return [Row(name, chapter or "", "", "error", why)]
+        return [Row(name, chapter, "", "error", why)]
     if broken:
         return [Row(name, chapter, ex.id, "error", broken) for ex in exercises]
 
@@ -134,13 +133,13 @@ def grade_notebook(path: Path, timeout: float = 600, name: str | None = None) ->
             if cell.cell_type != "code":
                 continue
             ex = EXERCISES.get(cell.metadata.get("miniinfer", {}).get("check"))
-            graded = ex is not None and ex.chapter == chapter and ex.id not in results
+            graded = ex if ex is not None and ex.chapter == chapter and ex.id not in results else None
             if graded:
-                cell.source = check_source(ex)
+                cell.source = check_source(graded)
             if stop := run(cell, index):
                 break
             if graded:
-                results[ex.id] = outcome(ex, cell.outputs)
+                results[graded.id] = outcome(graded, cell.outputs)
         for ex in exercises:
             if stop or ex.id in results:
                 continue

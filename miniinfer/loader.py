@@ -87,8 +87,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{folder}: missing tensors {sorted(missing)[:5]}{more}")
     state = {}
-    for name, parts in pieces.items():
-        parts = [parts[i] for i in range(len(parts))]
+    for name, by_index in pieces.items():
+        parts = [by_index[i] for i in range(len(by_index))]
         state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
         if state[name].shape != params[name].shape:
             raise CheckpointError(

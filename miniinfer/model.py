@@ -37,7 +37,7 @@ class ModelConfig:
         if kind not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2 or qwen3")
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         eos = cfg.get("eos_token_id")
@@ -67,7 +67,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     # On the CPU whatever device is current: the loader builds the model on the meta device, where
     # arithmetic would go through PyTorch's Python decompositions (and import torch._dynamo, ~1 s).
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -232,16 +233,24 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
+class Backbone(nn.Module):
+    """The embedding, the decoder layers and the final norm, under Hugging Face's names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
 class Transformer(nn.Module):
     """A Llama-family causal LM: `model(input_ids [B, T]) -> logits [B, T, vocab]`."""
+    inv_freq: torch.Tensor  # a buffer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

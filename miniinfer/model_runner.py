@@ -59,7 +59,9 @@ class ModelRunner:
     def update_states(self, out: SchedulerOutput) -> None:
         """Take in the step's data: forget finished requests, learn new ones, extend block tables.
         Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
-        vocab, sampling, errors = self.model.cfg.vocab_size, {}, {}
+        vocab = self.model.cfg.vocab_size
+        sampling: dict[str, tuple] = {}
+        errors: dict[str, Exception] = {}
         for r in out.new_requests:
             try:
                 sampling[r.request_id] = sampling_row(r.params, r.seed, vocab)
@@ -72,9 +74,9 @@ class ModelRunner:
             if gone is not None:
                 self.rows.release(gone.row)
         for r in out.new_requests:
-            self.requests[r.request_id] = CachedRequest(r.prompt_token_ids + r.output_token_ids, len(r.prompt_token_ids),
-                                                        list(r.block_ids), r.num_computed_tokens,
-                                                        self.rows.add(sampling[r.request_id]))
+            tokens = r.prompt_token_ids + r.output_token_ids
+            self.requests[r.request_id] = CachedRequest(tokens, len(r.prompt_token_ids), list(r.block_ids),
+                                                        r.num_computed_tokens, self.rows.add(sampling[r.request_id]))
         for rid, blocks in out.new_block_ids.items():
             self.requests[rid].block_ids += blocks
 

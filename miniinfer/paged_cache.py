@@ -50,8 +50,8 @@ class PagedKVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
 
-    def step(self, slots: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
-             context_lens: torch.Tensor) -> None:
+    def prepare(self, slots: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
+                context_lens: torch.Tensor) -> None:
         """Prepare a forward over a batch [B, T]: slots [B, T] where each new token's K/V goes
         (-1 for padding), and per sequence its block table, first query position and length."""
         # Padding tokens (slot -1) write nowhere; the same for every layer, so picked out once.
@@ -82,7 +82,7 @@ class PagedKVCache:
                  for t, n, new in zip(block_tables, num_cached, tokens)]
         start = torch.tensor(num_cached, device=device)
         q_lens = torch.tensor([len(new) for new in tokens], device=device)
-        self.step(_batch(slots, -1, device), _batch(block_tables, 0, device), start, start + q_lens)
+        self.prepare(_batch(slots, -1, device), _batch(block_tables, 0, device), start, start + q_lens)
         ids = _batch(tokens, 0, device)  # right-padded; padding writes nowhere and is never read
         T = ids.shape[1]
         positions = start[:, None] + torch.arange(T, device=device)

@@ -31,7 +31,7 @@ class SamplingParams:
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside the nucleus: the fewest best tokens with probability >= top_p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)

@@ -66,14 +66,12 @@ class Scheduler:
     follows from the tokens the step produced."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: SchedulingPolicy = POLICIES["fcfs"], preemption_mode: str = "recompute",
-                 cpu_block_manager: BlockManager | None = None, enable_chunked_prefill: bool = False,
-                 eos_token_ids: list[int] | tuple = ()):
-        if preemption_mode == "swap" and cpu_block_manager is None:
-            raise ValueError("preemption_mode='swap' needs a CPU block manager")
+                 policy: SchedulingPolicy = POLICIES["fcfs"], cpu_block_manager: BlockManager | None = None,
+                 enable_chunked_prefill: bool = False, eos_token_ids: list[int] | tuple = ()):
+        # A preempted request is swapped to cpu_block_manager's pool while it has room, else recomputed.
         self.block_manager, self.cpu_block_manager = block_manager, cpu_block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.policy, self.preemption_mode = policy, preemption_mode
+        self.policy = policy
         self.chunked, self.eos_token_ids = enable_chunked_prefill, list(eos_token_ids)
         # Admissions leave this many blocks free for the running sequences' next blocks (1%, as
         # vLLM): without it, a full pool preempts a newly admitted sequence at the next step.
@@ -177,7 +175,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Swapped requests come back first, then waiting ones join, while they fit the budget left."""
         bm, cpu = self.block_manager, self.cpu_block_manager
-        while self.swapped:
+        while self.swapped and cpu is not None:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
@@ -207,7 +205,7 @@ class Scheduler:
         bm, cpu = self.block_manager, self.cpu_block_manager
         out.preempted_ids.append(seq.request_id)
         self._forget(seq)
-        if self.preemption_mode == "swap" and cpu.can_allocate(seq.num_computed_tokens):
+        if cpu is not None and cpu.can_allocate(seq.num_computed_tokens):
             out.swap_out += zip(bm.block_table(seq), cpu.allocate(seq, seq.num_computed_tokens))
             bm.free(seq)
             seq.status = Status.SWAPPED

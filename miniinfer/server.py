@@ -11,7 +11,7 @@ import json
 import sys
 import time
 import uuid
-from typing import AsyncIterator, Awaitable
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -60,7 +60,9 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
-def validate(model: type[BaseModel], body: dict) -> BaseModel:
+Body = TypeVar("Body", bound=BaseModel)
+
+def validate(model: type[Body], body: dict) -> Body:
     """body as a request model, or an APIError naming the first field at fault."""
     try:
         return model.model_validate(body)
@@ -168,8 +170,8 @@ class Server:
         if body.get("best_of") not in (None, 1):
             raise APIError("'best_of' is not supported by this server", param="best_of")
         if chat:
-            req = validate(ChatCompletionRequest, body)
-            return req, [self.chat_ids(req)]
+            chat_req = validate(ChatCompletionRequest, body)
+            return chat_req, [self.chat_ids(chat_req)]
         req = validate(CompletionRequest, body)
         prompt = req.prompt
         prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
@@ -256,7 +258,9 @@ class Server:
         if req.stream:
             return self.events(choices, head, prompt_tokens, chat, n * len(prompts),
                                req.stream_options is not None and req.stream_options.include_usage)
-        texts, reasons, tokens = {}, {}, {}
+        texts: dict[int, str] = {}
+        reasons: dict[int, str | None] = {}
+        tokens: dict[int, int] = {}
         async for index, piece, reason, count in choices:
             texts[index] = texts.get(index, "") + piece
             reasons[index], tokens[index] = reason, count
@@ -392,7 +396,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _json_schema(model: type[BaseModel] | None, event_stream: bool = False) -> dict:
-    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}} if model else {}
+    content: dict[str, dict] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}} \
+        if model else {}
     if event_stream:  # stream=true: Server-Sent Events, each carrying a chunk of the response
         data = {"type": "string", "description": "a chunk of the response as JSON, or [DONE] at the end"}
         content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
@@ -418,8 +423,9 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
     worker thread). One limit is left out, as JSON Schema cannot relate two fields: the prompt's
     tokens and max_tokens together must fit the context."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    models = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.CompletionResponse,
-              protocol.ChatCompletionResponse, protocol.ErrorResponse, protocol.ModelList, protocol.Health]
+    models: list[type[BaseModel]] = [protocol.CompletionRequest, protocol.ChatCompletionRequest,
+                                     protocol.CompletionResponse, protocol.ChatCompletionResponse,
+                                     protocol.ErrorResponse, protocol.ModelList, protocol.Health]
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for model in models:
         s = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -435,16 +441,19 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
     errors = {str(code): {"description": why, **_json_schema(protocol.ErrorResponse)} for code, why in [
         (400, "a bad request"), (404, "no such model"), (413, "the body is too large"),
         (500, "the server failed")]}
-    for path, request, response in [("/v1/completions", protocol.CompletionRequest, protocol.CompletionResponse),
-                                    ("/v1/chat/completions", protocol.ChatCompletionRequest,
-                                     protocol.ChatCompletionResponse)]:
+    routes: list[tuple[str, type[BaseModel], type[BaseModel]]] = [
+        ("/v1/completions", protocol.CompletionRequest, protocol.CompletionResponse),
+        ("/v1/chat/completions", protocol.ChatCompletionRequest, protocol.ChatCompletionResponse)]
+    for path, request, response in routes:
         op = schema["paths"][path]["post"]
         op["requestBody"] = {"required": True, **_json_schema(request)}
         op["responses"] = {"200": {"description": "the response, or with stream=true its events",
                                    **_json_schema(response, event_stream=True)}, **errors}
-    for path, model, extra in [("/v1/models", protocol.ModelList, {}),
-                               ("/health", protocol.Health, {"503": {"description": "the engine has stopped",
-                                                                     **_json_schema(protocol.Health)}})]:
+    gets: list[tuple[str, type[BaseModel], dict]] = [
+        ("/v1/models", protocol.ModelList, {}),
+        ("/health", protocol.Health,
+         {"503": {"description": "the engine has stopped", **_json_schema(protocol.Health)}})]
+    for path, model, extra in gets:
         schema["paths"][path]["get"]["responses"] = {"200": {"description": "OK", **_json_schema(model)}, **extra}
     return schema
 
@@ -461,7 +470,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
             app.openapi_schema = openapi_schema(app, server)
         return app.openapi_schema
 
-    app.openapi = cached_openapi
+    app.openapi = cached_openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace it
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):

@@ -72,7 +72,7 @@ class DecodeStep:
 
     def __init__(self, model: Transformer, cache: StaticKVCache, cuda_graph: bool):
         self.model, self.cache, self.cuda_graph = model, cache, cuda_graph
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] of the next token after tokens [B, 1] at positions [B, 1]."""
@@ -86,8 +86,8 @@ class DecodeStep:
             with torch.cuda.stream(side):  # warm-up: lazy initialization stays out of the graph
                 self.model(self.tokens, self.positions, attn=self.cache)
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            self.graph = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self.logits = self.model(self.tokens, self.positions, attn=self.cache)[:, -1]
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)

@@ -70,7 +70,7 @@ def _unanswered(err: BaseException | None) -> bool:
 def exercise(chapter: str, number: int, answer: str, argument: str | None = None):
     """Register a check as the check of exercise `number` of chapter's problem set."""
     def register(check_fn: Callable) -> Callable:
-        ex = Exercise(f"{chapter}.{answer}", chapter, number, answer, argument or answer, None)
+        label = f"exercise {number} ({answer})"
 
         @functools.wraps(check_fn)
         def run(*args, **kwargs):
@@ -80,10 +80,10 @@ def exercise(chapter: str, number: int, answer: str, argument: str | None = None
                 raise
             except Exception as err:
                 if _unanswered(err):
-                    raise NotAnswered(f"{ex.label} is not answered yet: write your code where it says "
+                    raise NotAnswered(f"{label} is not answered yet: write your code where it says "
                                       "# YOUR CODE HERE and delete the `raise NotImplementedError()`") from None
-                raise AnswerError(f"{ex.label}: your code raised {type(err).__name__}: {err}") from err
-        object.__setattr__(ex, "check", run)
+                raise AnswerError(f"{label}: your code raised {type(err).__name__}: {err}") from err
+        ex = Exercise(f"{chapter}.{answer}", chapter, number, answer, argument or answer, run)
         EXERCISES[ex.id] = ex
         return run
     return register
@@ -99,9 +99,10 @@ def your_answers(chapter: str) -> Iterator[None]:
         if not _unanswered(err):
             raise
         names = {e.answer: e for e in problem_set(chapter)}
-        while err.__cause__ or err.__context__:  # the NotImplementedError itself, inside a wrapper's error
-            err = err.__cause__ or err.__context__
-        tb, hit = err.__traceback__, None
+        cause: BaseException = err
+        while (inner := cause.__cause__ or cause.__context__) is not None:  # the NotImplementedError itself
+            cause = inner
+        tb, hit = cause.__traceback__, None
         while tb is not None:
             code = tb.tb_frame.f_code
             hit = names.get(code.co_name) or names.get(code.co_qualname.split(".")[0]) or hit
@@ -126,7 +127,7 @@ def _call(fn: Callable, args, where: str):
 
 
 # Half-precision answers may round differently from the reference by an ulp or two.
-TOLERANCES = {torch.float16: dict(rtol=4e-3, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=1e-3)}
+TOLERANCES = {torch.float16: (4e-3, 1e-4), torch.bfloat16: (3e-2, 1e-3)}  # (rtol, atol)
 
 
 def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8,
@@ -154,7 +155,8 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
             if g.dtype != e.dtype:
                 raise AssertionError(f"{at}: dtype {g.dtype}, expected {e.dtype}")
             try:
-                torch.testing.assert_close(g.cpu(), e, **TOLERANCES.get(e.dtype, dict(rtol=rtol, atol=atol)))
+                tol = TOLERANCES.get(e.dtype, (rtol, atol))
+                torch.testing.assert_close(g.cpu(), e, rtol=tol[0], atol=tol[1])
             except AssertionError as err:
                 raise AssertionError(f"{at}: values differ from the reference.\n{err}") from None
     print(f"passed: {name} matches the reference on {cases} random inputs")
@@ -351,7 +353,7 @@ def _run_ops(cls, ops: list[tuple], num_blocks: int, block_size: int, case: int)
     for step, (op, *args) in enumerate(ops):
         where = f"case {case + 1} (num_blocks={num_blocks}, block_size={block_size}), after {ops[:step + 1][-4:]} " \
                 "(the last 4 operations)"
-        outcome = []
+        outcome: list[str | None] = []
         for bm in (mine, ref):
             try:
                 getattr(bm, _OPS[op])(*args)

@@ -21,7 +21,7 @@ def trace_steps(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
     before step arrive_at[i] (default: all before the first)."""
     arrive_at = arrive_at or [0] * len(prompts)
     pending = sorted(range(len(prompts)), key=arrive_at.__getitem__)
-    steps = []
+    steps: list[StepRecord] = []
     while pending or engine.has_unfinished_requests():
         while pending and arrive_at[pending[0]] <= len(steps):
             i = pending.pop(0)

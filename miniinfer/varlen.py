@@ -63,10 +63,9 @@ class VarlenBatch:
         buffer = np.zeros(starts[-1], dtype=np.int32)
         for start, h in zip(starts, host):
             buffer[start:start + len(h)] = h
-        buffer = torch.from_numpy(buffer).to(device)
-        ids, pos, slots, qsl, lens, flat_tables = (buffer[s:s + len(h)] for s, h in zip(starts, host))
-        return cls(ids, pos, slots, qsl, lens, flat_tables.view(tables.shape), int(q_lens.max()),
-                   int(seq_lens.max()))
+        on_device = torch.from_numpy(buffer).to(device)
+        t = [on_device[s:s + len(h)] for s, h in zip(starts, host)]
+        return cls(t[0], t[1], t[2], t[3], t[4], t[5].view(tables.shape), int(q_lens.max()), int(seq_lens.max()))
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -94,10 +93,10 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         rows, index = [starts[b] for b in ones], torch.tensor(ones, device=q.device)
         out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, block_tables[index], seq_lens[index], scale)
     for b in sorted(set(range(len(lens))) - set(ones)):
-        rows, L = slice(starts[b], starts[b + 1]), lens[b]
+        span, L = slice(starts[b], starts[b + 1]), lens[b]
         k, v = gather_kv(k_cache, block_tables[b:b + 1], L), gather_kv(v_cache, block_tables[b:b + 1], L)
         Tq = starts[b + 1] - starts[b]
-        out[rows] = attention(q[rows][None], k, v, scale, attention_mask(Tq, L, L - Tq, None, q.device))[0]
+        out[span] = attention(q[span][None], k, v, scale, attention_mask(Tq, L, L - Tq, None, q.device))[0]
     return out
 
 

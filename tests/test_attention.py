@@ -121,7 +121,8 @@ def test_store_kv_writes_only_real_slots():
         kc, vc = torch.full((4, 3, 2, 20), 9.0), torch.full((4, 3, 2, 20), 9.0)
         store(k, v, kc, vc, slots)
         flat_k, flat_v = kc.flatten(0, 1), vc.flatten(0, 1)
-        assert torch.equal(flat_k[[7, 0, 11, 3]], k[[0, 2, 3, 4]]) and torch.equal(flat_v[[7, 0, 11, 3]], v[[0, 2, 3, 4]])
+        assert torch.equal(flat_k[[7, 0, 11, 3]], k[[0, 2, 3, 4]])
+        assert torch.equal(flat_v[[7, 0, 11, 3]], v[[0, 2, 3, 4]])
         untouched = [s for s in range(12) if s not in (7, 0, 11, 3)]
         assert (flat_k[untouched] == 9).all() and (flat_v[untouched] == 9).all()
 
@@ -207,7 +208,8 @@ def test_course_model_generate_paged_default_backend_is_varlen():
     made = []
     backend = lambda *a: made.append(mi.PAGED_BACKENDS["varlen"](*a)) or made[-1]  # noqa: E731
     assert mi.generate_paged(model, prompts, params, block_manager=bm) == \
-        mi.generate_paged(model, prompts, params, backend=backend) == [mi.generate_naive(model, p, params) for p in prompts]
+        mi.generate_paged(model, prompts, params, backend=backend) == \
+        [mi.generate_naive(model, p, params) for p in prompts]
     assert isinstance(made[0], mi.VarlenKVCache) and bm.num_free_blocks == 64
 
 

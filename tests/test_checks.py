@@ -8,7 +8,7 @@ import torch
 import miniinfer as mi
 from miniinfer import testing
 from miniinfer.block_manager import OutOfBlocks
-from miniinfer.model import apply_rope, causal_attention, rms_norm
+from miniinfer.model import apply_rope, causal_attention
 
 
 def rejected(check, wrong) -> None:

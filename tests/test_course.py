@@ -52,6 +52,21 @@ def test_export_collects_marked_cells_by_module(tmp_path, monkeypatch):
     assert beta.endswith("\nY = 2\n")
 
 
+def test_export_joins_a_class_written_in_pieces(tmp_path, monkeypatch):
+    nb = notebook("#| default_exp alpha\n#| export\nclass A:\n    def f(self):\n        return 1",
+                  "#| export\nX = 2", "#| export\nclass A(A):\n    def g(self):\n        return 2")
+    path = tmp_path / "01_t.ipynb"
+    path.write_text(json.dumps(nb))
+    monkeypatch.setattr(build, "ROOT", tmp_path)
+    monkeypatch.setattr(build, "PACKAGE", tmp_path / "pkg")
+    alpha = build.export_modules([path])[tmp_path / "pkg/alpha.py"]
+    joined = "\nclass A:\n    def f(self):\n        return 1\n\n    def g(self):\n        return 2\n\n\nX = 2\n"
+    assert alpha.endswith(joined)
+    path.write_text(json.dumps(notebook("#| default_exp alpha\n#| export\nclass B(B):\n    pass")))
+    with pytest.raises(SystemExit, match="no earlier cell exports"):
+        build.export_modules([path])
+
+
 def test_exercise_generation_replaces_solutions_and_clears_outputs():
     nb = notebook("def f(x):\n    ### BEGIN SOLUTION\n    y = x + 1\n    return y\n    ### END SOLUTION\n",
                   "### BEGIN SOLUTION\nz = 3\n### END SOLUTION\nprint(z)")
@@ -170,3 +185,25 @@ def test_cli_help_shows_every_default():
         assert valued, res.stdout
         for option in valued:  # every option that takes a value says what it is without one
             assert "default" in option, f"miniinfer {command} --help: {option}"
+
+
+def test_cli_engine_options_are_the_config_fields():
+    """Every EngineConfig field is an option of serve, generate and chat, and reaches the config."""
+    import argparse
+    import dataclasses
+
+    import torch
+
+    import miniinfer as mi
+    from miniinfer import cli
+
+    ap = argparse.ArgumentParser()
+    cli.engine_options(ap)
+    assert {f.name for f in dataclasses.fields(mi.EngineConfig)} <= {a.dest for a in ap._actions}
+    args = ap.parse_args(["--device", "cpu", "--policy", "priority", "--no-cuda-graph", "--kv-cache-dtype", "float16",
+                          "--preemption-mode", "swap", "--num-cpu-blocks", "3", "--enable-chunked-prefill"])
+    assert cli.engine_config(args) == mi.EngineConfig(policy="priority", cuda_graph=False, kv_cache_dtype=torch.float16,
+                                                      preemption_mode="swap", num_cpu_blocks=3,
+                                                      enable_chunked_prefill=True)
+    with pytest.raises(SystemExit):  # a choice the config does not know is refused by argparse
+        ap.parse_args(["--policy", "lifo"])

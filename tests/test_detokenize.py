@@ -8,8 +8,8 @@ import miniinfer as mi
 from miniinfer.detokenize import IncrementalDetokenizer
 
 TOKENIZER = mi.load_tokenizer(None)
-TEXT = st.text(alphabet=st.sampled_from(list("ab \n\t(){}:=_") + ["é", "ü", "日", "本", "🙂", "👍", "\U0001F3FD", "ß", "\u0301"]),
-               max_size=40)
+CHARS = list("ab \n\t(){}:=_") + ["é", "ü", "日", "本", "🙂", "👍", "\U0001F3FD", "ß", "\u0301"]
+TEXT = st.text(alphabet=st.sampled_from(CHARS), max_size=40)
 
 
 def stream(ids: list[int], sizes: list[int]) -> list[str]:

@@ -4,7 +4,6 @@ accounting (the scheduler's state machine is in test_scheduler.py)."""
 import random
 
 import pytest
-import torch
 
 import miniinfer as mi
 from conftest import eos_is, hf_greedy
@@ -197,7 +196,8 @@ def test_bad_requests_are_refused_and_change_nothing(course_engine, prompt, para
     engine = course_engine
     good = engine.add_request([7, 8, 9], mi.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     engine.step()
-    free, waiting, running = engine.block_manager.num_free_blocks, list(engine.scheduler.waiting), list(engine.scheduler.running)
+    free = engine.block_manager.num_free_blocks
+    waiting, running = list(engine.scheduler.waiting), list(engine.scheduler.running)
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, params)
     with pytest.raises(ValueError, match=match):  # generate checks every prompt before queueing any

@@ -33,7 +33,8 @@ def test_course_model_paged_equals_naive_with_eos():
 
 def test_sequences_finish_at_different_times_and_free_early():
     model = mi.load_model()
-    full = mi.generate_paged(model, [[604, 656, 199], [278]], mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = mi.generate_paged(model, [[604, 656, 199], [278]], params)
     with eos_is(model, full[0][2]):
         outs = mi.generate_paged(model, [[604, 656, 199], [278]], mi.SamplingParams(temperature=0, max_tokens=12))
     eos = full[0][2]

@@ -38,7 +38,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.capacity = min(num_blocks * block_size, 24)
         # As LLMEngine: unchunked, the budget holds any admissible request whole (prompt + outputs - 1).
         self.budget = max_num_seqs + extra_budget if chunked else max(max_num_seqs, self.capacity) + extra_budget
-        self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, mi.POLICIES[policy], mode, self.cpu, chunked)
+        self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, mi.POLICIES[policy], self.cpu, chunked)
         self.runner: dict[str, dict] = {}  # the fake runner's copy of each request it knows
         self.seqs: list[mi.Sequence] = []
         self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds

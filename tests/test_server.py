@@ -216,7 +216,8 @@ BAD = [
     ({"prompt": ""}, 400), ({"prompt": []}, 400), ({"prompt": [5, 99999]}, 400), ({"prompt": [[1], "a", 3]}, 400),
     ({"prompt": "x", "max_tokens": 5000}, 400), ({"prompt": "x " * 3000, "max_tokens": 1}, 400),
     ({"prompt": "x", "model": "gpt-4"}, 404), ({}, 400),
-    (b"[" * 100_000, 400), (b'{"a":' * 100_000, 400), ({"prompt": "x", "user": json.loads("[" * 40 + "1" + "]" * 40)}, 400),
+    (b"[" * 100_000, 400), (b'{"a":' * 100_000, 400),
+    ({"prompt": "x", "user": json.loads("[" * 40 + "1" + "]" * 40)}, 400),
     ({"prompt": "ok \ud800"}, 400), ({"prompt": ["fine", "\udfff"]}, 400),
 ]
 BAD_CHAT = [({"messages": []}, 400), ({"messages": "hi"}, 400), ({"messages": [{"role": "user"}]}, 400),
@@ -361,7 +362,8 @@ def test_every_shape_matches_transformers(hf_checkpoint, tmp_path, stream):
 LIMITS = [({"prompt": "x", "stop": ["a"] * 17}, "stop"), ({"prompt": "x", "stop": "y" * 513}, "stop"),
           ({"prompt": ["a"] * 2049}, "prompt"), ({"prompt": "x", "n": 129}, "n"),
           ({"prompt": "x", "max_tokens": 1, "stream": "yes"}, "stream"),
-          ({"prompt": "x" * 300_000}, "prompt"), ({"messages": [{"role": "user", "content": "x" * 300_000}]}, "messages")]
+          ({"prompt": "x" * 300_000}, "prompt"),
+          ({"messages": [{"role": "user", "content": "x" * 300_000}]}, "messages")]
 
 
 def test_limits_on_stops_prompts_and_choices(url):

@@ -72,7 +72,8 @@ def decode_worlds(B: int, ctx: int, D: int) -> tuple[int, list[dict]]:
     worlds = []
     for i in range(max(1, min(64, -(-256 * 2**20 // nbytes)))):
         k_cache, v_cache, tables = paged_pool(B, ctx, D, seed=i)
-        worlds.append(dict(k_cache=k_cache, v_cache=v_cache, tables=tables, q=torch.randn(B, HQ, D, device="cuda", dtype=DT),
+        q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+        worlds.append(dict(k_cache=k_cache, v_cache=v_cache, tables=tables, q=q,
                            lens=torch.full((B,), ctx, device="cuda", dtype=torch.int32)))
     return nbytes, worlds
 
@@ -84,7 +85,8 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
     copies, scale = len(worlds), D ** -0.5
 
     def ours(w):
-        return mi.kernels.paged_attention(w["q"], w["k_cache"], w["v_cache"], w["tables"], w["lens"], scale, max_len=ctx)
+        return mi.kernels.paged_attention(w["q"], w["k_cache"], w["v_cache"], w["tables"], w["lens"], scale,
+                                          max_len=ctx)
 
     def contiguous(w):
         return [mi.gather_kv(w[c], w["tables"], ctx).transpose(1, 2) for c in ("k_cache", "v_cache")]
@@ -135,7 +137,8 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
     return {"batch": B, "context": ctx, "head_dim": D, "kv_bytes": nbytes, "copies": copies, "ms": times,
             "GBps": {k: nbytes / (t * 1e-3) / 1e9 for k, t in times.items()},
             "copy_same_bytes_GBps": nbytes / (copy_ms * 1e-3) / 1e9,
-            "config": mi.kernels.decode_config(B, HK, D, ctx, torch.cuda.get_device_properties(0).multi_processor_count),
+            "config": mi.kernels.decode_config(B, HK, D, ctx,
+                                               torch.cuda.get_device_properties(0).multi_processor_count),
             "notes": notes}
 
 
@@ -213,8 +216,10 @@ def end_to_end(n: int = 64) -> dict:
     prompts = [[random.randint(0, 10000) for _ in range(p)] for p, _ in lengths]
     new = round(sum(o for _, o in lengths) / n)
     params = mi.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    runs = {"generate_paged, gather backend (chapter 03)": lambda p, s: mi.generate_paged(model, p, s, backend="gather"),
-            "generate_paged, varlen backend (chapter 05)": lambda p, s: mi.generate_paged(model, p, s, backend="varlen"),
+    runs = {"generate_paged, gather backend (chapter 03)":
+            lambda p, s: mi.generate_paged(model, p, s, backend="gather"),
+            "generate_paged, varlen backend (chapter 05)":
+            lambda p, s: mi.generate_paged(model, p, s, backend="varlen"),
             "static batch, CUDA graph (chapter 02)": lambda p, s: mi.generate_static_batch(model, p, s)}
     for fn in runs.values():  # warm-up: kernel compilation stays out of the timings
         fn(prompts[:2], mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -422,5 +427,6 @@ def check() -> None:
 
 
 if __name__ == "__main__":
-    {"run": lambda: main(sys.argv[2], sys.argv[3:] or ["decode", "prefill", "e2e"]), "tune": lambda: tune(sys.argv[2]), "check": check,
+    {"run": lambda: main(sys.argv[2], sys.argv[3:] or ["decode", "prefill", "e2e"]),
+     "tune": lambda: tune(sys.argv[2]), "check": check,
      "plot": lambda: plots(json.load(open(sys.argv[2])), sys.argv[2])}[sys.argv[1]]()

@@ -47,8 +47,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     res = measure()
-    print(f"decode-only step {res['decode_step_ms']:.0f} ms; with a 130-token prompt {res['step_with_prompt_ms']:.0f} ms "
-          f"({res['ratio']:.2f}x)")
+    print(f"decode-only step {res['decode_step_ms']:.0f} ms; with a 130-token prompt "
+          f"{res['step_with_prompt_ms']:.0f} ms ({res['ratio']:.2f}x)")
     args = ap.parse_args()
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")

@@ -16,7 +16,6 @@ import asyncio
 import datetime
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile

@@ -114,7 +114,8 @@ def download(name: str, version: str, dest: Path) -> Path:
 def build(out: Path, only: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seen: set[str] = set()  # sha256 of every text kept: the first copy wins (stdlib first)
-    manifest = {"python": sys.version.split()[0], "platform": sysconfig.get_platform(), "max_file_chars": MAX_FILE_CHARS,
+    manifest = {"python": sys.version.split()[0], "platform": sysconfig.get_platform(),
+                "max_file_chars": MAX_FILE_CHARS,
                 "max_line_chars": MAX_LINE_CHARS, "sources": []}
     writers = {split: lzma.open(out / f"{split}.jsonl.xz", "wt", encoding="utf-8", preset=9)
                for split in ("train", "val")}

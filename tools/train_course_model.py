@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", type=Path, help="a folder built by tools/course_corpus.py (train and held-out "
                     "splits); without it, the standard library alone, split by file")
     ap.add_argument("--draft", action="store_true", help="the small draft model's shape")
-    ap.add_argument("--tokenizer", type=Path, help="reuse this checkpoint's tokenizer (the draft shares the main one's)")
+    ap.add_argument("--tokenizer", type=Path,
+                    help="reuse this checkpoint's tokenizer (the draft shares the main one's)")
     ap.add_argument("--functions", action="store_true", help="also train on each documented function of the "
                     "training files, cut out and dedented (see functions_of)")
     ap.add_argument("--time-limit", type=float, default=float("inf"),

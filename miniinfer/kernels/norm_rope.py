@@ -102,7 +102,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     if q3.stride(-1) != 1 or k3.stride(-1) != 1:
         q3, k3 = q3.contiguous(), k3.contiguous()
     cos2, sin2 = cos.reshape(-1, D // 2).contiguous(), sin.reshape(-1, D // 2).contiguous()
-    q_out, k_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device), torch.empty(k3.shape, dtype=k.dtype, device=k.device)
+    q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
     _rope_kernel[(q3.shape[0],)](
         q3, k3, q_out, k_out, cos2, sin2, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         n_q=q3.shape[1], n_k=k3.shape[1], HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
