@@ -14,14 +14,15 @@ from tqdm.auto import tqdm
 from miniinfer.block_manager import BlockManager, blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.loader import load_tokenizer
-from miniinfer.model import Transformer
+from miniinfer.model import Registry, Transformer
 from miniinfer.model_runner import ModelRunner
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import POLICIES, Scheduler
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07 adds True.
-BLOCK_MANAGERS: dict[bool, type[BlockManager]] = {False: BlockManager}
+BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching", {False: BlockManager},
+                          "; chapter 07's comes with `import miniinfer.prefix_cache`")
 
 
 class Limits(NamedTuple):
@@ -75,8 +76,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None):
         config = config or EngineConfig()
-        if config.enable_prefix_caching not in BLOCK_MANAGERS:
-            raise ValueError("enable_prefix_caching=True needs chapter 07's block manager: import miniinfer")
+        block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
         self.config = config
         if model is None:
             try:
@@ -93,7 +93,7 @@ class LLMEngine:
         cpu_blocks = 0 if config.preemption_mode != "swap" else config.num_cpu_blocks
         cpu_blocks = num_blocks if cpu_blocks is None else cpu_blocks
         self.runner.allocate_kv_cache(num_blocks, cpu_blocks)
-        self.scheduler = Scheduler(BLOCK_MANAGERS[config.enable_prefix_caching](num_blocks, config.block_size),
+        self.scheduler = Scheduler(block_manager(num_blocks, config.block_size),
                                    config.max_num_seqs, self.runner.max_num_batched_tokens, POLICIES[config.policy],
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, self.model.cfg.eos_token_ids)

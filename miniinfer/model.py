@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return attention(q, k, v, scale, attention_mask(q.shape[1], k.shape[1], q_start, real, q.device))
 
 
+class AttentionBackend(Protocol):
+    """What the model asks of attention in each layer: this forward's q [B, T, Hq, D] and k, v
+    [B, T, Hk, D] in, the output [B, T, Hq, D] out. Where the K/V are kept (nowhere, a static cache,
+    a paged pool) is the backend's own business: chapters 02, 03 and 05 each bring one."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor: ...
+
+
 class CausalAttention:
     """Attention backend of chapter 01: every forward sees the whole sequence, no cache."""
 
@@ -163,13 +173,27 @@ class Ops:
     apply_rope = staticmethod(apply_rope)
 
 
+class Registry(dict):
+    """The implementations of one seam, by name; later chapters add theirs (chapter 04 its Triton
+    ops). Asking for one that is not there fails and says what there is, instead of quietly
+    taking another."""
+
+    def __init__(self, what: str, entries: dict, hint: str = ""):
+        super().__init__(entries)
+        self.what, self.hint = what, hint
+
+    def __missing__(self, name):
+        raise ValueError(f"no {self.what} {name!r}: there are {sorted(self, key=str)}{self.hint}")
+
+
 TORCH_OPS = Ops()
-OPS_BACKENDS: dict[str, Ops] = {"torch": TORCH_OPS}
+OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS},
+                        "; Triton's come with `import miniinfer.kernels` (Linux, triton installed)")
 
 
 def default_ops(device: str | torch.device) -> Ops:
-    """Triton kernels on CUDA when they are registered, PyTorch everywhere else."""
-    return OPS_BACKENDS.get("triton", TORCH_OPS) if torch.device(device).type == "cuda" else TORCH_OPS
+    """Triton kernels on CUDA, PyTorch everywhere else."""
+    return OPS_BACKENDS["triton" if torch.device(device).type == "cuda" else "torch"]
 
 
 class RMSNorm(nn.Module):
@@ -193,7 +217,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, attn, ops: Ops) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q, k, v = (t.view(B, T, -1, D) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
@@ -226,7 +250,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, attn, ops: Ops) -> torch.Tensor:
+    def forward(self, x, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         h = self.self_attn(ops.rms_norm(x, n1.weight, n1.eps), cos, sin, layer, attn, ops)
         h, x = ops.add_rms_norm(h, x, n2.weight, n2.eps)  # x += attention; h = norm(x)
@@ -268,13 +292,11 @@ class Transformer(nn.Module):
 
     def use_ops(self, name: str) -> "Transformer":
         """Select the implementation of the elementwise ops by name (see OPS_BACKENDS)."""
-        if name not in OPS_BACKENDS:
-            raise ValueError(f"unknown ops backend {name!r}: available {sorted(OPS_BACKENDS)}")
         self.ops = OPS_BACKENDS[name]
         return self
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn=None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                attn: AttentionBackend | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for input_ids [B, T] at positions [B, T] (default 0..T-1), through backend `attn`.
 
         logits_at: indices into the B*T tokens (flattened) whose logits are wanted -> [len, vocab].

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from miniinfer.block_manager import BlockManager, OutOfBlocks, blocks_needed
 from miniinfer.generate import check_prompt, is_finished
-from miniinfer.model import ModelConfig, Transformer, attention, attention_mask
+from miniinfer.model import ModelConfig, Registry, Transformer, attention, attention_mask
 from miniinfer.sampling import SamplingParams, sample
 
 
@@ -95,7 +93,7 @@ def _batch(rows: list[list[int]], fill: int, device) -> torch.Tensor:
 
 
 # Paged attention backends by name; generate_paged prefers chapter 05's "varlen" once registered.
-PAGED_BACKENDS: dict[str, Callable[..., PagedKVCache]] = {"gather": PagedKVCache}
+PAGED_BACKENDS = Registry("paged attention backend", {"gather": PagedKVCache})
 
 
 @torch.no_grad()
@@ -111,9 +109,8 @@ def generate_paged(model: Transformer, prompts: list[list[int]], params: Samplin
     """
     for p in prompts:
         check_prompt(model, p, params)
-    if isinstance(backend, str) and backend not in PAGED_BACKENDS:
-        raise ValueError(f"unknown paged backend {backend!r}: available {sorted(PAGED_BACKENDS)}")
-    make_cache = PAGED_BACKENDS.get(backend or "varlen", PagedKVCache) if not callable(backend) else backend
+    default = "varlen" if "varlen" in PAGED_BACKENDS else "gather"
+    make_cache = backend if callable(backend) else PAGED_BACKENDS[backend or default]
     block_size = block_manager.block_size if block_manager else block_size
     need = sum(blocks_needed(len(p) + params.max_tokens, block_size) for p in prompts)
     bm = block_manager or BlockManager(num_blocks or need, block_size)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miniinfer.model import ModelConfig, Transformer, attention, attention_mask
+from miniinfer.model import ModelConfig, Registry, Transformer, attention, attention_mask
 from miniinfer.paged_cache import PAGED_BACKENDS, PagedKVCache, gather_kv, paged_attention_ref
 
 
@@ -114,7 +114,8 @@ class AttentionKernels:
         return prefill_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
-ATTENTION_KERNELS: dict[str, AttentionKernels] = {"torch": AttentionKernels()}
+ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels()},
+                             "; Triton's come with `import miniinfer.kernels` (Linux, triton installed)")
 
 
 class VarlenKVCache(PagedKVCache):
@@ -123,12 +124,9 @@ class VarlenKVCache(PagedKVCache):
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
                  kernels: str | None = None):
-        super().__init__(cfg, num_blocks, block_size, device, dtype)
         on_cuda = torch.device(device or "cpu").type == "cuda"
-        kernels = kernels or ("triton" if on_cuda and "triton" in ATTENTION_KERNELS else "torch")
-        if kernels not in ATTENTION_KERNELS:
-            raise ValueError(f"unknown attention kernels {kernels!r}: available {sorted(ATTENTION_KERNELS)}")
-        self.kernels = ATTENTION_KERNELS[kernels]
+        self.kernels = ATTENTION_KERNELS[kernels or ("triton" if on_cuda else "torch")]  # before allocating
+        super().__init__(cfg, num_blocks, block_size, device, dtype)
 
     def step(self, batch: VarlenBatch) -> None:
         self.batch = batch

@@ -215,7 +215,17 @@ def test_course_model_generate_paged_default_backend_is_varlen():
 
 def test_unknown_backend_and_kernels_are_refused():
     model = mi.load_model()
-    with pytest.raises(ValueError, match=r"unknown paged backend 'flash': available \['gather', 'varlen'\]"):
+    with pytest.raises(ValueError, match=r"no paged attention backend 'flash': there are \['gather', 'varlen'\]"):
         mi.generate_paged(model, [[1, 2]], mi.SamplingParams(max_tokens=2), backend="flash")
-    with pytest.raises(ValueError, match=r"unknown attention kernels 'cuda': available \['torch', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"no attention kernels 'cuda': there are \['torch', 'triton'\]"):
         mi.VarlenKVCache(model.cfg, 4, 4, kernels="cuda")
+
+
+def test_a_missing_registration_fails_and_says_where_it_comes_from(monkeypatch):
+    """No quiet fallback: a seam whose implementation was not registered names the import that adds it."""
+    monkeypatch.delitem(mi.varlen.ATTENTION_KERNELS, "triton")
+    with pytest.raises(ValueError, match=r"no attention kernels 'triton'.*import miniinfer.kernels"):
+        mi.VarlenKVCache(mi.load_model().cfg, 4, 4, device="cuda")  # the default on CUDA, checked before allocating
+    monkeypatch.delitem(mi.engine.BLOCK_MANAGERS, True)
+    with pytest.raises(ValueError, match=r"enable_prefix_caching True.*import miniinfer.prefix_cache"):
+        mi.LLMEngine(mi.EngineConfig(model="/nonexistent", enable_prefix_caching=True))  # before loading anything

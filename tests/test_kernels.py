@@ -68,5 +68,5 @@ def test_course_model_with_triton_ops():
 def test_ops_selection():
     assert mi.model.default_ops("cpu") is mi.model.TORCH_OPS
     assert mi.model.default_ops("cuda") is mi.model.OPS_BACKENDS["triton"]
-    with pytest.raises(ValueError, match=r"unknown ops backend 'cuda': available \['torch', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"no ops backend 'cuda': there are \['torch', 'triton'\]"):
         mi.load_model().use_ops("cuda")
