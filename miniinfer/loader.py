@@ -9,7 +9,7 @@ from torch import nn
 from safetensors import safe_open
 
 from miniinfer.course_model import course_model_path
-from miniinfer.model import ModelConfig, Transformer, default_ops, rope_inv_freq
+from miniinfer.model import Linear, ModelConfig, Transformer, default_ops, rope_inv_freq
 
 
 class CheckpointError(ValueError):
@@ -29,24 +29,21 @@ def _weight_files(folder: Path) -> list[Path]:
     raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-# The checkpoint stores q/k/v and gate/up as separate matrices; the model packs each group.
-PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def _packed_name(name: str) -> tuple[str, int]:
-    """Checkpoint tensor name -> (model parameter name, index of the piece it fills)."""
-    for theirs, (ours, piece) in PACKED.items():
-        if f".{theirs}." in name:
-            return name.replace(f".{theirs}.", f".{ours}."), piece
+def _packed_name(name: str, packed: dict[str, list[str]]) -> tuple[str, int]:
+    """Checkpoint tensor name -> (model parameter name, index of the piece it fills), by the model's
+    packed_modules_mapping."""
+    for ours, theirs in packed.items():
+        for piece, t in enumerate(theirs):
+            if f".{t}." in name:
+                return name.replace(f".{t}.", f".{ours}."), piece
     return name, 0
 
 
-def _checkpoint_names(param: str) -> list[str]:
+def _checkpoint_names(param: str, packed: dict[str, list[str]]) -> list[str]:
     """The checkpoint tensor names that make up a model parameter, in packing order."""
-    for theirs, (ours, _) in PACKED.items():
+    for ours, theirs in packed.items():
         if f".{ours}." in param:
-            return [param.replace(f".{ours}.", f".{t}.") for t, (o, _) in PACKED.items() if o == ours]
+            return [param.replace(f".{ours}.", f".{t}.") for t in theirs]
     return [param]
 
 
@@ -76,23 +73,26 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight")
     pieces: dict[str, dict[int, torch.Tensor]] = {}
+    packed = model.packed_modules_mapping
     for file in _weight_files(folder):
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                target, piece = _packed_name(name)
+                target, piece = _packed_name(name, packed)
                 if target in params:  # skips e.g. a tied lm_head or a stored rotary inv_freq
                     pieces.setdefault(target, {})[piece] = f.get_tensor(name).to(dtype)
-    missing = [n for p in params for i, n in enumerate(_checkpoint_names(p)) if i not in pieces.get(p, {})]
+    missing = [n for p in params for i, n in enumerate(_checkpoint_names(p, packed)) if i not in pieces.get(p, {})]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(f"{folder}: missing tensors {sorted(missing)[:5]}{more}")
     state = {}
     for name, by_index in pieces.items():
         parts = [by_index[i] for i in range(len(by_index))]
-        state[name] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        state[name] = module.load_weight(param_name, parts) if isinstance(module, Linear) else parts[0]
         if state[name].shape != params[name].shape:
             raise CheckpointError(
-                f"{folder}: tensor {' + '.join(_checkpoint_names(name))} has shape "
+                f"{folder}: tensor {' + '.join(_checkpoint_names(name, packed))} has shape "
                 f"{' + '.join(str(tuple(t.shape)) for t in parts)}, the config implies "
                 f"{tuple(params[name].shape)}")
     model.load_state_dict(state, strict=False, assign=True)

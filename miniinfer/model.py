@@ -196,6 +196,17 @@ def default_ops(device: str | torch.device) -> Ops:
     return OPS_BACKENDS["triton" if torch.device(device).type == "cuda" else "torch"]
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose parameters are made from the checkpoint's tensors by `load_weight`: the one
+    hook where packing (here), tensor-parallel sharding (chapter 11) and quantized formats
+    (chapter 10) plug into loading."""
+
+    def load_weight(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Parameter `name` ("weight" or "bias") from its checkpoint tensors, in packing order:
+        packed matrices are stacked along the output dimension."""
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -209,10 +220,10 @@ class Attention(nn.Module):
         self.cfg = cfg
         D = cfg.head_dim
         self.sizes = [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D]
-        # q, k and v in one matmul (the loader packs the checkpoint's three matrices into it):
-        # one launch and one pass over the input instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_bias)
+        # q, k and v in one matmul (packed from the checkpoint's three matrices, as the model's
+        # packed_modules_mapping says): one launch and one pass over the input instead of three.
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -234,8 +245,8 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -270,12 +281,14 @@ class Backbone(nn.Module):
 class Transformer(nn.Module):
     """A Llama-family causal LM: `model(input_ids [B, T]) -> logits [B, T, vocab]`."""
     inv_freq: torch.Tensor  # a buffer
+    # Our packed projections and the checkpoint's matrices that fill them, in order.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),

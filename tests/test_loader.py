@@ -83,3 +83,22 @@ def test_mismatched_packed_tensor_names_its_pieces(folder):
     with pytest.raises(mi.CheckpointError, match=r"q_proj.weight \+ .*k_proj.weight \+ .*v_proj.weight "
                                                  r"has shape \(72, 72\) \+ \(20, 72\) \+ \(24, 72\)"):
         mi.load_model(folder)
+
+
+def test_packing_goes_through_the_linear_layers_load_weight(hf_checkpoint, monkeypatch):
+    """The one loading hook (what sharding and quantization will override): a packed projection's
+    load_weight receives the checkpoint's matrices in the model's packed_modules_mapping order."""
+    _, folder, hf = hf_checkpoint
+    seen, load = [], mi.model.Linear.load_weight
+
+    def spy(self, name, tensors):
+        seen.append((name, [t.shape[0] for t in tensors]))
+        return load(self, name, tensors)
+
+    monkeypatch.setattr(mi.model.Linear, "load_weight", spy)
+    mi.load_model(folder)
+    cfg, layers = hf.config, hf.config.num_hidden_layers
+    q, kv = cfg.num_attention_heads * hf.model.layers[0].self_attn.head_dim, \
+        cfg.num_key_value_heads * hf.model.layers[0].self_attn.head_dim
+    assert seen.count(("weight", [q, kv, kv])) == layers
+    assert seen.count(("weight", [cfg.intermediate_size] * 2)) == layers
