@@ -474,3 +474,23 @@ def test_one_ctrl_c_aborts_running_requests_and_exits_in_seconds(tmp_path):
     # 130: a shell's status for a process ended by Ctrl-C, which uvicorn passes on once it has shut down.
     assert code in (0, 130) and seconds < 10 and "Traceback" not in log, (code, seconds, log[-3000:])
     assert all(not isinstance(n, int) or n < 2000 for n in ended)  # nobody was served to the end
+
+
+def test_a_served_request_is_checked_once(course_model, monkeypatch):
+    """The server's door checks each prompt; the engine then takes it without checking again."""
+    from miniinfer import async_engine, engine, server
+    calls, check = [], engine.check_request
+
+    def counted(*args):
+        calls.append(args[0])
+        return check(*args)
+
+    monkeypatch.setattr(async_engine, "check_request", counted)
+    monkeypatch.setattr(engine, "check_request", counted)
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4), model=course_model,
+                                         tokenizer=mi.load_tokenizer(None)))
+    try:
+        body = asyncio.run(server.Server(eng, "pycoder").run(b'{"prompt": "def f(x):", "max_tokens": 4}', chat=False))
+    finally:
+        eng.close()
+    assert body["usage"]["completion_tokens"] == 4 and len(calls) == 1
