@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 from miniinfer.block_manager import BlockManager, OutOfBlocks
@@ -56,9 +57,9 @@ class SchedulerOutput:
 
     def without(self, request_ids) -> SchedulerOutput:
         """This step without some new requests (that failed before it ran); the block moves stay."""
-        return SchedulerOutput({r: n for r, n in self.num_new_tokens.items() if r not in request_ids},
-                               [r for r in self.new_requests if r.request_id not in request_ids],
-                               self.new_block_ids, self.finished_ids, self.preempted_ids, self.swap_out, self.swap_in)
+        return dataclasses.replace(
+            self, num_new_tokens={r: n for r, n in self.num_new_tokens.items() if r not in request_ids},
+            new_requests=[r for r in self.new_requests if r.request_id not in request_ids])
 
 
 class Scheduler:

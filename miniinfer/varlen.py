@@ -88,14 +88,16 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     longest new prompt made a CPU step of 100 decodes and one 130-token prompt 13x a decode step.)"""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     out = torch.empty_like(q)
-    ones = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    q_lens = [b - a for a, b in zip(starts, starts[1:])]
+    ones = [b for b, n in enumerate(q_lens) if n == 1]
     if ones:
         rows, index = [starts[b] for b in ones], torch.tensor(ones, device=q.device)
         out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, block_tables[index], seq_lens[index], scale)
-    for b in sorted(set(range(len(lens))) - set(ones)):
+    for b, Tq in enumerate(q_lens):
+        if Tq == 1:
+            continue
         span, L = slice(starts[b], starts[b + 1]), lens[b]
         k, v = gather_kv(k_cache, block_tables[b:b + 1], L), gather_kv(v_cache, block_tables[b:b + 1], L)
-        Tq = starts[b + 1] - starts[b]
         out[span] = attention(q[span][None], k, v, scale, attention_mask(Tq, L, L - Tq, None, q.device))[0]
     return out
 

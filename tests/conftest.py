@@ -60,7 +60,7 @@ def hf_checkpoint(request, tmp_path_factory):
 
 def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:
     """The oracle: n greedy tokens from transformers' generate, EOS ignored."""
-    return hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+    return hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=n, min_new_tokens=n,
                        do_sample=False)[0, len(prompt):].tolist()
 
 

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import miniinfer as mi  # noqa: E402
-from conftest import SHAPES, make_hf_model  # noqa: E402
+from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
 from test_chunked_prefill import shared_workload  # noqa: E402
 
 
@@ -25,9 +25,7 @@ def parity(kind: str, n: int = 48) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         hf = hf.cuda()
-        expected = [hf.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), device="cuda"),
-                                max_new_tokens=sp.max_tokens, min_new_tokens=sp.max_tokens,
-                                do_sample=False)[0, len(p):].tolist() for p, sp in zip(prompts, params)]
+        expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
         engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16,
                                               num_blocks=512, max_num_seqs=16, max_num_batched_tokens=64,
                                               enable_prefix_caching=True, enable_chunked_prefill=True))
