@@ -86,9 +86,9 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
         outputs, command = [], next_command(not engine.has_unfinished_requests())
         while command is not None:
             if isinstance(command, Shutdown):
-                outputs = [EngineOutput(rid, [], "abort", error="the engine was closed") for rid in engine.requests]
-                for rid in list(engine.requests):
+                for rid in list(engine.requests):  # after any request that failed to join
                     engine.abort(rid)
+                    outputs.append(EngineOutput(rid, [], "abort", error="the engine was closed"))
                 emit(outputs, EngineStats.of(engine))
                 return
             if isinstance(command, AddRequest):

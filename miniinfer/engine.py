@@ -64,9 +64,6 @@ class StepStats:
     """What one step did, and the engine's state after it."""
     scheduled: dict[str, int]  # request id -> tokens it computed
     preempted: list[str]
-    num_running: int
-    num_waiting: int
-    num_swapped: int
     num_free_blocks: int
     seconds: float
 
@@ -90,14 +87,13 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("no memory left for the KV pool: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization")
-        cpu_blocks = 0 if config.preemption_mode != "swap" else config.num_cpu_blocks
-        cpu_blocks = num_blocks if cpu_blocks is None else cpu_blocks
+        cpu_blocks = (config.num_cpu_blocks or num_blocks) if config.preemption_mode == "swap" else 0
         self.runner.allocate_kv_cache(num_blocks, cpu_blocks)
         self.scheduler = Scheduler(block_manager(num_blocks, config.block_size),
                                    config.max_num_seqs, self.runner.max_num_batched_tokens, POLICIES[config.policy],
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, self.model.cfg.eos_token_ids)
-        self.stats = StepStats({}, [], 0, 0, 0, num_blocks, 0.0)
+        self.stats = StepStats({}, [], num_blocks, 0.0)
         self._arrivals = itertools.count()
 
     @property
@@ -169,9 +165,8 @@ class LLMEngine:
                     self.abort(rid)
                 raise
         changed = self.scheduler.update_from_output(out, sampled)
-        s, bm = self.scheduler, self.block_manager
-        self.stats = StepStats(out.num_new_tokens, out.preempted_ids, len(s.running), len(s.waiting),
-                               len(s.swapped), bm.num_free_blocks, time.perf_counter() - t0)
+        self.stats = StepStats(out.num_new_tokens, out.preempted_ids, self.block_manager.num_free_blocks,
+                               time.perf_counter() - t0)
         return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
 
     def generate(self, prompts: abc.Sequence[str | list[int]],
@@ -184,9 +179,8 @@ class LLMEngine:
             each = list(params)
         else:
             each = [params or SamplingParams()] * len(prompts)
-        for p, sp in zip(prompts, each):  # all checked before any is queued
-            self.check_request(p, sp)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, each)]
+        checked = [self.check_request(p, sp) for p, sp in zip(prompts, each)]  # all before any is queued
+        ids = [self.enqueue(ids, sp) for ids, sp in zip(checked, each)]
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
         tokens, seconds = {"prefill": 0, "decode": 0}, {"prefill": 1e-9, "decode": 1e-9}

@@ -208,13 +208,12 @@ class Scheduler:
         self._forget(seq)
         if cpu is not None and cpu.can_allocate(seq.num_computed_tokens):
             out.swap_out += zip(bm.block_table(seq), cpu.allocate(seq, seq.num_computed_tokens))
-            bm.free(seq)
             seq.status = Status.SWAPPED
             bisect.insort(self.swapped, seq, key=self.policy.key)
         else:  # recompute (also when the CPU pool is full)
-            bm.free(seq)
             seq.num_computed_tokens = 0
             self.add(seq)
+        bm.free(seq)
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
         """Preempt less urgent running sequences while the most urgent waiting one outranks them

@@ -158,3 +158,19 @@ def test_text_is_the_tokenizers_decoding_in_both_modes(mode, course_model):
     finally:
         eng.close()
     assert out.finished and out.text and out.text == tok.decode(out.token_ids)
+
+
+def test_shutdown_answers_every_command_taken_before_it(course_model):
+    """run_engine with scripted commands: a request refused in the same batch as Shutdown still hears
+    why, and the one queued before Shutdown ends as aborted, its blocks back."""
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=16, block_size=4), model=course_model)
+    params = mi.SamplingParams(max_tokens=4)
+    script = [mi.async_engine.AddRequest("a", [1, 2], params), mi.async_engine.AddRequest("a", [3], params),
+              mi.async_engine.Shutdown()]
+    emitted = []
+    mi.async_engine.run_engine(engine, lambda block: script.pop(0) if script else None,
+                               lambda outputs, stats: emitted.append(outputs))
+    [outputs] = emitted
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error"), ("a", "abort")]
+    assert "already in use" in outputs[0].error and outputs[1].error == "the engine was closed"
+    assert engine.block_manager.num_free_blocks == 16 and not engine.requests
