@@ -47,6 +47,7 @@ class SchedulerOutput:
     new_requests: list[NewRequest] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks added since its last step
     finished_ids: list[str] = field(default_factory=list)  # for the runner to forget: finished or preempted
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # guesses each verifies (chapter 09)
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (CPU block, device block)
@@ -119,7 +120,7 @@ class Scheduler:
         todo, self.running, urgent = self.running, [], len(out.preempted_ids)
         while todo:
             seq = todo.pop(0)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
             if self._slots(seq, n, todo, out):
                 self._run(seq, n, out)
                 budget -= n
@@ -149,6 +150,8 @@ class Scheduler:
             return
         rid, table = seq.request_id, self.block_manager.tables[seq]
         out.num_new_tokens[rid] = n
+        if seq.num_computed_tokens + n > seq.num_tokens:  # it reaches into its guesses
+            out.spec_token_ids[rid] = seq.spec_token_ids[:seq.num_computed_tokens + n - seq.num_tokens]
         sent = self.sent.get(rid)
         if sent is None:
             out.new_requests.append(NewRequest(rid, list(seq.prompt_token_ids), list(seq.output_token_ids),
@@ -230,22 +233,38 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Sequence]:
         """The step ran: its requests computed their tokens and produced `sampled` (none for a piece
-        of a prompt; several, later, for speculation). Appends them, checks stops, frees finished
-        requests; returns the requests with new tokens."""
-        changed = []
+        of a prompt; several for speculation). Takes back the K/V of rejected guesses, appends the
+        tokens, checks stops, frees finished requests; returns the requests with new tokens."""
+        changed, bm = [], self.block_manager
         for rid, n in out.num_new_tokens.items():
             seq = self.requests.get(rid)
             if seq is None or seq.status is not Status.RUNNING:  # aborted in the meantime
                 continue
+            before, new = seq.num_computed_tokens, sampled.get(rid, [])
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens % self.block_manager.block_size < n:  # the step filled a block
-                self.block_manager.cache_blocks(seq)
-            new = sampled.get(rid, ())
+            if seq.spec_token_ids:
+                guesses, seq.spec_token_ids = out.spec_token_ids.get(rid, []), []
+                seq.num_computed_tokens -= len(guesses) - num_accepted(guesses, new)
+                bm.truncate(seq, seq.num_computed_tokens)
+                # The runner cuts its copy of the table by the same rule: after its last accepted token.
+                self.sent[rid] = min(self.sent[rid], len(bm.tables[seq]))
             for token in new:
                 seq.append(token, self.eos_token_ids)
                 if seq.finish_reason:
-                    self.finish(seq)
                     break
+            if seq.num_computed_tokens // bm.block_size > before // bm.block_size:  # the step filled a block
+                bm.cache_blocks(seq)
+            if seq.finish_reason:
+                self.finish(seq)
             if new:
                 changed.append(seq)
         return changed
+
+
+def num_accepted(guesses: list[int], sampled: list[int]) -> int:
+    """How many guesses the runner confirmed: those equal to the tokens it sampled at their positions
+    (where it rejects a guess, it samples a token other than the guess)."""
+    n = 0
+    while n < min(len(guesses), len(sampled)) and guesses[n] == sampled[n]:
+        n += 1
+    return n

@@ -1,8 +1,9 @@
 """Chapters 06 and 07: the token-budget scheduler as a hypothesis state machine (random arrivals,
 lengths, aborts, pool sizes, both policies, both preemption modes, prefix caching and chunked prefill
-on or off), with a fake runner that knows only the plain data the scheduler sends, returns 1 to 3
-tokens for each request whose known tokens it reached, and a fake pool that records which token
-each slot holds."""
+on or off, guesses as chapter 09's speculation makes them), with a fake runner that knows only the
+plain data the scheduler sends, accepts some of the guesses it verifies and returns 1 to 3 tokens
+more for each request whose known tokens it reached, and a fake pool that records which token each
+slot holds."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -43,6 +44,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seqs: list[mi.Sequence] = []
         self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds
         self.cpu_pool: dict[int, int] = {}
+        self.rejected = 0
 
     def unfinished(self) -> list[mi.Sequence]:
         return [s for s in self.seqs if s.status is not mi.Status.FINISHED]
@@ -71,12 +73,22 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if a * bs + i in src:
                     dst[b * bs + i] = src[a * bs + i]
 
+    @precondition(lambda self: self.s.running)
+    @rule(data=st.data())
+    def propose(self, data):
+        """Guesses at a running request's next tokens, for its next step to verify."""
+        seq = data.draw(st.sampled_from(self.s.running))
+        seq.spec_token_ids = data.draw(st.lists(st.sampled_from([1, 2]), max_size=3))
+
     @rule(data=st.data())
     def step(self, data):
-        self.run_step(lambda: data.draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3)))
+        self.run_step(lambda: data.draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3)),
+                      lambda guesses: data.draw(st.integers(0, len(guesses))))
 
-    def run_step(self, tokens) -> None:
-        """One step; tokens() gives what a request whose known tokens were reached produces."""
+    def run_step(self, tokens, accept) -> None:
+        """One step; a request that reached the end of its known tokens and its guesses keeps the
+        first accept(guesses) of them, then produces tokens() (the first differs from the guess it
+        rejects)."""
         out = self.s.schedule()
         assert out.num_batched_tokens <= self.budget
         assert len(out.num_new_tokens) <= len(self.s.running) <= self.s.max_num_seqs
@@ -91,27 +103,42 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.move(out.swap_out, self.pool, self.cpu_pool)
         self.move(out.swap_in, self.cpu_pool, self.pool)
         sampled = {}
+        rejected = {}
         for rid, n in out.num_new_tokens.items():
             seq, r = self.s.requests[rid], self.runner[rid]
+            guesses = out.spec_token_ids.get(rid, [])
             # What the runner holds from the plain data is the scheduler's state.
-            assert seq.status is mi.Status.RUNNING and n >= 1
+            assert seq.status is mi.Status.RUNNING and n >= 1 and guesses == seq.spec_token_ids[:len(guesses)]
             assert r["blocks"] == self.bm.tables[seq] and r["tokens"] == seq.token_ids(0, seq.num_tokens)
             assert r["computed"] == seq.num_computed_tokens
-            assert r["computed"] + n == self.bm.lengths[seq] <= seq.num_tokens
+            assert r["computed"] + n == self.bm.lengths[seq] <= seq.num_tokens + len(guesses)
+            assert not guesses or r["computed"] + n == seq.num_tokens + len(guesses)  # guesses only whole to the end
+            known = r["tokens"] + guesses
             # The K/V it attends to, whether computed, swapped back or found in the cache, are its own
             # tokens': a cached block is never handed out for other tokens.
             assert [self.pool.get(self.slot(seq, i)) for i in range(r["computed"])] == r["tokens"][:r["computed"]]
             for i in range(r["computed"], r["computed"] + n):
                 assert self.bm.ref_count[self.bm.tables[seq][i // self.bm.block_size]] == 1  # never a shared block
-                self.pool[self.slot(seq, i)] = r["tokens"][i]
+                self.pool[self.slot(seq, i)] = known[i]
             r["computed"] += n
-            # A piece inside the known tokens yields nothing; reaching their end, 1 to 3 tokens.
-            sampled[rid] = [] if r["computed"] < len(r["tokens"]) else tokens()
+            # A piece inside the known tokens yields nothing; reaching their end, the accepted
+            # guesses, then 1 to 3 tokens.
+            if r["computed"] < len(known):
+                sampled[rid] = []
+                continue
+            a, more = accept(guesses), tokens()
+            if a < len(guesses):
+                more[0] = 3 - guesses[a]  # the token sampled where a guess is rejected differs from it
+            sampled[rid] = guesses[:a] + more
+            r["computed"] -= len(guesses) - a
+            del r["blocks"][-(-r["computed"] // self.bm.block_size):]  # those of rejected guesses only
             r["tokens"] += sampled[rid]
+            rejected[rid] = len(guesses) - a
         changed = self.s.update_from_output(out, sampled)
         assert {s.request_id for s in changed} == {rid for rid, new in sampled.items() if new}
         for seq in changed:
-            assert seq.num_computed_tokens == self.runner[seq.request_id]["computed"]
+            assert not seq.spec_token_ids and seq.num_computed_tokens == self.runner[seq.request_id]["computed"]
+        self.rejected += sum(rejected.values())
 
     @invariant()
     def consistent(self):
@@ -142,7 +169,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(10_000):  # every request finishes: nothing starves, nothing is stuck
             if not self.s.has_unfinished():
                 break
-            self.run_step(lambda: [1])
+            self.run_step(lambda: [1], len)
         assert all(s.status is mi.Status.FINISHED for s in self.seqs)
         assert all(s.finish_reason == "abort" or len(s.output_token_ids) == s.params.max_tokens for s in self.seqs)
         assert self.bm.num_free_blocks == self.bm.num_blocks
