@@ -34,6 +34,7 @@ class CachedRequest:
 class ModelRunner:
     """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
+    sampler = staticmethod(sample_batch)  # the token choice: any function of (logits, SamplingBatch)
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         self.config = config
@@ -123,7 +124,7 @@ class ModelRunner:
         reqs = [step.requests[i] for i in step.ends]
         steps = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs])
         values = self.rows.sampling[:, [r.row for r in reqs]]
-        tokens = sample_batch(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
+        tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
         sampled = {}
         for i, r, token in zip(step.ends, reqs, tokens.tolist()):
             r.token_ids.append(token)
