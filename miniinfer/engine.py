@@ -15,9 +15,9 @@ from miniinfer.block_manager import BlockManager, blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.loader import load_tokenizer
 from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import ModelRunner
+from miniinfer.model_runner import Launched, ModelRunner
 from miniinfer.sampling import SamplingParams
-from miniinfer.scheduler import POLICIES, Scheduler
+from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07 adds True.
@@ -60,6 +60,13 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
 
 
 @dataclass
+class InFlight:
+    """A step launched and not yet read: its plan and its handle in the runner."""
+    out: SchedulerOutput
+    launched: Launched | None
+
+
+@dataclass
 class StepStats:
     """What one step did, and the engine's state after it."""
     scheduled: dict[str, int]  # request id -> tokens it computed
@@ -95,6 +102,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill, self.model.cfg.eos_token_ids)
         self.stats = StepStats({}, [], num_blocks, 0.0)
         self._arrivals = itertools.count()
+        self.in_flight: InFlight | None = None  # the step the device runs while the host goes on
 
     @property
     def block_manager(self) -> BlockManager:
@@ -140,20 +148,39 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        self._drop_if_idle()
         return RequestOutput.of(seq, self.detokenize)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, update: an output for every request that got tokens, finished or failed."""
-        t0 = time.perf_counter()
-        out, failed = self.scheduler.schedule(), []
+        """Schedule, run, update: an output for every request that got tokens, finished or failed.
+        With overlap the next step is scheduled and launched before this one's tokens are read, so
+        that the device never waits for the host (the first call launches two)."""
+        t0, failed = time.perf_counter(), []
+        if self.in_flight is None:
+            self.in_flight = self._launch(failed)
+        done, self.in_flight = self.in_flight, self._launch(failed) if self.config.overlap else None
+        try:
+            sampled = self.runner.collect(done.launched)
+        except BaseException:
+            self._abort_step(done.out)
+            raise
+        changed = self.scheduler.update_from_output(done.out, sampled)
+        self._drop_if_idle()
+        self.stats = StepStats(done.out.num_new_tokens, done.out.preempted_ids, self.block_manager.num_free_blocks,
+                               time.perf_counter() - t0)
+        return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
+
+    def _launch(self, failed: list[Sequence]) -> InFlight:
+        """Schedule a step and start it on the device. A request whose own data fails is finished
+        at once, added to failed, and the step goes on without it."""
+        out = self.scheduler.schedule()
         while True:
             try:
-                sampled = self.runner.execute(out)
-                break
-            except RequestDataError as err:  # one request's bad data must not fail the others
+                return InFlight(out, self.runner.launch(out))
+            except RequestDataError as err:
                 for rid, cause in err.errors.items():
                     seq = self.requests[rid]
                     seq.error = f"{type(cause).__name__}: {cause}"
@@ -161,13 +188,19 @@ class LLMEngine:
                     failed.append(seq)
                 out = out.without(err.errors)
             except BaseException:
-                for rid in out.num_new_tokens:  # nothing of this step happened: give its blocks back
-                    self.abort(rid)
+                self._abort_step(out)
                 raise
-        changed = self.scheduler.update_from_output(out, sampled)
-        self.stats = StepStats(out.num_new_tokens, out.preempted_ids, self.block_manager.num_free_blocks,
-                               time.perf_counter() - t0)
-        return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
+
+    def _drop_if_idle(self) -> None:
+        """With every request gone, the step under way has nothing to give: wait for it now, so
+        that the next step starts afresh."""
+        if self.in_flight is not None and not self.has_unfinished_requests():
+            self.runner.collect(self.in_flight.launched)
+            self.in_flight = None
+
+    def _abort_step(self, out: SchedulerOutput) -> None:
+        for rid in out.num_new_tokens:  # nothing of this step happened: give its blocks back
+            self.abort(rid)
 
     def generate(self, prompts: abc.Sequence[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,

@@ -15,7 +15,7 @@ from miniinfer.model import Transformer
 from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
 from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
-from miniinfer.varlen import VarlenBatch, VarlenKVCache
+from miniinfer.varlen import VarlenBatch, VarlenKVCache, to_device
 
 CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
 
@@ -24,7 +24,7 @@ CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
 class CachedRequest:
     """The runner's own copy of a request, kept from step to step and advanced by the runner itself:
     after the first step only deltas cross the boundary."""
-    token_ids: list[int]  # prompt and outputs, the runner's sampled tokens appended
+    token_ids: list[int]  # prompt and outputs, the runner's sampled tokens appended (-1 until read)
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
@@ -83,53 +83,81 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        """Run one step; the tokens sampled for each request that ran (none for a piece of a prompt)."""
+        """Run one step; the tokens sampled for each request that reached the end of its tokens
+        (a piece inside a prompt samples nothing)."""
+        return self.collect(self.launch(out))
+
+    @torch.no_grad()
+    def launch(self, out: SchedulerOutput) -> Launched | None:
+        """Start one step and return while the device runs it. Nothing here waits for the device:
+        the sampled tokens stay there as the next step's inputs, and reach the host by `collect`."""
         self.update_states(out)
         self.move_blocks(out)
         if not out.num_new_tokens:  # every request of the step failed: its block moves still had to happen
-            return {}
+            return None
         step = self.prepare(out)
         return self.sample(step, self.forward(step))
+
+    def collect(self, launched: Launched | None) -> dict[str, list[int]]:
+        """Wait for a launched step's tokens; those of each request that sampled."""
+        if launched is None:
+            return {}
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens, step, sampled = launched.tokens.tolist(), launched.step, {}
+        for i, at in zip(step.ends, launched.at):
+            step.requests[i].token_ids[at] = tokens[i]
+            sampled[step.request_ids[i]] = [tokens[i]]
+        return sampled
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         """The varlen batch of the step's tokens, from the runner's own copies of the requests."""
         ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
         reqs = [self.requests[rid] for rid in ids]
-        starts = [r.num_computed_tokens for r in reqs]
+        starts, rows = [r.num_computed_tokens for r in reqs], [r.row for r in reqs]
         tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
-        tables, widths = self.rows.gather([r.row for r in reqs], [r.block_ids for r in reqs])
+        tables, widths = self.rows.gather(rows, [r.block_ids for r in reqs])
         batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
-        # Logits only where a request's known tokens end: a piece that stops inside a prompt samples nothing.
+        on_device = to_device(np.array(rows), self.device)
+        if any(t[-1] < 0 for t in tokens):  # sampled by the step still running: the device has it
+            last = batch.query_start_loc[1:] - 1
+            known = batch.input_ids[last]
+            batch.input_ids[last] = torch.where(known < 0, self.last_token[on_device], known)
+        # A request samples where its known tokens end; a piece that stops inside a prompt does not.
         ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
-        return StepBatch(ids, reqs, counts, batch, ends)
+        return StepBatch(ids, reqs, counts, batch, ends, on_device)
 
     def forward(self, step: StepBatch) -> torch.Tensor:
-        """Logits [len(step.ends), vocab]: a decode batch replays a CUDA graph, any other runs eagerly."""
-        batch, every = step.batch, len(step.ends) == len(step.requests)
+        """Logits [B, vocab] at each request's last new token: a decode batch replays a CUDA graph,
+        any other runs eagerly. Every row, those that sample nothing too: picking the others would
+        send their indices to the device, and the copy would wait for the step before."""
+        batch = step.batch
         if self.graphs is not None and batch.max_query_len == 1:
-            logits = self.graphs(batch)
-            return logits if every else logits[step.ends]
+            return self.graphs(batch)
         self.cache.step(batch)
-        last = batch.query_start_loc[1:] - 1
         return self.model(batch.input_ids[None], batch.positions[None], attn=self.cache,
-                          logits_at=last if every else last[step.ends])
+                          logits_at=batch.query_start_loc[1:] - 1)
 
-    def sample(self, step: StepBatch, logits: torch.Tensor) -> dict[str, list[int]]:
-        """Sample the rows that end, each by its request's parameters; advance the runner's copies.
-        Returns the tokens of the requests that sampled."""
-        for r, n in zip(step.requests, step.num_new_tokens):
+    def sample(self, step: StepBatch, logits: torch.Tensor) -> Launched:
+        """A token for every row, each by its request's parameters (those of the rows that do not
+        end are dropped); advance the runner's copies, the new tokens still on the device."""
+        reqs = step.requests
+        for r, n in zip(reqs, step.num_new_tokens):
             r.num_computed_tokens += n
-        if not step.ends:
-            return {}
-        reqs = [step.requests[i] for i in step.ends]
         steps = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs])
         values = self.rows.sampling[:, [r.row for r in reqs]]
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
-        sampled = {}
-        for i, r, token in zip(step.ends, reqs, tokens.tolist()):
-            r.token_ids.append(token)
-            sampled[step.request_ids[i]] = [token]
-        return sampled
+        self.last_token[step.rows] = tokens.to(self.last_token.dtype)
+        at = [len(reqs[i].token_ids) for i in step.ends]
+        for i in step.ends:
+            reqs[i].token_ids.append(-1)  # until collect reads it
+        if self.device.type != "cuda":
+            return Launched(step, at, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(step, at, host, ready)
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model.cfg
@@ -180,6 +208,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
                        if use_graphs else None)
         self.rows = BatchRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+        self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)  # by row
 
 
 class BatchRows:
@@ -222,7 +251,17 @@ class StepBatch:
     requests: list[CachedRequest]
     num_new_tokens: list[int]
     batch: VarlenBatch
-    ends: list[int]  # rows (request indices) whose last token's logits are sampled
+    ends: list[int]  # indices of the requests that sample
+    rows: torch.Tensor  # each request's row in BatchRows, on the device
+
+
+@dataclass
+class Launched:
+    """A step the device may still be running."""
+    step: StepBatch
+    at: list[int]  # where each request that samples keeps its token, in its token_ids
+    tokens: torch.Tensor  # [B] on the host, once `ready` has fired
+    ready: torch.cuda.Event | None  # None: the step ran on the CPU, it is done
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from miniinfer.sampling import SamplingParams, top_p_filter
+from miniinfer.varlen import to_device
 
 _MASK32 = 0xFFFFFFFF
 
@@ -54,8 +55,8 @@ class SamplingBatch:
         """From the rows' sampling_row values as columns of values [4, B] (float64 holds the integer
         ones exactly) and the index of the token each samples, steps [B]."""
         temperature, top_p, top_k, _ = values
-        floats = torch.from_numpy(values[:2].astype(np.float32)).to(device)
-        ints = torch.from_numpy(np.stack([values[2], values[3], steps]).astype(np.int64)).to(device)
+        floats = to_device(values[:2].astype(np.float32), device)
+        ints = to_device(np.stack([values[2], values[3], steps]).astype(np.int64), device)
         return cls(floats[0], ints[0], floats[1], ints[1], ints[2], bool((temperature > 0).any()),
                    bool((top_k < vocab_size).any() or (top_p < 1).any()))
 

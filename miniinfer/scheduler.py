@@ -120,7 +120,7 @@ class Scheduler:
         todo, self.running, urgent = self.running, [], len(out.preempted_ids)
         while todo:
             seq = todo.pop(0)
-            n = min(seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens, budget)
+            n = min(self._to_compute(seq), budget)
             if self._slots(seq, n, todo, out):
                 self._run(seq, n, out)
                 budget -= n
@@ -150,17 +150,28 @@ class Scheduler:
             return
         rid, table = seq.request_id, self.block_manager.tables[seq]
         out.num_new_tokens[rid] = n
-        if seq.num_computed_tokens + n > seq.num_tokens:  # it reaches into its guesses
-            out.spec_token_ids[rid] = seq.spec_token_ids[:seq.num_computed_tokens + n - seq.num_tokens]
+        known = seq.num_tokens + seq.num_pending
+        if seq.num_computed_tokens + n > known:  # it reaches into its guesses
+            out.spec_token_ids[rid] = seq.spec_token_ids[:seq.num_computed_tokens + n - known]
         sent = self.sent.get(rid)
         if sent is None:
             out.new_requests.append(NewRequest(rid, list(seq.prompt_token_ids), list(seq.output_token_ids),
                                                seq.params, seq.seed, list(table), seq.num_computed_tokens))
         elif len(table) > sent:
             out.new_block_ids[rid] = table[sent:]
-        else:
-            return
         self.sent[rid] = len(table)
+        # Counted as computed now, not when the tokens come back: the next step may be scheduled first.
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens >= known:  # it reaches the end of its tokens: the runner samples
+            seq.num_pending += 1
+
+    def _to_compute(self, seq: Sequence) -> int:
+        """Its tokens not yet computed, the one sampled in a step still running included. None once
+        the steps under way bring it to max_tokens; no guesses while a step is under way."""
+        if len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens:
+            return 0
+        guesses = 0 if seq.num_pending else len(seq.spec_token_ids)
+        return seq.num_tokens + seq.num_pending + guesses - seq.num_computed_tokens
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
         """What admitting seq now takes: the cached blocks of its prefix, and the tokens it computes
@@ -182,7 +193,7 @@ class Scheduler:
         while self.swapped and cpu is not None:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
+            if seq.num_pending or not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
                 break
             self.swapped.pop(0)
             out.swap_in += zip(cpu.block_table(seq), bm.allocate(seq, seq.num_computed_tokens))
@@ -194,7 +205,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits, n = self._admission(seq, budget)
             cached = len(hits) * bm.block_size
-            if not self._fits(bm.blocks_to_allocate(cached + n, hits), n):
+            if seq.num_pending or not self._fits(bm.blocks_to_allocate(cached + n, hits), n):
                 break
             self.waiting.pop(0)
             bm.allocate(seq, cached + n, hits)
@@ -232,27 +243,28 @@ class Scheduler:
             self._preempt(self.running.pop(), out)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Sequence]:
-        """The step ran: its requests computed their tokens and produced `sampled` (none for a piece
-        of a prompt; several for speculation). Takes back the K/V of rejected guesses, appends the
-        tokens, checks stops, frees finished requests; returns the requests with new tokens."""
+        """The step ran and produced `sampled` (none for a piece of a prompt; several for
+        speculation). Takes back the K/V of rejected guesses, appends the tokens, checks stops, frees
+        finished requests; returns the requests with new tokens. A request preempted since the step
+        was scheduled (the next one may be, with overlap) keeps its tokens."""
         changed, bm = [], self.block_manager
-        for rid, n in out.num_new_tokens.items():
-            seq = self.requests.get(rid)
-            if seq is None or seq.status is not Status.RUNNING:  # aborted in the meantime
+        for rid in out.num_new_tokens:
+            seq, new = self.requests.get(rid), sampled.get(rid)
+            if seq is None:  # aborted in the meantime
                 continue
-            before, new = seq.num_computed_tokens, sampled.get(rid, [])
-            seq.num_computed_tokens += n
-            if seq.spec_token_ids:
+            if new is not None:
+                seq.num_pending -= 1
+            if seq.status is Status.RUNNING and seq.spec_token_ids:
                 guesses, seq.spec_token_ids = out.spec_token_ids.get(rid, []), []
-                seq.num_computed_tokens -= len(guesses) - num_accepted(guesses, new)
+                seq.num_computed_tokens -= len(guesses) - num_accepted(guesses, new or [])
                 bm.truncate(seq, seq.num_computed_tokens)
                 # The runner cuts its copy of the table by the same rule: after its last accepted token.
                 self.sent[rid] = min(self.sent[rid], len(bm.tables[seq]))
-            for token in new:
+            for token in new or []:
                 seq.append(token, self.eos_token_ids)
                 if seq.finish_reason:
                     break
-            if seq.num_computed_tokens // bm.block_size > before // bm.block_size:  # the step filled a block
+            if seq.status is Status.RUNNING:
                 bm.cache_blocks(seq)
             if seq.finish_reason:
                 self.finish(seq)

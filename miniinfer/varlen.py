@@ -63,9 +63,19 @@ class VarlenBatch:
         buffer = np.zeros(starts[-1], dtype=np.int32)
         for start, h in zip(starts, host):
             buffer[start:start + len(h)] = h
-        on_device = torch.from_numpy(buffer).to(device)
+        on_device = to_device(buffer, device)
         t = [on_device[s:s + len(h)] for s, h in zip(starts, host)]
         return cls(t[0], t[1], t[2], t[3], t[4], t[5].view(tables.shape), int(q_lens.max()), int(seq_lens.max()))
+
+
+def to_device(host: np.ndarray, device) -> torch.Tensor:
+    """host copied to device. To a GPU from pinned memory, without waiting: the copy is queued behind
+    the work launched before it and the host goes on at once (a copy from ordinary memory waits for
+    the GPU to finish everything before it, which would undo chapter 06's overlap)."""
+    t = torch.from_numpy(host)
+    if device is None or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

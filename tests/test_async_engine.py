@@ -82,15 +82,15 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6),
                                          model=course_model))
     runner, forwards = eng.client.engine.runner, []
-    execute = runner.execute
+    launch = runner.launch
 
     def fail_the_third(out):
         forwards.append(len(out.num_new_tokens))
         if len(forwards) == 3:
             raise RuntimeError("injected failure")
-        return execute(out)
+        return launch(out)
 
-    runner.execute = fail_the_third
+    runner.launch = fail_the_third
     params = mi.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = [[i + 1, 2] for i in range(4)]
 

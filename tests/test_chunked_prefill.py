@@ -84,8 +84,8 @@ def test_decodes_go_first_while_a_long_prompt_is_chunked(course_model):
         engine.step()
         ran = engine.stats.scheduled
         assert all(ran[i] == 1 for i in short)  # every decoder gets its token in every step
-        pieces.append(ran[long_id])
-    assert pieces == [7] * 14 + [2] and sum(engine.stats.scheduled.values()) == 5
+        pieces.append(ran.get(long_id, 0))  # 0: a step scheduled before it arrived (overlap)
+    assert [p for p in pieces if p] == [7] * 14 + [2] and sum(engine.stats.scheduled.values()) == 5
     final, _ = run_steps(engine)
     assert final[long_id].token_ids == mi.generate_cached(course_model, list(range(1, 101)), long_params)
     for i, rid in enumerate(short):

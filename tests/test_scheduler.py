@@ -1,9 +1,10 @@
 """Chapters 06 and 07: the token-budget scheduler as a hypothesis state machine (random arrivals,
 lengths, aborts, pool sizes, both policies, both preemption modes, prefix caching and chunked prefill
-on or off, guesses as chapter 09's speculation makes them), with a fake runner that knows only the
-plain data the scheduler sends, accepts some of the guesses it verifies and returns 1 to 3 tokens
-more for each request whose known tokens it reached, and a fake pool that records which token each
-slot holds."""
+on or off, guesses as chapter 09's speculation makes them, overlap on or off), with a fake runner
+that knows only the plain data the scheduler sends, accepts some of the guesses it verifies and
+returns 1 to 3 tokens more for each request whose known tokens it reached (one, with overlap: the
+next step is scheduled before this one's tokens are read), and a fake pool that records which
+token each slot holds."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -31,9 +32,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 16]),
                 max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 40),
                 policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
-                cpu_blocks=st.integers(1, 20), caching=st.booleans(), chunked=st.booleans())
+                cpu_blocks=st.integers(1, 20), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans())
     def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, policy, mode, cpu_blocks, caching,
-              chunked):
+              chunked, overlap):
         self.bm = (mi.PrefixCachingBlockManager if caching else mi.BlockManager)(num_blocks, block_size)
         self.cpu = mi.BlockManager(cpu_blocks, block_size) if mode == "swap" else None
         self.capacity = min(num_blocks * block_size, 24)
@@ -45,6 +46,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds
         self.cpu_pool: dict[int, int] = {}
         self.rejected = 0
+        self.overlap, self.in_flight = overlap, None  # with overlap: a step launched, its tokens not yet read
 
     def unfinished(self) -> list[mi.Sequence]:
         return [s for s in self.seqs if s.status is not mi.Status.FINISHED]
@@ -73,7 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if a * bs + i in src:
                     dst[b * bs + i] = src[a * bs + i]
 
-    @precondition(lambda self: self.s.running)
+    @precondition(lambda self: self.s.running and not self.overlap)  # guesses need overlap off
     @rule(data=st.data())
     def propose(self, data):
         """Guesses at a running request's next tokens, for its next step to verify."""
@@ -86,9 +88,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                       lambda guesses: data.draw(st.integers(0, len(guesses))))
 
     def run_step(self, tokens, accept) -> None:
-        """One step; a request that reached the end of its known tokens and its guesses keeps the
-        first accept(guesses) of them, then produces tokens() (the first differs from the guess it
-        rejects)."""
+        """One step; with overlap, the next is launched before this one's tokens are read."""
+        if not self.overlap:
+            return self.update(*self.launch(tokens, accept))
+        if self.in_flight is None:
+            self.in_flight = self.launch(lambda: [1], accept)
+        done, self.in_flight = self.in_flight, self.launch(lambda: tokens()[:1], accept)
+        self.update(*done)
+
+    def launch(self, tokens, accept) -> tuple:
+        """Schedule a step and run it on the fake runner; a request that reached the end of its
+        known tokens and its guesses keeps the first accept(guesses) of them, then produces tokens()
+        (the first differs from the guess it rejects)."""
         out = self.s.schedule()
         assert out.num_batched_tokens <= self.budget
         assert len(out.num_new_tokens) <= len(self.s.running) <= self.s.max_num_seqs
@@ -96,6 +107,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             del self.runner[rid]
         for r in out.new_requests:
             assert r.request_id not in self.runner
+            seq = self.s.requests[r.request_id]  # it comes with all its tokens: no step under way samples it
+            assert seq.num_pending == (seq.num_computed_tokens >= seq.num_tokens)
             self.runner[r.request_id] = {"tokens": r.prompt_token_ids + r.output_token_ids, "blocks": r.block_ids,
                                          "computed": r.num_computed_tokens}
         for rid, blocks in out.new_block_ids.items():
@@ -109,11 +122,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             guesses = out.spec_token_ids.get(rid, [])
             # What the runner holds from the plain data is the scheduler's state.
             assert seq.status is mi.Status.RUNNING and n >= 1 and guesses == seq.spec_token_ids[:len(guesses)]
-            assert r["blocks"] == self.bm.tables[seq] and r["tokens"] == seq.token_ids(0, seq.num_tokens)
-            assert r["computed"] == seq.num_computed_tokens
-            assert r["computed"] + n == self.bm.lengths[seq] <= seq.num_tokens + len(guesses)
-            assert not guesses or r["computed"] + n == seq.num_tokens + len(guesses)  # guesses only whole to the end
+            # The runner may know more tokens than the scheduler: those of the step under way.
+            assert r["blocks"] == self.bm.tables[seq] and r["tokens"][:seq.num_tokens] == seq.token_ids(0, seq.num_tokens)
             known = r["tokens"] + guesses
+            assert r["computed"] + n == seq.num_computed_tokens == self.bm.lengths[seq] <= len(known)
+            assert not guesses or r["computed"] + n == len(known)  # guesses only whole to the end
+            # No step is spent on a request that the steps under way bring to max_tokens.
+            assert len(seq.output_token_ids) + seq.num_pending <= seq.params.max_tokens
             # The K/V it attends to, whether computed, swapped back or found in the cache, are its own
             # tokens': a cached block is never handed out for other tokens.
             assert [self.pool.get(self.slot(seq, i)) for i in range(r["computed"])] == r["tokens"][:r["computed"]]
@@ -124,7 +139,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             # A piece inside the known tokens yields nothing; reaching their end, the accepted
             # guesses, then 1 to 3 tokens.
             if r["computed"] < len(known):
-                sampled[rid] = []
                 continue
             a, more = accept(guesses), tokens()
             if a < len(guesses):
@@ -134,11 +148,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             del r["blocks"][-(-r["computed"] // self.bm.block_size):]  # those of rejected guesses only
             r["tokens"] += sampled[rid]
             rejected[rid] = len(guesses) - a
-        changed = self.s.update_from_output(out, sampled)
-        assert {s.request_id for s in changed} == {rid for rid, new in sampled.items() if new}
-        for seq in changed:
-            assert not seq.spec_token_ids and seq.num_computed_tokens == self.runner[seq.request_id]["computed"]
         self.rejected += sum(rejected.values())
+        return out, sampled
+
+    def update(self, out, sampled) -> None:
+        alive = {rid for rid in sampled if rid in self.s.requests}  # not aborted since
+        changed = self.s.update_from_output(out, sampled)
+        assert {s.request_id for s in changed} == alive
+        for seq in changed:
+            assert not seq.spec_token_ids
+            assert self.overlap or seq.num_computed_tokens == self.runner[seq.request_id]["computed"]
 
     @invariant()
     def consistent(self):
@@ -170,6 +189,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.s.has_unfinished():
                 break
             self.run_step(lambda: [1], len)
+        if self.in_flight is not None:  # only finished requests ran in it
+            self.update(*self.in_flight)
         assert all(s.status is mi.Status.FINISHED for s in self.seqs)
         assert all(s.finish_reason == "abort" or len(s.output_token_ids) == s.params.max_tokens for s in self.seqs)
         assert self.bm.num_free_blocks == self.bm.num_blocks

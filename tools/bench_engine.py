@@ -5,6 +5,9 @@ chapter-02 static batching, transformers' `generate_batch` and static-batch `gen
 Hand-written tool. Parts (any of them, in one run, in the order given; results merge into the JSON),
 each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PART:
     ours       LLMEngine, with a per-step trace and a late arrival's time to first token
+    ours_sync  the same with overlap off (the host schedules only after reading the step's tokens)
+    overlap    decode steps at full batch with overlap off and on, under torch.profiler: the device's
+               idle time per step (host time not hidden), and four steps' host and device lanes
     static     chapter 02's static batching (batches of 64, each to its longest request)
     hf         transformers generate_batch (all 256)
     hf_static  transformers static-batch generate (the first 64)
@@ -100,12 +103,68 @@ def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = Non
     return res
 
 
-def ours(model, prompts, outs) -> dict:
-    engine = engine_for(model)
+def ours(model, prompts, outs, overlap: bool = True) -> dict:
+    engine = engine_for(model, overlap=overlap)
     engine.generate(prompts[:8], greedy(8), use_tqdm=False)  # warm-up: Triton compiles its prefill kernels
     res = run_engine(engine, prompts, outs, late=prompts[0][:512])
-    print(f"ours: {res['output_tokens_per_s']:.0f} output tok/s, {res['steps']} steps, "
+    print(f"ours (overlap {overlap}): {res['output_tokens_per_s']:.0f} output tok/s, {res['steps']} steps, "
           f"{res['num_blocks']} blocks, late TTFT {res['late_arrival']['ttft_s']}", flush=True)
+    return res
+
+
+def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
+    """Decode steps of 256 requests under torch.profiler: per step, the wall time and the time the
+    device was busy (the union of its kernels) and idle; and the host's launch / collect / update
+    spans and the device's busy spans of four steps, for the picture."""
+    from torch.profiler import DeviceType, ProfilerActivity, record_function
+    engine = engine_for(model, overlap=overlap)
+    engine.generate(prompts[:8], greedy(8), use_tqdm=False)
+    for p in prompts:
+        engine.add_request(p, greedy(1024 - 100))
+    while sum(engine.stats.scheduled.values()) != len(prompts):  # to the first step where all decode
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    launch, collect = engine._launch, engine.runner.collect
+
+    def traced(fn, label):
+        def call(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+        return call
+    engine._launch, engine.runner.collect = traced(launch, "host: schedule + launch"), traced(collect, "host: wait")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with record_function("step"):
+                engine.step()
+        torch.cuda.synchronize()
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    events = prof.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy: list[list[float]] = []
+    for a, b in kernels:  # the union of the kernels' spans
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    step_spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "step")
+    window = (step_spans[5][0], step_spans[-5][0])  # steady steps, away from the edges
+    n = len(step_spans) - 10
+
+    def busy_in(a: float, b: float) -> float:
+        return sum(max(0.0, min(e, b) - max(s, a)) for s, e in busy)
+    span = window[1] - window[0]
+    res = {"overlap": overlap, "batch": len(prompts), "steps": n, "step_ms": span / n / 1e3,
+           "device_busy_ms": busy_in(*window) / n / 1e3}
+    res["device_idle_ms"] = res["step_ms"] - res["device_busy_ms"]
+    a, b = step_spans[20][0], step_spans[24][0]  # four steps for the picture, times in ms from a
+    host = [(e.name, (e.time_range.start - a) / 1e3, (e.time_range.end - a) / 1e3) for e in events
+            if e.name.startswith("host:") and a <= e.time_range.start < b]
+    res["lanes"] = {"host": host, "device": [((s - a) / 1e3, (e - a) / 1e3) for s, e in busy if a <= s < b]}
+    print(f"overlap {overlap}: step {res['step_ms']:.2f} ms, device busy {res['device_busy_ms']:.2f} ms, "
+          f"idle {res['device_idle_ms']:.3f} ms", flush=True)
     return res
 
 
@@ -217,7 +276,7 @@ def profile(model, prompts, outs) -> dict:
         logits = runner.forward(step)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        sampled = runner.sample(step, logits)
+        sampled = runner.collect(runner.sample(step, logits))
         t4 = time.perf_counter()
         for seq in scheduler.update_from_output(out, sampled):  # the engine's bookkeeping
             mi.RequestOutput.of(seq)
@@ -266,6 +325,10 @@ def main(out_path: str, parts: list[str]) -> None:
         r = res[shape]
         if part == "ours":
             r["ours"] = ours(model, prompts, outs)
+        elif part == "ours_sync":
+            r["ours_no_overlap"] = ours(model, prompts, outs, overlap=False)
+        elif part == "overlap":
+            r["overlap_profile"] = {k: lanes(model, prompts, k == "on") for k in ("off", "on")}
         elif part == "profile":
             r["profile"] = profile(model, prompts, outs)
         elif part == "batch1":
