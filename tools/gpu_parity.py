@@ -1,7 +1,7 @@
 """Greedy parity on the GPU: the engine (float32, Triton kernels, CUDA graphs, prefix caching and
 chunked prefill on) against transformers' generate on the same random checkpoints (the tests'
 Llama, Qwen2 and Qwen3 shapes), 48 requests over shared prefixes, each served twice (the second
-round hits the cache).
+round hits the cache), with overlap on (the default) and off.
 
     python tools/gpu_parity.py OUT.json
 """
@@ -19,7 +19,7 @@ from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
 from test_chunked_prefill import shared_workload  # noqa: E402
 
 
-def parity(kind: str, n: int = 48) -> dict:
+def parity(kind: str, overlap: bool, n: int = 48) -> dict:
     hf = make_hf_model(kind)
     prompts, params = shared_workload(n)
     with tempfile.TemporaryDirectory() as folder:
@@ -28,16 +28,18 @@ def parity(kind: str, n: int = 48) -> dict:
         expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
         engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16,
                                               num_blocks=512, max_num_seqs=16, max_num_batched_tokens=64,
-                                              enable_prefix_caching=True, enable_chunked_prefill=True))
+                                              enable_prefix_caching=True, enable_chunked_prefill=True,
+                                              overlap=overlap))
         rounds = [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
         free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     same = [sum(o.token_ids == e for o, e in zip(outs, expected)) for outs in rounds]
     cached = [sum(o.num_cached_tokens for o in outs) for outs in rounds]
-    print(f"{kind}: {same} of {n} equal to transformers; cached tokens {cached}; all blocks back {free}", flush=True)
+    print(f"{kind}, overlap {overlap}: {same} of {n} equal to transformers; cached tokens {cached}; "
+          f"all blocks back {free}", flush=True)
     return {"requests": n, "same_per_round": same, "cached_tokens_per_round": cached, "all_blocks_back": free}
 
 
 if __name__ == "__main__":
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           **{kind: parity(kind) for kind in SHAPES}}
+           **{f"{kind}_overlap_{o}": parity(kind, o == "on") for kind in SHAPES for o in ("on", "off")}}
     Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")
