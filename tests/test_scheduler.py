@@ -123,7 +123,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             # What the runner holds from the plain data is the scheduler's state.
             assert seq.status is mi.Status.RUNNING and n >= 1 and guesses == seq.spec_token_ids[:len(guesses)]
             # The runner may know more tokens than the scheduler: those of the step under way.
-            assert r["blocks"] == self.bm.tables[seq] and r["tokens"][:seq.num_tokens] == seq.token_ids(0, seq.num_tokens)
+            assert r["blocks"] == self.bm.tables[seq]
+            assert r["tokens"][:seq.num_tokens] == seq.token_ids(0, seq.num_tokens)
             known = r["tokens"] + guesses
             assert r["computed"] + n == seq.num_computed_tokens == self.bm.lengths[seq] <= len(known)
             assert not guesses or r["computed"] + n == len(known)  # guesses only whole to the end

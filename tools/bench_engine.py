@@ -125,6 +125,12 @@ def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
         engine.step()
     for _ in range(10):
         engine.step()
+    torch.cuda.synchronize()  # the profiler slows the host down: the step's wall time is taken without it
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / steps * 1e3
     launch, collect = engine._launch, engine.runner.collect
 
     def traced(fn, label):
@@ -142,7 +148,9 @@ def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
     for rid in list(engine.requests):
         engine.abort(rid)
     events = prof.events()
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    labels = ("step", "host: schedule + launch", "host: wait")  # these appear on the device's lane too
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in labels]
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in on_device)
     busy: list[list[float]] = []
     for a, b in kernels:  # the union of the kernels' spans
         if busy and a <= busy[-1][1]:
@@ -159,12 +167,26 @@ def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
     res = {"overlap": overlap, "batch": len(prompts), "steps": n, "step_ms": span / n / 1e3,
            "device_busy_ms": busy_in(*window) / n / 1e3}
     res["device_idle_ms"] = res["step_ms"] - res["device_busy_ms"]
+    # Unprofiled: what the device waits for the host in a step, its busy time being the profiled one.
+    res["step_ms_unprofiled"] = wall_ms
+    res["host_not_hidden_ms"] = max(0.0, wall_ms - res["device_busy_ms"])
+    by_name: dict[str, list[float]] = {}  # kernels and copies of the steady steps: count and time per step
+    for e in on_device:
+        if window[0] <= e.time_range.start < window[1]:
+            by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    res["device_ops_per_step"] = sum(map(len, by_name.values())) / n
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    res["top_device_ops"] = [{"name": k[:100], "per_step": len(v) / n, "ms_per_step": sum(v) / n / 1e3}
+                             for k, v in top]
     a, b = step_spans[20][0], step_spans[24][0]  # four steps for the picture, times in ms from a
     host = [(e.name, (e.time_range.start - a) / 1e3, (e.time_range.end - a) / 1e3) for e in events
-            if e.name.startswith("host:") and a <= e.time_range.start < b]
+            if e.name in labels[1:] and e.device_type == DeviceType.CPU and a <= e.time_range.start < b]
     res["lanes"] = {"host": host, "device": [((s - a) / 1e3, (e - a) / 1e3) for s, e in busy if a <= s < b]}
-    print(f"overlap {overlap}: step {res['step_ms']:.2f} ms, device busy {res['device_busy_ms']:.2f} ms, "
-          f"idle {res['device_idle_ms']:.3f} ms", flush=True)
+    print(f"overlap {overlap}: step {res['step_ms']:.2f} ms ({wall_ms:.2f} unprofiled), device busy "
+          f"{res['device_busy_ms']:.2f} ms, idle {res['device_idle_ms']:.3f} ms, {res['device_ops_per_step']:.0f} "
+          "device ops per step", flush=True)
+    for op in res["top_device_ops"]:
+        print(f"  {op['ms_per_step']:.3f} ms {op['per_step']:.0f}x {op['name']}", flush=True)
     return res
 
 
