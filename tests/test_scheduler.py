@@ -200,3 +200,27 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_a_request_preempted_while_its_step_runs_comes_back_with_that_steps_token():
+    """Overlap: step 2 is scheduled before step 1's tokens are read. An urgent arrival preempts V in
+    the schedule of step 2; the pool would then hold V again at once, but its token from step 1 is
+    not known yet: V joins only after it is, and is sent to the runner with it."""
+    bm = mi.BlockManager(num_blocks=8, block_size=4)
+    s = mi.Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, policy=mi.POLICIES["priority"])
+    a = mi.Sequence("a", [1, 2, 3, 4], mi.SamplingParams(max_tokens=10), priority=0, arrival=0)
+    v = mi.Sequence("v", list(range(1, 13)), mi.SamplingParams(max_tokens=10), priority=2, arrival=1)
+    s.add(a)
+    s.add(v)
+    s.update_from_output(s.schedule(), {"a": [5], "v": [13]})
+    step1 = s.schedule()  # both decode: 6 of 8 blocks in use, their tokens not read
+    assert step1.num_new_tokens == {"a": 1, "v": 1} and v.num_pending == 1
+    s.add(mi.Sequence("u", [7, 7, 7, 7], mi.SamplingParams(max_tokens=10), priority=1, arrival=2))
+    step2 = s.schedule()  # scheduled while step 1 runs
+    assert step2.preempted_ids == ["v"] and "u" in step2.num_new_tokens and "v" not in step2.num_new_tokens
+    s.update_from_output(step1, {"a": [6], "v": [14]})
+    assert v.output_token_ids == [13, 14] and v.num_pending == 0 and v.status is mi.Status.WAITING
+    s.update_from_output(step2, {"a": [7], "u": [8]})
+    step3 = s.schedule()
+    (back,) = [r for r in step3.new_requests if r.request_id == "v"]
+    assert back.prompt_token_ids + back.output_token_ids == list(range(1, 15)) and step3.num_new_tokens["v"] == 14
