@@ -60,13 +60,14 @@ class EngineStats:
     blocks_total: int = 0
     new_tokens: int = 0
     step_seconds: float = 0.0
-    wait_seconds: float = 0.0  # waiting to hand the previous step's outputs over (a slow reader)
+    wait_seconds: float = 0.0  # waiting to hand the previous outputs over (a slow reader)
+    steps: int = 0  # steps these outputs come from (several, when the reader fell behind)
 
     @classmethod
-    def of(cls, engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0) -> EngineStats:
+    def of(cls, engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0, steps: int = 0) -> EngineStats:
         s, bm = engine.scheduler, engine.block_manager
         return cls(len(s.running), len(s.waiting), len(s.swapped), bm.num_blocks - bm.num_free_blocks,
-                   bm.num_blocks, new_tokens, step_seconds)
+                   bm.num_blocks, new_tokens, step_seconds, steps=steps)
 
 
 @dataclass
@@ -109,7 +110,7 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
         # A request that failed on its own data (the others of its step ran): its client gets the error.
         outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
                                  o.error and f"the request failed: {o.error}") for o in done]
-        emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds))
+        emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
 
 
 Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], None]
@@ -210,13 +211,30 @@ def engine_process(config: EngineConfig, conn) -> None:
         conn.send(err)
         return
     conn.send(EngineInfo(engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, EngineStats.of(engine)))
-    waited = 0.0  # in the previous send: a send blocks while the pipe is full
+    # Outputs go out from a thread of their own: a send blocks while the pipe is full, and the engine
+    # must not wait for a slow reader. What piles up meanwhile goes as one message (`coalesce`).
+    pending: list[tuple[list[EngineOutput], EngineStats] | None] = []  # None: the engine has stopped
+    ready = threading.Condition()
 
-    def emit(outputs: list[EngineOutput], stats: EngineStats) -> None:
-        nonlocal waited
-        t0 = time.perf_counter()
-        conn.send((outputs, dataclasses.replace(stats, wait_seconds=waited)))
-        waited = time.perf_counter() - t0
+    def send_outputs() -> None:
+        waited, last = 0.0, False
+        while not last:
+            with ready:
+                ready.wait_for(lambda: pending)
+                batches = pending[:]
+                pending.clear()
+            last = batches[-1] is None
+            steps = [b for b in batches if b is not None]
+            if steps:
+                outputs, stats = coalesce(steps)
+                t0 = time.perf_counter()
+                conn.send((outputs, dataclasses.replace(stats, wait_seconds=waited)))
+                waited = time.perf_counter() - t0
+
+    def put(item: tuple[list[EngineOutput], EngineStats] | None) -> None:
+        with ready:
+            pending.append(item)
+            ready.notify()
 
     def next_command(block: bool) -> EngineCommand | None:
         try:
@@ -224,7 +242,35 @@ def engine_process(config: EngineConfig, conn) -> None:
         except EOFError:  # the parent is gone
             return Shutdown()
 
-    run_engine(engine, next_command, emit)
+    sender = threading.Thread(target=send_outputs, name="miniinfer-outputs")
+    sender.start()
+    try:
+        run_engine(engine, next_command, lambda outputs, stats: put((outputs, stats)))
+    finally:
+        put(None)  # what is left goes, then the thread ends
+        sender.join()
+
+
+def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[list[EngineOutput], EngineStats]:
+    """Several steps' outputs as one: each request's new tokens joined in step order with its last
+    state; the last step's engine state, the steps' tokens, seconds and count summed. (A request id
+    comes back only after the front end has read its finish, so one message never holds two requests
+    of one id.)"""
+    if len(batches) == 1:
+        return batches[0]
+    merged: dict[str, EngineOutput] = {}
+    for outputs, _ in batches:
+        for o in outputs:
+            m = merged.get(o.request_id)
+            if m is None:
+                merged[o.request_id] = dataclasses.replace(o, new_token_ids=list(o.new_token_ids))
+            else:
+                m.new_token_ids += o.new_token_ids
+                m.finish_reason, m.num_cached_tokens, m.error = o.finish_reason, o.num_cached_tokens, o.error
+    stats = [s for _, s in batches]
+    return list(merged.values()), dataclasses.replace(stats[-1], new_tokens=sum(s.new_tokens for s in stats),
+                                       step_seconds=sum(s.step_seconds for s in stats),
+                                       steps=sum(s.steps for s in stats))
 
 
 @dataclass
@@ -324,7 +370,7 @@ class AsyncLLMEngine:
             stats = dataclasses.replace(self.stats, new_tokens=0, step_seconds=0.0, wait_seconds=0.0)
         self.stats = stats  # read by other threads (metrics): replaced whole, never changed in place
         self.generated_tokens += stats.new_tokens
-        self.totals = {"steps": self.totals["steps"] + (stats.step_seconds > 0),
+        self.totals = {"steps": self.totals["steps"] + stats.steps,
                        "step_seconds": self.totals["step_seconds"] + stats.step_seconds,
                        "wait_seconds": self.totals["wait_seconds"] + stats.wait_seconds}
         now = time.perf_counter()

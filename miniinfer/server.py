@@ -317,7 +317,7 @@ class Server:
             ("engine_step_seconds_total", "counter", round(self.engine.totals["step_seconds"], 6),
              "Seconds the engine spent in steps."),
             ("engine_wait_seconds_total", "counter", round(self.engine.totals["wait_seconds"], 6),
-             "Seconds the engine waited to hand outputs to this server (it reads too slowly)."),
+             "Seconds the engine's output thread waited to hand outputs to this server (it reads too slowly)."),
         ]:
             lines += [f"# HELP miniinfer_{name} {help}", f"# TYPE miniinfer_{name} {kind}", f"miniinfer_{name} {value}"]
         return "\n".join(lines) + "\n"

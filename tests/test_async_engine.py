@@ -174,3 +174,17 @@ def test_shutdown_answers_every_command_taken_before_it(course_model):
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error"), ("a", "abort")]
     assert "already in use" in outputs[0].error and outputs[1].error == "the engine was closed"
     assert engine.block_manager.num_free_blocks == 16 and not engine.requests
+
+
+def test_outputs_of_several_steps_go_as_one():
+    """What piles up while the front end reads slowly crosses the pipe as one message."""
+    E, S = mi.async_engine.EngineOutput, mi.async_engine.EngineStats
+    steps = [([E("a", [1]), E("b", [2], num_cached_tokens=16)], S(running=2, new_tokens=2, step_seconds=0.1, steps=1)),
+             ([E("a", [3], "stop"), E("b", [4], num_cached_tokens=16)], S(running=1, new_tokens=2, step_seconds=0.2,
+                                                                        steps=1)),
+             ([E("b", [], "error", error="boom")], S(running=0, step_seconds=0.3, steps=1))]
+    outputs, stats = mi.async_engine.coalesce(steps)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens, o.error) for o in outputs] == [
+        ("a", [1, 3], "stop", 0, None), ("b", [2, 4], "error", 0, "boom")]
+    assert (stats.running, stats.new_tokens, stats.steps, round(stats.step_seconds, 6)) == (0, 4, 3, 0.6)
+    assert steps[0][0][0].new_token_ids == [1] and mi.async_engine.coalesce(steps[:1]) == steps[0]
