@@ -165,12 +165,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(total, weight, eps), total
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: silu(gate) * up, for x = [gate, up] packed along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Ops:
     """The elementwise ops the model calls (PyTorch here; chapter 04 registers Triton's)."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     apply_rope = staticmethod(apply_rope)
+    silu_and_mul = staticmethod(silu_and_mul)
 
 
 class Registry(dict):
@@ -248,9 +255,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -265,7 +271,7 @@ class DecoderLayer(nn.Module):
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         h = self.self_attn(ops.rms_norm(x, n1.weight, n1.eps), cos, sin, layer, attn, ops)
         h, x = ops.add_rms_norm(h, x, n2.weight, n2.eps)  # x += attention; h = norm(x)
-        return x + self.mlp(h)
+        return x + self.mlp(h, ops)
 
 
 class Backbone(nn.Module):

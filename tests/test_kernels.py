@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
-from miniinfer.model import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from miniinfer.model import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -26,6 +26,16 @@ def test_rms_norm_on_per_head_views():
     q = qkv[..., :120].view(2, 7, 6, 20)
     w = torch.randn(20)
     torch.testing.assert_close(mi.kernels.rms_norm(q, w, 1e-6), rms_norm(q, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 7), (2, 3, 2 * 1025), (5, 2 * 96)])  # odd, one over a block
+def test_silu_and_mul(shape, dtype):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else {}
+    torch.testing.assert_close(mi.kernels.silu_and_mul(x), silu_and_mul(x), **tol)
+    rows = x.flatten(0, -2)[::2]  # every other row: a view whose rows are not adjacent
+    torch.testing.assert_close(mi.kernels.silu_and_mul(rows), silu_and_mul(rows), **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -112,12 +112,36 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return q_out.view(q.shape), k_out.view(k.shape)
 
 
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, I: tl.constexpr, BLOCK: tl.constexpr):
+    row, col = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < I
+    gate = tl.load(x_ptr + row * x_stride + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + I + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + col, (gate / (1 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate, up] [..., 2I] -> [..., I]: one read of x, one write, in
+    float32 inside (PyTorch's two kernels round to x's dtype in between)."""
+    I = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * I)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], I), dtype=x.dtype, device=x.device)
+    BLOCK = min(triton.next_power_of_2(I), 1024)
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(I, BLOCK))](x2, out, x2.stride(0), out.stride(0), I=I, BLOCK=BLOCK)
+    return out.view(*x.shape[:-1], I)
+
+
 class TritonOps(Ops):
     """The model's elementwise ops as Triton kernels."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(fused_add_rms_norm)
     apply_rope = staticmethod(apply_rope)
+    silu_and_mul = staticmethod(silu_and_mul)
 
 
 OPS_BACKENDS["triton"] = TritonOps()  # load_model picks it on CUDA; model.use_ops selects it by name
