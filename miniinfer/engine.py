@@ -158,7 +158,8 @@ class LLMEngine:
         """Schedule, run, update: an output for every request that got tokens, finished or failed.
         With overlap the next step is scheduled and launched before this one's tokens are read, so
         that the device never waits for the host (the first call launches two)."""
-        t0, failed = time.perf_counter(), list[Sequence]()
+        t0 = time.perf_counter()
+        failed: list[Sequence] = []
         if self.in_flight is None:
             self.in_flight = self._launch(failed)
         done, self.in_flight = self.in_flight, self._launch(failed) if self.config.overlap else None

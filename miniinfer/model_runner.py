@@ -118,14 +118,14 @@ class ModelRunner:
         tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
         tables, widths = self.rows.gather(rows, [r.block_ids for r in reqs])
         batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
-        on_device = to_device(np.array(rows), self.device)
+        rows_on_device = to_device(np.array(rows), self.device)
         if any(t[-1] < 0 for t in tokens):  # sampled by the step still running: the device has it
             last = batch.query_start_loc[1:] - 1
             known = batch.input_ids[last]
-            batch.input_ids[last] = torch.where(known < 0, self.last_token[on_device], known)
+            batch.input_ids[last] = torch.where(known < 0, self.last_token[rows_on_device], known)
         # A request samples where its known tokens end; a piece that stops inside a prompt does not.
         ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
-        return StepBatch(ids, reqs, counts, batch, ends, on_device)
+        return StepBatch(ids, reqs, counts, batch, ends, rows, rows_on_device)
 
     def forward(self, step: StepBatch) -> torch.Tensor:
         """Logits [B, vocab] at each request's last new token: a decode batch replays a CUDA graph,
@@ -145,9 +145,9 @@ class ModelRunner:
         for r, n in zip(reqs, step.num_new_tokens):
             r.num_computed_tokens += n
         steps = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs])
-        values = self.rows.sampling[:, [r.row for r in reqs]]
+        values = self.rows.sampling[:, step.rows]
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
-        self.last_token[step.rows] = tokens.to(self.last_token.dtype)
+        self.last_token[step.rows_on_device] = tokens.to(self.last_token.dtype)
         at = [len(reqs[i].token_ids) for i in step.ends]
         for i in step.ends:
             reqs[i].token_ids.append(-1)  # until collect reads it
@@ -252,7 +252,8 @@ class StepBatch:
     num_new_tokens: list[int]
     batch: VarlenBatch
     ends: list[int]  # indices of the requests that sample
-    rows: torch.Tensor  # each request's row in BatchRows, on the device
+    rows: list[int]  # each request's row in BatchRows
+    rows_on_device: torch.Tensor
 
 
 @dataclass
