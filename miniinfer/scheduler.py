@@ -166,8 +166,8 @@ class Scheduler:
             seq.num_pending += 1
 
     def _to_compute(self, seq: Sequence) -> int:
-        """Its tokens not yet computed, the one sampled in a step still running included. None once
-        the steps under way bring it to max_tokens; no guesses while a step is under way."""
+        """Its tokens not yet computed, the one sampled in a step still running included; 0 once the
+        steps under way bring it to max_tokens; no guesses while a step is under way."""
         if len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens:
             return 0
         guesses = 0 if seq.num_pending else len(seq.spec_token_ids)
