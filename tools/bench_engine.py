@@ -371,7 +371,8 @@ def plot(out_path: str) -> None:
 
     res = json.loads(Path(out_path).read_text())
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1.4]})
-    names = {"floor": "floor", "ours": "miniinfer LLMEngine", "static_ch02": "ours, static batch (ch02)",
+    names = {"floor": "floor", "ours": "miniinfer LLMEngine", "ours_no_overlap": "miniinfer, overlap off",
+             "static_ch02": "ours, static batch (ch02)",
              "hf_generate_batch": "transformers generate_batch", "hf_static": "transformers static batch"}
     labels = {"llama": "Llama-3.2-1B shape", "qwen3": "Qwen3-0.6B shape"}
     for i, shape in enumerate(s for s in labels if s in res):
