@@ -165,6 +165,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return rms_norm(total, weight, eps), total
 
 
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMSNorm of each query and key head, then RoPE."""
+    return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation: silu(gate) * up, for x = [gate, up] packed along the last dimension."""
     gate, up = x.chunk(2, dim=-1)
@@ -177,6 +183,7 @@ class Ops:
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     apply_rope = staticmethod(apply_rope)
+    qk_norm_rope = staticmethod(qk_norm_rope)
     silu_and_mul = staticmethod(silu_and_mul)
 
 
@@ -240,9 +247,9 @@ class Attention(nn.Module):
         D = self.cfg.head_dim
         q, k, v = (t.view(B, T, -1, D) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
         if self.cfg.qk_norm:
-            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.apply_rope(q, k, cos, sin)
+            q, k = ops.qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            q, k = ops.apply_rope(q, k, cos, sin)
         o = attn(layer, q, k, v, D ** -0.5)
         return self.o_proj(o.reshape(B, T, -1))
 
@@ -267,11 +274,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
+    def forward(self, h, x, cos, sin, layer: int, attn: AttentionBackend,
+                ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: what the layer before adds to the residual stream x (layer 0: the embeddings, to zeros)
+        -> what this layer adds, and the stream before it. Each add is left to the norm after it,
+        which does both in one pass (chapter 04's fused kernel)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        h = self.self_attn(ops.rms_norm(x, n1.weight, n1.eps), cos, sin, layer, attn, ops)
+        h, x = ops.add_rms_norm(h, x, n1.weight, n1.eps)
+        h = self.self_attn(h, cos, sin, layer, attn, ops)
         h, x = ops.add_rms_norm(h, x, n2.weight, n2.eps)  # x += attention; h = norm(x)
-        return x + self.mlp(h, ops)
+        return self.mlp(h, ops), x
 
 
 class Backbone(nn.Module):
@@ -323,13 +335,14 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         attn = attn or CausalAttention()
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = (t.to(x.dtype) for t in rope_cos_sin(positions, self.inv_freq))  # once, not per layer
+        h = self.model.embed_tokens(input_ids)
+        x = torch.zeros_like(h)  # the residual stream before the embeddings join it
+        cos, sin = (t.to(h.dtype) for t in rope_cos_sin(positions, self.inv_freq))  # once, not per layer
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, attn, self.ops)
+            h, x = layer(h, x, cos, sin, i, attn, self.ops)
         if logits_at is not None:
             # Generation needs only the last token's logits: the lm_head of every other token of
             # a long prompt would be the largest matmul of the forward, and [T, vocab] of memory.
-            x = x.flatten(0, 1)[logits_at]
+            h, x = h.flatten(0, 1)[logits_at], x.flatten(0, 1)[logits_at]
         norm = self.model.norm
-        return self.lm_head(self.ops.rms_norm(x, norm.weight, norm.eps))
+        return self.lm_head(self.ops.add_rms_norm(h, x, norm.weight, norm.eps)[0])

@@ -107,7 +107,8 @@ def test_decode_config_fills_the_gpu_without_over_splitting():
     config = functools.partial(mi.kernels.decode_config, kv_heads=8, multiprocessors=132)
     assert config(batch=1, head_dim=64, max_len=32768) == dict(num_splits=66, tile=128, num_warps=4)
     assert config(batch=16, head_dim=128, max_len=2048) == dict(num_splits=4, tile=64, num_warps=4)
-    assert config(batch=64, head_dim=128, max_len=2048) == dict(num_splits=2, tile=32, num_warps=2)
+    assert config(batch=64, head_dim=64, max_len=2048) == dict(num_splits=1, tile=128, num_warps=4)
+    assert config(batch=8, head_dim=128, max_len=2048) == dict(num_splits=8, tile=64, num_warps=4)
     assert config(batch=256, head_dim=64, max_len=32768)["num_splits"] == 1  # the batch fills the GPU
     assert config(batch=1, head_dim=64, max_len=100)["num_splits"] == 1  # no split shorter than 2 tiles
     assert config(batch=1, head_dim=20, max_len=5000)["tile"] == 128  # odd head dims: padded to 32 lanes

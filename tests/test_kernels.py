@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import miniinfer as mi
-from miniinfer.model import add_rms_norm, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
+from miniinfer.model import (add_rms_norm, apply_rope, qk_norm_rope, rms_norm, rope_cos_sin, rope_inv_freq,
+                             silu_and_mul)
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -46,6 +47,20 @@ def test_rope(T, Hq, Hk, D, dtype):
     cos, sin = (t.to(dtype) for t in rope_cos_sin(torch.randint(0, 9999, (T,), generator=gen), rope_inv_freq(D, 1e4)))
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else {}
     for got, ref in zip(mi.kernels.apply_rope(q, k, cos, sin), apply_rope(q, k, cos, sin)):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, Hq, Hk, D", [(1, 16, 8, 128), (7, 6, 2, 20), (3, 5, 5, 2)])
+def test_qk_norm_rope_on_views_of_the_packed_projection(T, Hq, Hk, D, dtype):
+    gen = torch.Generator().manual_seed(T + Hq * D)
+    qkv = torch.randn(2, T, (Hq + 2 * Hk) * D, generator=gen).to(dtype)
+    q, k = qkv[..., :Hq * D].view(2, T, Hq, D), qkv[..., Hq * D:(Hq + Hk) * D].view(2, T, Hk, D)
+    cos, sin = (t.to(dtype) for t in rope_cos_sin(torch.randint(0, 9999, (2, T), generator=gen), rope_inv_freq(D, 1e4)))
+    qw, kw = (1 + torch.randn(D, generator=gen)).to(dtype), (1 + torch.randn(D, generator=gen)).to(dtype)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else {}
+    args = (q, k, cos, sin, qw, kw, 1e-6)
+    for got, ref in zip(mi.kernels.qk_norm_rope(*args), qk_norm_rope(*args)):
         torch.testing.assert_close(got, ref, **tol)
 
 

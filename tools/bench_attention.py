@@ -2,13 +2,14 @@
 `generate_paged` end to end with the chapter-03 (gather) and chapter-05 (varlen, Triton) backends.
 
 Hand-written tool.
-    python tools/bench_attention.py run docs/benchmarks/attention_h200.json [decode prefill e2e]
+    python tools/bench_attention.py run docs/benchmarks/attention_h200.json [decode ragged prefill e2e]
     python tools/bench_attention.py tune decode|prefill                       # kernel configurations
     python tools/bench_attention.py check                                     # bf16 agreement on the GPU
     python tools/bench_attention.py plot docs/benchmarks/attention_h200.json  # redraw the PNGs
 """
 
 import datetime
+import itertools
 import json
 import random
 import sys
@@ -142,6 +143,51 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
             "notes": notes}
 
 
+def ragged_cases() -> list[dict]:
+    """Decode attention as the engine meets it on COURSE.md's workload: the running requests' ragged
+    contexts (prompts of 100..1024 tokens plus the step) at three steps, for the Llama-1B and
+    Qwen3-0.6B heads, each with decode_config's choice and a grid of tiles and warps."""
+    lengths = mi.benchmark_lengths(256)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for name, hq, D in (("llama", 32, 64), ("qwen3", 16, 128)):
+        for step in (10, 400, 800):
+            ctx = [p + step for p, o in lengths if o > step]
+            B, per = len(ctx), [-(-c // BLOCK) for c in ctx]
+            nbytes = 2 * sum(ctx) * HK * D * 2
+            worlds = []
+            for i in range(max(1, -(-256 * 2**20 // nbytes))):  # as decode_worlds: more than the L2 holds
+                gen = torch.Generator(device="cuda").manual_seed(i)
+                k_cache = torch.randn(sum(per), BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
+                v_cache = torch.randn_like(k_cache)
+                order = torch.randperm(sum(per), device="cuda", generator=gen).to(torch.int32)
+                tables = torch.zeros(B, -(-2048 // BLOCK), dtype=torch.int32, device="cuda")
+                for b, start in enumerate(itertools.accumulate([0] + per[:-1])):
+                    tables[b, :per[b]] = order[start:start + per[b]]
+                worlds.append(dict(q=torch.randn(B, hq, D, device="cuda", dtype=DT), k_cache=k_cache,
+                                   v_cache=v_cache, tables=tables,
+                                   lens=torch.tensor(ctx, device="cuda", dtype=torch.int32)))
+            auto = mi.kernels.decode_config(B, HK, D, 2048, sms)  # the engine's graphs use max_model_len
+
+            def gbps(**cfg):
+                t = graph_ms([lambda w=w: mi.kernels.paged_attention(w["q"], w["k_cache"], w["v_cache"], w["tables"],
+                                                                     w["lens"], D ** -0.5, max_len=2048, **cfg)
+                              for w in worlds])
+                return nbytes / (t * 1e-3) / 1e9
+
+            grid = [dict(num_splits=n, tile=t, num_warps=w, GBps=gbps(num_splits=n, tile=t, num_warps=w))
+                    for n in (1, 2, 4) for t in (32, 64, 128) for w in (2, 4) if t * D <= 8192]
+            cases.append({"heads": name, "query_heads": hq, "head_dim": D, "step": step, "batch": B,
+                          "mean_context": sum(ctx) / B, "max_context": max(ctx), "kv_bytes": nbytes,
+                          "config": auto, "GBps": gbps(), "grid": grid})
+            best = max(grid, key=lambda g: g["GBps"])
+            print(f"ragged {name} step {step} B={B}: decode_config {auto} {cases[-1]['GBps']:.0f} GB/s; best {best}",
+                  flush=True)
+            del worlds
+            torch.cuda.empty_cache()
+    return cases
+
+
 _flex_compiled = None
 
 
@@ -268,6 +314,8 @@ def main(out_path: str, parts: list[str]) -> None:
                         f"{k.split(',')[0][:14]} {v / bw:4.0%}" for k, v in r["GBps"].items()) +
                           f"  copy, same bytes {r['copy_same_bytes_GBps'] / bw:4.0%}", flush=True)
         res["copy_GBps"] = bw  # the percentages are of this run's copy bandwidth
+    if "ragged" in parts:
+        res["ragged"] = ragged_cases()
     if "prefill" in parts:
         res["prefill"] = []
         for D in (64, 128):

@@ -12,6 +12,7 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     hf         transformers generate_batch (all 256)
     hf_static  transformers static-batch generate (the first 64)
     batch1     one request: decode tokens/s against the weight-read floor
+    hf_batch1  transformers generate at batch 1 with its static cache, compiled and eager
     profile    host and device time of decode steps
     python tools/bench_engine.py run docs/benchmarks/engine_h200.json ours qwen3:ours ...
     python tools/bench_engine.py plot docs/benchmarks/engine_h200.json
@@ -278,6 +279,25 @@ def batch1(model, gbps: float) -> dict:
     return res
 
 
+def hf_batch1(hf) -> dict:
+    """transformers' generate of 256 tokens after a 32-token prompt with its static cache, with
+    torch.compile (its default for that cache on a GPU) and without; tokens/s over the whole call."""
+    ids = torch.tensor([list(range(100, 132))], device="cuda")
+    res = {}
+    for name, disable in (("compiled", False), ("eager", True)):
+        def run():
+            return hf.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False,
+                               cache_implementation="static", disable_compile=disable)
+        run()  # warm-up: compiles
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        res[name] = {"tokens_per_s": 256 / (time.perf_counter() - t0)}
+        print(f"transformers batch 1, static cache, {name}: {res[name]['tokens_per_s']:.0f} tok/s", flush=True)
+    return res
+
+
 def profile(model, prompts, outs) -> dict:
     """Where a full decode step's time goes: the scheduler, building the batch on the host,
     the graph replay (with its input copies), sampling, and the engine's bookkeeping after."""
@@ -355,6 +375,8 @@ def main(out_path: str, parts: list[str]) -> None:
             r["profile"] = profile(model, prompts, outs)
         elif part == "batch1":
             r["batch1"] = batch1(model, gbps)
+        elif part == "hf_batch1":
+            r["hf_batch1"] = hf_batch1(hf)
         elif part == "static":
             r["static_ch02"] = static(model, prompts, outs)
         elif part == "hf":
@@ -370,11 +392,12 @@ def plot(out_path: str) -> None:
     import matplotlib.pyplot as plt
 
     res = json.loads(Path(out_path).read_text())
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [1, 1.4]})
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 4), gridspec_kw={"width_ratios": [1, 0.7, 1.2]})
     names = {"floor": "floor", "ours": "miniinfer LLMEngine", "ours_no_overlap": "miniinfer, overlap off",
              "static_ch02": "ours, static batch (ch02)",
              "hf_generate_batch": "transformers generate_batch", "hf_static": "transformers static batch"}
     labels = {"llama": "Llama-3.2-1B shape", "qwen3": "Qwen3-0.6B shape"}
+    names = {k: v for k, v in names.items() if any(k in res[s] for s in labels if s in res)}
     for i, shape in enumerate(s for s in labels if s in res):
         for j, key in enumerate(names):
             if key in res[shape]:
@@ -387,6 +410,21 @@ def plot(out_path: str) -> None:
     ax1.set_xlabel("output tokens/s (log scale)")
     ax1.legend(fontsize=8)
     ax1.set_title(f"256 requests, {res['gpu']}", fontsize=10)
+    batch1 = {"floor": lambda r: r["batch1"]["floor_tokens_per_s"], "miniinfer": lambda r: r["batch1"]["tokens_per_s"],
+              "transformers static,\ncompiled": lambda r: r["hf_batch1"]["compiled"]["tokens_per_s"],
+              "transformers static,\neager": lambda r: r["hf_batch1"]["eager"]["tokens_per_s"]}
+    for i, shape in enumerate(s for s in labels if s in res):
+        for j, get in enumerate(batch1.values()):
+            try:
+                v = get(res[shape])
+            except KeyError:
+                continue
+            ax3.barh(j + 0.4 * i, v, height=0.4, color=f"C{i}")
+            ax3.text(v, j + 0.4 * i, f" {v:,.0f}", va="center", fontsize=8)
+    ax3.set_yticks([j + 0.2 for j in range(len(batch1))], list(batch1))
+    ax3.invert_yaxis()
+    ax3.set_xlabel("tokens/s")
+    ax3.set_title("one request (batch 1)", fontsize=10)
     # Every sequence in a step, prefill or decode, produces one output token.
     t, running = zip(*((r[0], r[1]) for r in res["llama"]["ours"]["trace"]))
     ax2.plot(t, running, label="sequences in the step")

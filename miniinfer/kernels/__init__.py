@@ -4,7 +4,7 @@ Importing it registers chapter 04's ops backend ("triton") and chapter 05's atte
 """
 
 from miniinfer.kernels.attention import decode_config, paged_attention, prefill_attention, store_kv
-from miniinfer.kernels.norm_rope import apply_rope, fused_add_rms_norm, rms_norm, silu_and_mul
+from miniinfer.kernels.norm_rope import apply_rope, fused_add_rms_norm, qk_norm_rope, rms_norm, silu_and_mul
 
 __all__ = ["apply_rope", "decode_config", "fused_add_rms_norm", "paged_attention", "prefill_attention",
-           "rms_norm", "silu_and_mul", "store_kv"]
+           "qk_norm_rope", "rms_norm", "silu_and_mul", "store_kv"]

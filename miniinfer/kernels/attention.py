@@ -115,18 +115,16 @@ def _multiprocessors(device: torch.device) -> int:
 def decode_config(batch: int, kv_heads: int, head_dim: int, max_len: int, multiprocessors: int) -> dict:
     """Split, tile and warps of the decode kernel, from a sweep on the H200 (docs/benchmarks).
 
-    While the batch leaves most multiprocessors idle, a program reads tiles of 8K values (16 KB in
-    bf16) with 4 warps, about 4 such programs fit on a multiprocessor, and the context is split to
-    make that many. When the batch alone fills the GPU, half-size tiles and 2 warps let about 8
-    programs share a multiprocessor. A split never gets fewer than 2 tiles.
+    A program reads tiles of 8K values (16 KB in bf16) with 4 warps, about 4 such programs fit on
+    a multiprocessor, and while the batch leaves multiprocessors idle the context is split to make
+    that many. A split never gets fewer than 2 tiles. (With every context of the same length, half
+    tiles and 2 warps were faster once the batch fills the GPU; on the engine's ragged contexts
+    they were slower, by up to 11%: `ragged` in the JSON.)
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
-    pairs = batch * kv_heads
-    small = pairs < 2 * multiprocessors
-    tile = max(16, min(128, (8192 if small else 4096) // block_d))
-    splits = round((4 if small else 8) * multiprocessors / pairs)
-    return dict(num_splits=max(1, min(splits, 128, -(-max_len // (2 * tile)))), tile=tile,
-                num_warps=4 if small else 2)
+    tile = max(16, min(128, 8192 // block_d))
+    splits = round(4 * multiprocessors / (batch * kv_heads))
+    return dict(num_splits=max(1, min(splits, 128, -(-max_len // (2 * tile)))), tile=tile, num_warps=4)
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -69,34 +69,44 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, t, x_tok, x_head, c, s, n_heads: tl.constexpr,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotate_heads(x_ptr, out_ptr, w_ptr, t, x_tok, x_head, c, s, eps, n_heads: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < n_heads) & (d < HALF)
     src = x_ptr + t * x_tok + h * x_head + d
     dst = out_ptr + t * (n_heads * 2 * HALF) + h * (2 * HALF) + d  # the output is contiguous
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    if NORM:  # each head's RMSNorm first, rounded where the unfused norm rounds
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        x1 = (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        x2 = (w2 * (b * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     tl.store(dst, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, q_tok, q_head, k_tok, k_head,
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, q_tok, q_head, k_tok, k_head,
                  n_q: tl.constexpr, n_k: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + t * HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, qo_ptr, t, q_tok, q_head, c, s, n_q, HALF, BLOCK_HQ, BLOCK_D)
-    _rotate_heads(k_ptr, ko_ptr, t, k_tok, k_head, c, s, n_k, HALF, BLOCK_HK, BLOCK_D)
+    _rotate_heads(q_ptr, qo_ptr, qw_ptr, t, q_tok, q_head, c, s, eps, n_q, HALF, BLOCK_HQ, BLOCK_D, NORM)
+    _rotate_heads(k_ptr, ko_ptr, kw_ptr, t, k_tok, k_head, c, s, eps, n_k, HALF, BLOCK_HK, BLOCK_D, NORM)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [..., T, Hq, D] and k [..., T, Hk, D] by cos/sin [..., T, D/2] in one launch."""
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [..., T, Hq, D] and k [..., T, Hk, D] by cos/sin [..., T, D/2] in one launch; with
+    q_weight and k_weight, RMSNorm each head first (Qwen3), in the same launch."""
     D = q.shape[-1]
     q3, k3 = q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:])
     if q3.stride(-1) != 1 or k3.stride(-1) != 1:
@@ -104,12 +114,21 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     cos2, sin2 = cos.reshape(-1, D // 2).contiguous(), sin.reshape(-1, D // 2).contiguous()
     q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
+    norm = q_weight is not None and k_weight is not None
     _rope_kernel[(q3.shape[0],)](
-        q3, k3, q_out, k_out, cos2, sin2, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+        q3, k3, q_out, k_out, cos2, sin2, q_weight if norm else cos2, k_weight if norm else cos2, eps,
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         n_q=q3.shape[1], n_k=k3.shape[1], HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k3.shape[1]), BLOCK_D=triton.next_power_of_2(D // 2),
-        num_warps=4 if q3.shape[1] * D <= 2048 else 8)
+        NORM=norm, num_warps=4 if q3.shape[1] * D <= 2048 else 8)
     return q_out.view(q.shape), k_out.view(k.shape)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                 k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMSNorm of each query and key head, then RoPE: one launch instead of two norms, the
+    copies that made their strided inputs contiguous, and the rotation."""
+    return apply_rope(q, k, cos, sin, q_weight, k_weight, eps)
 
 
 @triton.jit
@@ -141,6 +160,7 @@ class TritonOps(Ops):
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(fused_add_rms_norm)
     apply_rope = staticmethod(apply_rope)
+    qk_norm_rope = staticmethod(qk_norm_rope)
     silu_and_mul = staticmethod(silu_and_mul)
 
 
