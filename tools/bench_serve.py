@@ -9,6 +9,7 @@ full 128,256-token vocabulary (the server must turn every generated id into text
      then Poisson arrivals at rising request rates, then saturation again; the client is 4 processes.
     python tools/bench_serve.py run docs/benchmarks/serve_h200.json [rates...]
     python tools/bench_serve.py saturation docs/benchmarks/serve_saturation_h200.json 3
+    python tools/bench_serve.py saturation OUT.json 2 --profile   # the server's threads sampled: OUT.stacks.json
     python tools/bench_serve.py plot docs/benchmarks/serve_h200.json
 """
 
@@ -78,9 +79,11 @@ def in_process(folder: Path, prompts, outs, repeat: int = 1) -> dict:
     return res
 
 
-def start_server(folder: Path, port: int, log: Path) -> subprocess.Popen:
+def start_server(folder: Path, port: int, log: Path, stacks: Path | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "miniinfer", "serve", "--model", str(folder), "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "llama-3.2-1b-shape"]
+    if stacks:
+        cmd[1:1] = [str(Path(__file__).parent / "sample_stacks.py"), str(stacks)]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     while True:
         try:
@@ -106,7 +109,7 @@ def bench(url: str, prompts, outs, rate: float) -> dict:
     return r
 
 
-def main(out_path: str, rates: list[float], repeat: int = 1) -> None:
+def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = False) -> None:
     """With rates: the in-process engine, then the server at saturation, at each rate, and at saturation
     again. Without: the in-process engine `repeat` times, then the server at saturation `repeat` times."""
     import fastapi
@@ -125,7 +128,8 @@ def main(out_path: str, rates: list[float], repeat: int = 1) -> None:
         checkpoint(folder)
         res["in_process"] = in_process(folder, prompts, outs, repeat)
         path.write_text(json.dumps(res, indent=1))
-        proc = start_server(folder, 8000, path.with_suffix(".server.log"))
+        proc = start_server(folder, 8000, path.with_suffix(".server.log"),
+                            path.with_suffix(".stacks.json") if profile else None)
         url = "http://127.0.0.1:8000"
         try:
             bench(url, prompts[:8], [8] * 8, float("inf"))  # warm-up, as in-process
@@ -180,6 +184,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "run":
         main(sys.argv[2], [float(r) for r in sys.argv[3:]] or RATES)
     elif sys.argv[1] == "saturation":
-        main(sys.argv[2], [], repeat=int(sys.argv[3]))
+        main(sys.argv[2], [], repeat=int(sys.argv[3]), profile="--profile" in sys.argv)
     else:
         plot(sys.argv[2])
