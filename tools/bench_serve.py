@@ -10,6 +10,7 @@ full 128,256-token vocabulary (the server must turn every generated id into text
     python tools/bench_serve.py run docs/benchmarks/serve_h200.json [rates...]
     python tools/bench_serve.py saturation docs/benchmarks/serve_saturation_h200.json 3
     python tools/bench_serve.py saturation OUT.json 2 --profile   # the server's threads sampled: OUT.stacks.json
+    python tools/bench_serve.py saturation OUT.json 2 --clients 8
     python tools/bench_serve.py plot docs/benchmarks/serve_h200.json
 """
 
@@ -35,7 +36,8 @@ from miniinfer.bench import read_metrics, run_bench
 MAX_MODEL_LEN = 2048
 RATES = [2, 4, 8, 16, 32, 64]
 PER_RATE = 128
-CLIENTS = 4  # client processes: one Python process cannot read the ~30k chunks/s of saturation
+# Client processes: one Python process cannot read the ~30k chunks/s of saturation (`--clients N`).
+CLIENTS = int(sys.argv[sys.argv.index("--clients") + 1]) if "--clients" in sys.argv else 4
 
 
 def checkpoint(folder: Path) -> None:

@@ -6,18 +6,23 @@ its time (the engine's own process is not sampled: it is a fresh interpreter).
 
 Every 5 ms a thread of its own records the innermost Python frame of every other thread ("self")
 and each distinct function on its stack ("total"), by thread name. A thread blocked in C shows the
-Python line that called it (a selector's `select`, a queue's `get`). The counts go to OUT.json when
-the program ends, SIGTERM included.
+Python line that called it (a selector's `select`, a queue's `get`), and so does a thread busy in
+C code that holds the interpreter's lock (uvloop's): the CPU seconds each thread used (Linux's
+/proc, read every 0.5 s: `cpu_timeline`) tell waiting from working. The counts go to OUT.json when the program
+ends, SIGTERM included.
 """
 
 import atexit
 import collections
+import itertools
 import json
+import os
 import re
 import runpy
 import signal
 import sys
 import threading
+import time
 
 INTERVAL = 0.005  # seconds; each round costs the sampled process some of its GIL time
 
@@ -27,15 +32,34 @@ def where(frame) -> str:
     return f"{path}:{frame.f_code.co_name}"
 
 
+def cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of each live thread, by name (empty where /proc is missing)."""
+    res = {}
+    for t in threading.enumerate():
+        try:
+            fields = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        res[t.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return res
+
+
 def main(out: str, argv: list[str]) -> None:
     samples: collections.Counter = collections.Counter()
     inner = collections.defaultdict(collections.Counter)
     anywhere = collections.defaultdict(collections.Counter)
     stop = threading.Event()
+    cpu: dict[str, float] = {}
+    timeline: list[tuple[float, dict[str, float]]] = []  # (seconds, CPU seconds by thread) every 0.5 s
 
     def sample() -> None:
         me = threading.get_ident()
-        while not stop.wait(INTERVAL):
+        for rounds in itertools.count():
+            if stop.wait(INTERVAL):
+                return
+            if rounds % 100 == 0:  # a thread's CPU time as last seen alive: some end before the program
+                cpu.update(cpu_seconds())
+                timeline.append((round(time.perf_counter() - t0, 3), dict(cpu)))
             names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
                 if ident == me:
@@ -54,11 +78,14 @@ def main(out: str, argv: list[str]) -> None:
             return
         stop.set()
         sampler.join()  # its last round done: the counters no longer change
-        res = {name: {"samples": n, "self": inner[name].most_common(30), "total": anywhere[name].most_common(40)}
-               for name, n in samples.most_common()}
+        cpu.update(cpu_seconds())
+        res = {name: {"samples": n, "cpu_s": cpu.get(name), "self": inner[name].most_common(30),
+                      "total": anywhere[name].most_common(40)} for name, n in samples.most_common()}
         with open(out, "w") as f:
-            json.dump({"interval_s": INTERVAL, "threads": res}, f, indent=1)
+            json.dump({"interval_s": INTERVAL, "wall_s": time.perf_counter() - t0, "threads": res,
+                       "cpu_timeline": timeline}, f)
 
+    t0 = time.perf_counter()
     atexit.register(dump)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn installs its own while serving
     sampler = threading.Thread(target=sample, daemon=True, name="sampler")
