@@ -381,7 +381,8 @@ def rss_mb(pid: int) -> float:
 def test_a_huge_body_gets_413_at_once_while_health_answers(server):
     """20 MB and a 6 MB body sent in chunks (no Content-Length) get 413 without being read; a 3.8 MB
     prompt (under the 4 MiB limit) is refused for the context without being tokenized. /health
-    answers within 100 ms throughout, and the API process keeps its memory."""
+    answers within 250 ms throughout (reading the 20 MB would take seconds; 250 ms leaves room for a
+    loaded 2-core machine), and the API process keeps its memory."""
     proc, url = server
 
     async def chunks():
@@ -408,7 +409,7 @@ def test_a_huge_body_gets_413_at_once_while_health_answers(server):
                 results.append((r.status_code, r.json()["error"]["type"], time.perf_counter() - t0))
                 done = True
                 await task
-                assert r.status_code == status and max(health) < 0.1, (r.text, health)
+                assert r.status_code == status and max(health) < 0.25, (r.text, health)
             return before, results
 
     before, results = asyncio.run(main())
