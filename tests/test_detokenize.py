@@ -4,8 +4,10 @@ the whole text, for any text and any split of its tokens into steps."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import transformers
+
 import miniinfer as mi
-from miniinfer.detokenize import IncrementalDetokenizer
+from miniinfer.detokenize import IncrementalDetokenizer, fast_decode
 
 TOKENIZER = mi.load_tokenizer(None)
 CHARS = list("ab \n\t(){}:=_") + ["é", "ü", "日", "本", "🙂", "👍", "\U0001F3FD", "ß", "\u0301"]
@@ -36,3 +38,17 @@ def test_pieces_are_whole_characters_and_add_up(text, sizes):
 def test_arbitrary_tokens_still_add_up(ids, sizes):
     # A sampled model may emit bytes that never form a character: they still come out, at the end.
     assert "".join(stream(ids, sizes)) == TOKENIZER.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ids=st.lists(st.integers(0, TOKENIZER.vocab_size - 1), max_size=60))
+def test_fast_decode_is_the_tokenizers_decode(ids):
+    """Special tokens (EOS included) kept, bytes of broken characters as transformers gives them."""
+    assert fast_decode(TOKENIZER)(ids) == TOKENIZER.decode(ids)
+
+
+def test_fast_decode_leaves_a_tokenizer_that_cleans_up_spaces_to_transformers(tmp_path):
+    TOKENIZER.save_pretrained(tmp_path)
+    cleaning = transformers.AutoTokenizer.from_pretrained(tmp_path, clean_up_tokenization_spaces=True)
+    assert fast_decode(cleaning) == cleaning.decode
+    assert fast_decode(TOKENIZER) != TOKENIZER.decode  # the course tokenizer takes the fast path

@@ -11,6 +11,7 @@ full 128,256-token vocabulary (the server must turn every generated id into text
     python tools/bench_serve.py saturation docs/benchmarks/serve_saturation_h200.json 3
     python tools/bench_serve.py saturation OUT.json 2 --profile   # the server's threads sampled: OUT.stacks.json
     python tools/bench_serve.py saturation OUT.json 2 --clients 8
+    python tools/bench_serve.py http_cpu OUT.json 3   # no GPU: the HTTP process's CPU time per streamed token
     python tools/bench_serve.py plot docs/benchmarks/serve_h200.json
 """
 
@@ -18,6 +19,7 @@ import asyncio
 import datetime
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,12 +42,18 @@ PER_RATE = 128
 CLIENTS = int(sys.argv[sys.argv.index("--clients") + 1]) if "--clients" in sys.argv else 4
 
 
-def checkpoint(folder: Path) -> None:
-    """A Llama-3.2-1B-shaped checkpoint with random bf16 weights and a tokenizer for every id."""
+def checkpoint(folder: Path, tiny: bool = False) -> None:
+    """A Llama-3.2-1B-shaped checkpoint with random bf16 weights and a tokenizer for every id; tiny:
+    the same vocabulary and tokenizer around one narrow layer, in float32 on the CPU."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B)).to(torch.bfloat16)
+    if tiny:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+            **LLAMA_3_2_1B, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}))
+    else:
+        with torch.device("cuda"):
+            hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_2_1B)).to(torch.bfloat16)
     hf.save_pretrained(folder)
     del hf
     vocab = {f"w{i}": i for i in range(LLAMA_3_2_1B["vocab_size"])}
@@ -151,6 +159,48 @@ def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = Fal
     path.write_text(json.dumps(res, indent=1))
 
 
+def http_cpu(out_path: str, runs: int) -> None:
+    """The CPU seconds the server's HTTP process (all its threads; the engine has a process of its own)
+    spends per streamed token, on the CPU: a tiny model with the full 128,256-id tokenizer, 128
+    requests of 200 tokens at once from one client process, `runs` times."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "tiny"
+        checkpoint(folder, tiny=True)
+        proc = subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--model", str(folder), "--port", "8131",
+                                 "--max-model-len", "512", "--max-num-seqs", "128"],
+                                stdout=open(Path(out_path).with_suffix(".server.log"), "w"), stderr=subprocess.STDOUT)
+        url = "http://127.0.0.1:8131"
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+        def cpu_seconds() -> float:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+        requests = [([5 + i % 1000 for i in range(j, j + 20)], 200) for j in range(128)]
+        try:
+            asyncio.run(run_bench(url, requests[:8], progress=False))  # warm-up
+            for _ in range(runs):
+                before = cpu_seconds()
+                r = asyncio.run(run_bench(url, requests, progress=False))
+                cpu = cpu_seconds() - before
+                rows.append({"completed": r["completed"], "output_tokens": r["output_tokens"],
+                             "duration_s": r["duration_s"], "http_cpu_s": cpu,
+                             "http_cpu_us_per_token": 1e6 * cpu / r["output_tokens"]})
+                print(rows[-1], flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    Path(out_path).write_text(json.dumps({"date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
+                                          "transformers": transformers.__version__, "runs": rows}, indent=1))
+
+
 def plot(out_path: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -187,5 +237,7 @@ if __name__ == "__main__":
         main(sys.argv[2], [float(r) for r in sys.argv[3:]] or RATES)
     elif sys.argv[1] == "saturation":
         main(sys.argv[2], [], repeat=int(sys.argv[3]), profile="--profile" in sys.argv)
+    elif sys.argv[1] == "http_cpu":
+        http_cpu(sys.argv[2], int(sys.argv[3]))
     else:
         plot(sys.argv[2])
