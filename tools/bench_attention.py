@@ -40,13 +40,16 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def paged_pool(B: int, ctx: int, D: int, seed: int = 0):
-    """A pool holding B sequences of ctx tokens in randomly ordered blocks, and its tables."""
+def paged_pool(lens: list[int], D: int, seed: int = 0):
+    """A pool holding sequences of lens[b] tokens in randomly ordered blocks, and their tables."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    per = -(-ctx // BLOCK)
-    k_cache = torch.randn(B * per, BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
-    v_cache = torch.randn(B * per, BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
-    tables = torch.randperm(B * per, device="cuda", generator=gen).view(B, per).to(torch.int32)
+    per = [-(-n // BLOCK) for n in lens]
+    k_cache = torch.randn(sum(per), BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
+    v_cache = torch.randn(sum(per), BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
+    order = torch.randperm(sum(per), device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), max(per), dtype=torch.int32, device="cuda")
+    for b, start in enumerate(itertools.accumulate([0] + per[:-1])):
+        tables[b, :per[b]] = order[start:start + per[b]]
     return k_cache, v_cache, tables
 
 
@@ -65,24 +68,24 @@ def graph_ms(calls: list) -> float:
     return t
 
 
-def decode_worlds(B: int, ctx: int, D: int) -> tuple[int, list[dict]]:
-    """K/V bytes of one decode step, and enough copies of its data (>= 256 MB in all, at most 64)
-    that the L2 cache (60 MB) cannot hold them: below 4 MB a copy, the data partly comes from the
-    L2 and the GB/s can exceed the memory's."""
-    nbytes = 2 * B * ctx * HK * D * 2
+def decode_worlds(lens: list[int], D: int, hq: int = HQ) -> tuple[int, list[dict]]:
+    """K/V bytes of one decode step over contexts of lens[b] tokens, and enough copies of its data
+    (>= 256 MB in all, at most 64) that the L2 cache (60 MB) cannot hold them: below 4 MB a copy,
+    the data partly comes from the L2 and the GB/s can exceed the memory's."""
+    nbytes = 2 * sum(lens) * HK * D * 2
     worlds = []
     for i in range(max(1, min(64, -(-256 * 2**20 // nbytes)))):
-        k_cache, v_cache, tables = paged_pool(B, ctx, D, seed=i)
-        q = torch.randn(B, HQ, D, device="cuda", dtype=DT)
+        k_cache, v_cache, tables = paged_pool(lens, D, seed=i)
+        q = torch.randn(len(lens), hq, D, device="cuda", dtype=DT)
         worlds.append(dict(k_cache=k_cache, v_cache=v_cache, tables=tables, q=q,
-                           lens=torch.full((B,), ctx, device="cuda", dtype=torch.int32)))
+                           lens=torch.tensor(lens, device="cuda", dtype=torch.int32)))
     return nbytes, worlds
 
 
 def decode_case(B: int, ctx: int, D: int) -> dict:
     """Decode attention of B sequences of ctx tokens, each implementation timed in a CUDA graph over
     the copies of decode_worlds."""
-    nbytes, worlds = decode_worlds(B, ctx, D)
+    nbytes, worlds = decode_worlds([ctx] * B, D)
     copies, scale = len(worlds), D ** -0.5
 
     def ours(w):
@@ -153,20 +156,8 @@ def ragged_cases() -> list[dict]:
     for name, hq, D in (("llama", 32, 64), ("qwen3", 16, 128)):
         for step in (10, 400, 800):
             ctx = [p + step for p, o in lengths if o > step]
-            B, per = len(ctx), [-(-c // BLOCK) for c in ctx]
-            nbytes = 2 * sum(ctx) * HK * D * 2
-            worlds = []
-            for i in range(max(1, -(-256 * 2**20 // nbytes))):  # as decode_worlds: more than the L2 holds
-                gen = torch.Generator(device="cuda").manual_seed(i)
-                k_cache = torch.randn(sum(per), BLOCK, HK, D, device="cuda", dtype=DT, generator=gen)
-                v_cache = torch.randn_like(k_cache)
-                order = torch.randperm(sum(per), device="cuda", generator=gen).to(torch.int32)
-                tables = torch.zeros(B, -(-2048 // BLOCK), dtype=torch.int32, device="cuda")
-                for b, start in enumerate(itertools.accumulate([0] + per[:-1])):
-                    tables[b, :per[b]] = order[start:start + per[b]]
-                worlds.append(dict(q=torch.randn(B, hq, D, device="cuda", dtype=DT), k_cache=k_cache,
-                                   v_cache=v_cache, tables=tables,
-                                   lens=torch.tensor(ctx, device="cuda", dtype=torch.int32)))
+            B = len(ctx)
+            nbytes, worlds = decode_worlds(ctx, D, hq)
             auto = mi.kernels.decode_config(B, HK, D, 2048, sms)  # the engine's graphs use max_model_len
 
             def gbps(**cfg):
@@ -222,7 +213,7 @@ def prefill_inputs(B: int, T: int, cached: int, D: int):
     data, contiguous, with the KV heads repeated for the query heads (its flash kernels' layout; the
     copy is made here, before any timing) and the causal diagonal at the bottom right."""
     ctx = T + cached
-    k_cache, v_cache, tables = paged_pool(B, ctx, D, seed=1)
+    k_cache, v_cache, tables = paged_pool([ctx] * B, D, seed=1)
     lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
     qsl = torch.arange(0, (B + 1) * T, T, device="cuda", dtype=torch.int32)
     q = torch.randn(B * T, HQ, D, device="cuda", dtype=DT)
@@ -418,7 +409,7 @@ def tune(which: str) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for D in (64, 128) if which == "decode" else ():
         for B, ctx in ((1, 32768), (1, 4096), (16, 2048), (16, 8192), (64, 2048), (256, 2048), (64, 8192)):
-            nbytes, worlds = decode_worlds(B, ctx, D)
+            nbytes, worlds = decode_worlds([ctx] * B, D)
             auto = mi.kernels.decode_config(B, HK, D, ctx, sms)["num_splits"]
 
             def pct(**cfg):

@@ -89,9 +89,10 @@ def in_process(folder: Path, prompts, outs, repeat: int = 1) -> dict:
     return res
 
 
-def start_server(folder: Path, port: int, log: Path, stacks: Path | None = None) -> subprocess.Popen:
+def start_server(folder: Path, port: int, log: Path, stacks: Path | None = None,
+                 max_model_len: int = MAX_MODEL_LEN, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "miniinfer", "serve", "--model", str(folder), "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "llama-3.2-1b-shape"]
+           "--max-model-len", str(max_model_len), "--served-model-name", "llama-3.2-1b-shape", *extra]
     if stacks:
         cmd[1:1] = [str(Path(__file__).parent / "sample_stacks.py"), str(stacks)]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -167,17 +168,9 @@ def http_cpu(out_path: str, runs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny"
         checkpoint(folder, tiny=True)
-        proc = subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--model", str(folder), "--port", "8131",
-                                 "--max-model-len", "512", "--max-num-seqs", "128"],
-                                stdout=open(Path(out_path).with_suffix(".server.log"), "w"), stderr=subprocess.STDOUT)
+        proc = start_server(folder, 8131, Path(out_path).with_suffix(".server.log"), max_model_len=512,
+                            extra=("--max-num-seqs", "128"))
         url = "http://127.0.0.1:8131"
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
 
         def cpu_seconds() -> float:
             fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -12,12 +12,12 @@ import miniinfer as mi
 from bench_attention import HQ, paged_pool
 
 for B, ctx, D in ((16, 2048, 64), (1, 32768, 64)):
-    k_cache, v_cache, tables = paged_pool(B, ctx, D)
+    k_cache, v_cache, tables = paged_pool([ctx] * B, D)
     q = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
     for _ in range(3):
         mi.kernels.paged_attention(q, k_cache, v_cache, tables, lens, D ** -0.5, max_len=ctx)
-k_cache, v_cache, tables = paged_pool(4, 1024, 64)
+k_cache, v_cache, tables = paged_pool([1024] * 4, 64)
 q = torch.randn(4 * 1024, HQ, 64, device="cuda", dtype=torch.bfloat16)
 qsl = torch.arange(0, 5 * 1024, 1024, device="cuda", dtype=torch.int32)
 lens = torch.full((4,), 1024, device="cuda", dtype=torch.int32)

@@ -102,11 +102,9 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
     _rotate_heads(k_ptr, ko_ptr, kw_ptr, t, k_tok, k_head, c, s, eps, n_k, HALF, BLOCK_HK, BLOCK_D, NORM)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [..., T, Hq, D] and k [..., T, Hk, D] by cos/sin [..., T, D/2] in one launch; with
-    q_weight and k_weight, RMSNorm each head first (Qwen3), in the same launch."""
+def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE launch; norm (q weight, k weight, eps): RMSNorm each head first."""
     D = q.shape[-1]
     q3, k3 = q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:])
     if q3.stride(-1) != 1 or k3.stride(-1) != 1:
@@ -114,21 +112,27 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     cos2, sin2 = cos.reshape(-1, D // 2).contiguous(), sin.reshape(-1, D // 2).contiguous()
     q_out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k3.shape, dtype=k.dtype, device=k.device)
-    norm = q_weight is not None and k_weight is not None
+    q_weight, k_weight, eps = norm or (cos2, cos2, 0.0)  # without a norm the kernel never reads them
     _rope_kernel[(q3.shape[0],)](
-        q3, k3, q_out, k_out, cos2, sin2, q_weight if norm else cos2, k_weight if norm else cos2, eps,
+        q3, k3, q_out, k_out, cos2, sin2, q_weight, k_weight, eps,
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         n_q=q3.shape[1], n_k=k3.shape[1], HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k3.shape[1]), BLOCK_D=triton.next_power_of_2(D // 2),
-        NORM=norm, num_warps=4 if q3.shape[1] * D <= 2048 else 8)
+        NORM=norm is not None, num_warps=4 if q3.shape[1] * D <= 2048 else 8)
     return q_out.view(q.shape), k_out.view(k.shape)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [..., T, Hq, D] and k [..., T, Hk, D] by cos/sin [..., T, D/2] in one launch."""
+    return _rope(q, k, cos, sin, None)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
                  k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's RMSNorm of each query and key head, then RoPE: one launch instead of two norms, the
     copies that made their strided inputs contiguous, and the rotation."""
-    return apply_rope(q, k, cos, sin, q_weight, k_weight, eps)
+    return _rope(q, k, cos, sin, (q_weight, k_weight, eps))
 
 
 @triton.jit
