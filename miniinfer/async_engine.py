@@ -10,6 +10,7 @@ import multiprocessing
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import AsyncGenerator, Callable, Union
 
@@ -179,20 +180,24 @@ class MultiprocClient(EngineClient):
         threading.Thread(target=self._forward, daemon=True, name="miniinfer-sender").start()
 
     def _forward(self) -> None:
+        # What has queued up goes as one message: while the event loop is busy, each wake-up of this
+        # thread waits for the interpreter lock, and 256 requests sent at once would each pay that.
         while True:
-            command = self.commands.get()
-            self.conn.send(command)
-            if isinstance(command, Shutdown):
+            batch = [self.commands.get()]
+            while not isinstance(batch[-1], Shutdown) and not self.commands.empty():
+                batch.append(self.commands.get())
+            self.conn.send(batch)
+            if isinstance(batch[-1], Shutdown):
                 return
 
     def _receive(self, receive: Receive) -> None:
         while True:
             try:
-                outputs, stats = self.conn.recv()
+                packed, stats = self.conn.recv()
             except (EOFError, OSError):  # the engine process is gone
                 receive(None, None)
                 return
-            receive(outputs, stats)
+            receive(unpack(packed), stats)
 
     def is_alive(self) -> bool:
         return self.receiver.is_alive()
@@ -228,7 +233,7 @@ def engine_process(config: EngineConfig, conn) -> None:
             if steps:
                 outputs, stats = coalesce(steps)
                 t0 = time.perf_counter()
-                conn.send((outputs, dataclasses.replace(stats, wait_seconds=waited)))
+                conn.send((pack(outputs), dataclasses.replace(stats, wait_seconds=waited)))
                 waited = time.perf_counter() - t0
 
     def put(item: tuple[list[EngineOutput], EngineStats] | None) -> None:
@@ -236,11 +241,17 @@ def engine_process(config: EngineConfig, conn) -> None:
             pending.append(item)
             ready.notify()
 
+    inbox: collections.deque[EngineCommand] = collections.deque()  # commands come in batches
+
     def next_command(block: bool) -> EngineCommand | None:
-        try:
-            return conn.recv() if block or conn.poll() else None
-        except EOFError:  # the parent is gone
-            return Shutdown()
+        if not inbox:
+            try:
+                if not (block or conn.poll()):
+                    return None
+                inbox.extend(conn.recv())
+            except EOFError:  # the parent is gone
+                return Shutdown()
+        return inbox.popleft()
 
     sender = threading.Thread(target=send_outputs, name="miniinfer-outputs")
     sender.start()
@@ -271,6 +282,24 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
     return list(merged.values()), dataclasses.replace(stats[-1], new_tokens=sum(s.new_tokens for s in stats),
                                        step_seconds=sum(s.step_seconds for s in stats),
                                        steps=sum(s.steps for s in stats))
+
+
+def pack(outputs: list[EngineOutput]) -> tuple:
+    """A step's outputs as four flat containers for the pipe: pickling 256 EngineOutput objects takes
+    about twenty times as long, and the engine process's lock is held meanwhile."""
+    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error) for i, o in enumerate(outputs)
+            if o.finish_reason is not None or o.num_cached_tokens or o.error is not None}  # most have none
+    return ([o.request_id for o in outputs], [len(o.new_token_ids) for o in outputs],
+            [t for o in outputs for t in o.new_token_ids], rest)
+
+
+def unpack(packed: tuple) -> list[EngineOutput]:
+    request_ids, counts, tokens, rest = packed
+    outputs, start = [], 0
+    for i, (request_id, n) in enumerate(zip(request_ids, counts)):
+        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, (None, 0, None))))
+        start += n
+    return outputs
 
 
 @dataclass
@@ -324,16 +353,29 @@ class AsyncLLMEngine:
         params = params or SamplingParams()
         return self.stream(self.check_request(prompt, params), params, request_id)
 
-    async def stream(self, token_ids: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """Outputs of a request whose token ids check_request returned (so it is checked once);
-        leaving the loop early aborts the request."""
+    def stream(self, token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of a request whose token ids check_request returned (so it is checked once). The
+        request goes to the engine now, not at the first read: a server that takes 256 requests at
+        once starts the first while it parses the rest. Leaving the loop early, or dropping the
+        stream unread, aborts the request."""
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
         self.streams[request_id] = stream
         self.client.send(AddRequest(request_id, token_ids, params))
+        outputs = self._follow(request_id, stream)
+        # A generator never started never runs its `finally`: its collection ends the request instead.
+        weakref.finalize(outputs, self._leave, request_id, stream)
+        return outputs
+
+    def _leave(self, request_id: str, stream: Stream) -> None:
+        if self.streams.get(request_id) is stream:
+            del self.streams[request_id]
+            self.client.send(AbortRequest(request_id))
+
+    async def _follow(self, request_id: str, stream: Stream) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -349,9 +391,10 @@ class AsyncLLMEngine:
                 finished = out.finished
                 yield out
         finally:
-            del self.streams[request_id]
-            if not finished:
-                self.client.send(AbortRequest(request_id))
+            if finished:
+                del self.streams[request_id]
+            else:
+                self._leave(request_id, stream)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Tokens generated per second over the last `window` seconds."""

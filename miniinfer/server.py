@@ -11,7 +11,7 @@ import json
 import sys
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncGenerator, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -84,6 +84,9 @@ DISCONNECT_POLL_S = 0.25  # how often a whole request checks that its client is 
 # A request body larger than this is refused (413) before it is read: a 20 MB prompt used to hold
 # the event loop for 25 s while it was tokenized, only to be refused for the context anyway.
 MAX_BODY_MB = 4
+# A body up to this size is parsed on the event loop: it takes well under a millisecond, less than the
+# hand-over of the interpreter lock to a worker thread and back while the loop is busy streaming.
+INLINE_BODY_BYTES = 32 * 1024
 GRACE_S = 3  # after Ctrl-C, responses still open this long are cancelled
 
 
@@ -103,8 +106,8 @@ def check_body(body: dict) -> None:
                                param=where) from None
         elif isinstance(value, dict):
             todo += [(v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items()]
-        elif isinstance(value, list):
-            todo += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        elif isinstance(value, list):  # numbers need no look (a prompt of token ids is a long list of them)
+            todo += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value) if isinstance(v, (str, list, dict))]
 
 
 # Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
@@ -123,6 +126,8 @@ class StopStrings:
 
     def feed(self, piece: str, final: bool) -> tuple[str, bool]:
         """The text that can be sent now, and whether a stop string was found (the text ends there)."""
+        if not self.stops:  # the common case, once per streamed token
+            return piece, False
         self.pending += piece
         found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if found:
@@ -153,8 +158,8 @@ class Server:
     # ----- parsing: a body -> a request model, token ids and sampling parameters, or APIError -----
 
     def parse(self, raw: bytes, chat: bool) -> tuple[SamplingFields, list[list[int]]]:
-        """A request body, validated, and its prompts' token ids. Run in a worker thread: a large
-        body takes a while to parse and tokenize, and the event loop must keep answering meanwhile."""
+        """A request body, validated, and its prompts' token ids. A large body runs in a worker thread:
+        it takes a while to parse and tokenize, and the event loop must keep answering meanwhile."""
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as err:
@@ -231,24 +236,26 @@ class Server:
                 # The choices of a seeded request differ from each other and are reproducible.
                 seed = None if params.seed is None else (params.seed + j) % 2 ** 64  # stays a 64-bit seed
                 p = dataclasses.replace(params, seed=seed) if j else params
-                streams.append(self.choice(i * n + j, ids, p, stops))
+                streams.append(self.choice(i * n + j, self.engine.stream(ids, p), stops))  # the engine starts it now
         return streams
 
-    async def choice(self, index: int, ids: list[int], params: SamplingParams, stops: list[str]):
-        detok, stop = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
+    async def choice(self, index: int, outputs: AsyncGenerator[RequestOutput, None], stops: list[str]):
+        detok, stop, count = IncrementalDetokenizer(self.tokenizer), StopStrings(stops), 0
         # Closed as soon as this choice ends: a stream left early aborts its request at once.
-        async with contextlib.aclosing(self.engine.stream(ids, params)) as outputs:  # checked in requests()
+        async with contextlib.aclosing(outputs):
             async for out in outputs:
+                count += len(out.new_token_ids)  # (out.token_ids would copy every token so far)
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if stopped:
-                    yield index, piece, "stop", len(out.token_ids)
+                    yield index, piece, "stop", count
                     return
-                yield index, piece, out.finish_reason, len(out.token_ids)
+                yield index, piece, out.finish_reason, count
 
     async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:
         """A request's response: a JSON body, or (stream=true) an iterator of SSE events."""
-        req, prompts = await asyncio.to_thread(self.parse, raw, chat)
+        req, prompts = self.parse(raw, chat) if len(raw) <= INLINE_BODY_BYTES else \
+            await asyncio.to_thread(self.parse, raw, chat)
         default = max(min(self.chat_max_tokens, self.max_model_len - len(prompts[0])), 1) if chat else 16
         params, n, stops = self.params(req, default)
         choices = merge(self.requests(prompts, params, n, stops))
@@ -276,13 +283,16 @@ class Server:
                      include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
+        # Every chunk of this response starts the same: its JSON is written once, the choice per chunk.
+        start = f"data: {_json({**head, 'object': obj})[:-1]},\"choices\":["
+
         def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
                 c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
                 c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-            return sse_event(_json({**head, "object": obj, "choices": [c]}))
+            return f"{start}{_json(c)}]}}\n\n"  # one SSE line: JSON escapes its newlines
 
         tokens = {}
         try:

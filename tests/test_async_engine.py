@@ -2,8 +2,11 @@
 blocks of clients that leave, refuses bad requests at once and keeps serving."""
 
 import asyncio
+import pickle
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import miniinfer as mi
 
@@ -63,6 +66,22 @@ def test_clients_that_leave_free_their_blocks(engine):
     assert all(len(t) >= 2 for t in asyncio.run(main()))
     if isinstance(engine.client, mi.async_engine.InprocClient):
         assert engine.client.engine.block_manager.num_free_blocks == 64 and not engine.client.engine.requests
+
+
+def test_a_request_starts_with_its_stream_and_a_stream_dropped_unread_ends_it(engine):
+    params = mi.SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+
+    async def main():
+        outputs = engine.generate([5, 6], params)  # not read: the engine runs it all the same
+        for _ in range(500):
+            if engine.generated_tokens:
+                break
+            await asyncio.sleep(0.01)
+        del outputs  # no `finally` ran (the generator never started): its collection aborts the request
+        await drained(engine)
+
+    asyncio.run(main())
+    assert 0 < engine.generated_tokens < 240 and not engine.streams
 
 
 def test_bad_requests_are_refused_at_once_and_serving_goes_on(engine, course_model):
@@ -188,3 +207,12 @@ def test_outputs_of_several_steps_go_as_one():
         ("a", [1, 3], "stop", 0, None), ("b", [2, 4], "error", 0, "boom")]
     assert (stats.running, stats.new_tokens, stats.steps, round(stats.step_seconds, 6)) == (0, 4, 3, 0.6)
     assert steps[0][0][0].new_token_ids == [1] and mi.async_engine.coalesce(steps[:1]) == steps[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.text(min_size=1, max_size=4), st.lists(st.integers(0, 2 ** 31), max_size=3),
+                          st.sampled_from([None, "stop", "length", "abort", "error"]), st.integers(0, 64),
+                          st.one_of(st.none(), st.text(max_size=8))), max_size=8))
+def test_outputs_cross_the_pipe_packed_unchanged(rows):
+    outputs = [mi.async_engine.EngineOutput(*row) for row in rows]
+    assert mi.async_engine.unpack(pickle.loads(pickle.dumps(mi.async_engine.pack(outputs)))) == outputs

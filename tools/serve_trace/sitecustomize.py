@@ -1,0 +1,56 @@
+"""Loaded by every Python process started with this folder on PYTHONPATH and MI_TRACE set (by
+tools/trace_serve.py): appends timestamped events to MI_TRACE/trace.<pid>.txt, one line each.
+  engine process:  E start end running waiting new_tokens  (one engine step)
+                   C time command                           (a command taken between steps)
+  HTTP process:    H time                                   (a request body handed to Server.run)
+                   R time new_tokens steps                  (one batch of outputs received)
+  client process:  Q time / D time                          (a request sent / its stream ended)"""
+import os
+
+if os.environ.get("MI_TRACE"):
+    import time
+
+    import miniinfer.async_engine as ae
+    import miniinfer.bench as bench
+    import miniinfer.server as server
+
+    log = open(os.path.join(os.environ["MI_TRACE"], f"trace.{os.getpid()}.txt"), "w", buffering=1)
+    run_engine, receive, run, one_request = ae.run_engine, ae.AsyncLLMEngine._receive, server.Server.run, \
+        bench.one_request
+
+    def traced_run_engine(engine, next_command, emit):
+        step = engine.step
+
+        def traced_step():
+            t = time.time()
+            outputs = step()
+            s = engine.scheduler
+            log.write(f"E {t:.6f} {time.time():.6f} {len(s.running)} {len(s.waiting)} "
+                      f"{sum(len(o.new_token_ids) for o in outputs)}\n")
+            return outputs
+
+        def traced_next_command(block):
+            command = next_command(block)
+            if command is not None:
+                log.write(f"C {time.time():.6f} {type(command).__name__}\n")
+            return command
+
+        engine.step = traced_step
+        return run_engine(engine, traced_next_command, emit)
+
+    def traced_receive(self, outputs, stats):
+        receive(self, outputs, stats)
+        log.write(f"R {time.time():.6f} {stats.new_tokens if stats else 0} {stats.steps if stats else 0}\n")
+
+    async def traced_run(self, raw, chat):
+        log.write(f"H {time.time():.6f}\n")
+        return await run(self, raw, chat)
+
+    async def traced_one_request(*args, **kwargs):
+        log.write(f"Q {time.time():.6f}\n")
+        result = await one_request(*args, **kwargs)
+        log.write(f"D {time.time():.6f}\n")
+        return result
+
+    ae.run_engine, ae.AsyncLLMEngine._receive = traced_run_engine, traced_receive
+    server.Server.run, bench.one_request = traced_run, traced_one_request
