@@ -121,7 +121,9 @@ class EngineClient:
     """The front end's line to an engine: commands go in by `send`; each step's outputs come back to
     the `receive` callback given at start, from another thread (None, None: the engine is gone)."""
     info: EngineInfo
-    commands: queue.Queue  # to the engine's thread, or to the thread that writes them down the pipe
+    # To the engine's thread, or to the thread that writes them down the pipe. A SimpleQueue: a stream
+    # collected unread sends its abort from wherever the collector runs, even inside another put.
+    commands: queue.SimpleQueue
 
     def send(self, command: EngineCommand) -> None:
         self.commands.put(command)
@@ -138,7 +140,7 @@ class InprocClient(EngineClient):
     """The engine in a thread of this process: commands through a queue, outputs by direct call."""
 
     def __init__(self, engine: LLMEngine, receive: Receive):
-        self.engine, self.commands = engine, queue.Queue()
+        self.engine, self.commands = engine, queue.SimpleQueue()
         self.info = EngineInfo(engine.limits, engine.model.cfg.eos_token_ids, engine.config.max_num_seqs,
                                EngineStats.of(engine))
         self.thread = threading.Thread(target=run_engine, args=(engine, self._next, receive), daemon=True,
@@ -173,7 +175,7 @@ class MultiprocClient(EngineClient):
         if isinstance(info, BaseException):  # a bad checkpoint or config
             self.process.join()
             raise info
-        self.info, self.commands = info, queue.Queue()
+        self.info, self.commands = info, queue.SimpleQueue()
         self.receiver = threading.Thread(target=self._receive, args=(receive,), daemon=True,
                                          name="miniinfer-receiver")
         self.receiver.start()
@@ -367,13 +369,14 @@ class AsyncLLMEngine:
         self.client.send(AddRequest(request_id, token_ids, params))
         outputs = self._follow(request_id, stream)
         # A generator never started never runs its `finally`: its collection ends the request instead.
-        weakref.finalize(outputs, self._leave, request_id, stream)
+        weakref.finalize(outputs, self._leave, request_id, stream).atexit = False
         return outputs
 
-    def _leave(self, request_id: str, stream: Stream) -> None:
-        if self.streams.get(request_id) is stream:
+    def _leave(self, request_id: str, stream: Stream, finished: bool = False) -> None:
+        if self.streams.get(request_id) is stream:  # not a later request that reuses the id
             del self.streams[request_id]
-            self.client.send(AbortRequest(request_id))
+            if not finished:
+                self.client.send(AbortRequest(request_id))
 
     async def _follow(self, request_id: str, stream: Stream) -> AsyncGenerator[RequestOutput, None]:
         finished = False
@@ -391,10 +394,7 @@ class AsyncLLMEngine:
                 finished = out.finished
                 yield out
         finally:
-            if finished:
-                del self.streams[request_id]
-            else:
-                self._leave(request_id, stream)
+            self._leave(request_id, stream, finished)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         """Tokens generated per second over the last `window` seconds."""

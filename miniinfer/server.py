@@ -93,21 +93,22 @@ GRACE_S = 3  # after Ctrl-C, responses still open this long are cancelled
 def check_body(body: dict) -> None:
     """Refuse a body nested deeper than MAX_DEPTH, or holding a string that is not text (a lone UTF-16
     surrogate, which JSON's \\u escapes can carry but no tokenizer can encode), naming where."""
-    todo = [(body, "", 1)]
+    todo: list[tuple[object, tuple, int]] = [(body, (), 1)]  # a value, the keys to it, its depth
     while todo:
-        value, where, depth = todo.pop()
+        value, path, depth = todo.pop()
         if depth > MAX_DEPTH:
-            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep", param=where.split(".")[0] or None)
+            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep", param=path[0] if path else None)
         if isinstance(value, str):
             try:
                 value.encode()
             except UnicodeEncodeError as err:
+                where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" if i else k for i, k in enumerate(path))
                 raise APIError(f"{where} is not valid Unicode text: {err.reason} at index {err.start}",
                                param=where) from None
         elif isinstance(value, dict):
-            todo += [(v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items()]
+            todo += [(v, (*path, k), depth + 1) for k, v in value.items()]
         elif isinstance(value, list):  # numbers need no look (a prompt of token ids is a long list of them)
-            todo += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value) if isinstance(v, (str, list, dict))]
+            todo += [(v, (*path, i), depth + 1) for i, v in enumerate(value) if isinstance(v, (str, list, dict))]
 
 
 # Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.

@@ -8,13 +8,19 @@ tools/trace_serve.py): appends timestamped events to MI_TRACE/trace.<pid>.txt, o
 import os
 
 if os.environ.get("MI_TRACE"):
+    import threading
     import time
 
     import miniinfer.async_engine as ae
     import miniinfer.bench as bench
     import miniinfer.server as server
 
-    log = open(os.path.join(os.environ["MI_TRACE"], f"trace.{os.getpid()}.txt"), "w", buffering=1)
+    file, lock = open(os.path.join(os.environ["MI_TRACE"], f"trace.{os.getpid()}.txt"), "w", buffering=1), \
+        threading.Lock()
+
+    def log(line: str) -> None:  # from several threads of one process (the HTTP loop, the receiver)
+        with lock:
+            file.write(line)
     run_engine, receive, run, one_request = ae.run_engine, ae.AsyncLLMEngine._receive, server.Server.run, \
         bench.one_request
 
@@ -25,14 +31,14 @@ if os.environ.get("MI_TRACE"):
             t = time.time()
             outputs = step()
             s = engine.scheduler
-            log.write(f"E {t:.6f} {time.time():.6f} {len(s.running)} {len(s.waiting)} "
+            log(f"E {t:.6f} {time.time():.6f} {len(s.running)} {len(s.waiting)} "
                       f"{sum(len(o.new_token_ids) for o in outputs)}\n")
             return outputs
 
         def traced_next_command(block):
             command = next_command(block)
             if command is not None:
-                log.write(f"C {time.time():.6f} {type(command).__name__}\n")
+                log(f"C {time.time():.6f} {type(command).__name__}\n")
             return command
 
         engine.step = traced_step
@@ -40,16 +46,16 @@ if os.environ.get("MI_TRACE"):
 
     def traced_receive(self, outputs, stats):
         receive(self, outputs, stats)
-        log.write(f"R {time.time():.6f} {stats.new_tokens if stats else 0} {stats.steps if stats else 0}\n")
+        log(f"R {time.time():.6f} {stats.new_tokens if stats else 0} {stats.steps if stats else 0}\n")
 
     async def traced_run(self, raw, chat):
-        log.write(f"H {time.time():.6f}\n")
+        log(f"H {time.time():.6f}\n")
         return await run(self, raw, chat)
 
     async def traced_one_request(*args, **kwargs):
-        log.write(f"Q {time.time():.6f}\n")
+        log(f"Q {time.time():.6f}\n")
         result = await one_request(*args, **kwargs)
-        log.write(f"D {time.time():.6f}\n")
+        log(f"D {time.time():.6f}\n")
         return result
 
     ae.run_engine, ae.AsyncLLMEngine._receive = traced_run_engine, traced_receive
