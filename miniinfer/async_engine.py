@@ -288,7 +288,7 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
 
 def pack(outputs: list[EngineOutput]) -> tuple:
     """A step's outputs as four flat containers for the pipe: pickling 256 EngineOutput objects takes
-    about twenty times as long, and the engine process's lock is held meanwhile."""
+    about six times as long, and the engine process's lock is held meanwhile."""
     rest = {i: (o.finish_reason, o.num_cached_tokens, o.error) for i, o in enumerate(outputs)
             if o.finish_reason is not None or o.num_cached_tokens or o.error is not None}  # most have none
     return ([o.request_id for o in outputs], [len(o.new_token_ids) for o in outputs],

@@ -11,6 +11,7 @@ full 128,256-token vocabulary (the server must turn every generated id into text
     python tools/bench_serve.py saturation docs/benchmarks/serve_saturation_h200.json 3
     python tools/bench_serve.py saturation OUT.json 2 --profile   # the server's threads sampled: OUT.stacks.json
     python tools/bench_serve.py saturation OUT.json 2 --clients 8
+    python tools/bench_serve.py saturation OUT.json 3 --trace   # each run's timeline over the three processes
     python tools/bench_serve.py http_cpu OUT.json 3   # no GPU: the HTTP process's CPU time per streamed token
     python tools/bench_serve.py plot docs/benchmarks/serve_h200.json
 """
@@ -108,9 +109,9 @@ def start_server(folder: Path, port: int, log: Path, stacks: Path | None = None,
 
 
 def bench(url: str, prompts, outs, rate: float) -> dict:
-    before = read_metrics(url)
+    before, t0 = read_metrics(url), time.time()
     r = asyncio.run(run_bench(url, list(zip(prompts, outs)), rate=rate, progress=False, processes=CLIENTS))
-    after = read_metrics(url)
+    after, r["wall"] = read_metrics(url), [t0, time.time()]
     # Where the engine's time went during the run, from the server's counters.
     r["engine"] = {k: after[f"engine_{k}_total"] - before[f"engine_{k}_total"]
                    for k in ("steps", "step_seconds", "wait_seconds")}
@@ -120,9 +121,42 @@ def bench(url: str, prompts, outs, rate: float) -> dict:
     return r
 
 
-def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = False) -> None:
+def read_traces(folder: Path) -> dict[str, list[tuple]]:
+    """The events that tools/serve_trace wrote, by kind."""
+    events: dict[str, list[tuple]] = {k: [] for k in "ECRHQD"}
+    for path in folder.glob("trace.*.txt"):
+        for line in path.read_text().splitlines():
+            kind, *fields = line.split()
+            events[kind].append(tuple(fields))
+    return events
+
+
+def timeline(events: dict[str, list[tuple]], t0: float, t1: float) -> dict:
+    """One run's figures, in seconds from its first request sent."""
+    def within(kind):
+        return sorted(e for e in events[kind] if t0 <= float(e[0]) <= t1)
+
+    steps = [(float(s), float(e), int(r)) for s, e, r, _, _ in within("E")]
+    adds = [float(t) for t, c in within("C") if c == "AddRequest"]
+    sent, parsed, done = ([float(e[0]) for e in within(k)] for k in "QHD")
+    start = sent[0]
+    return {
+        "sent_s": [sent[0] - start, sent[-1] - start],  # first and last request sent by a client
+        "parsed_s": [parsed[0] - start, parsed[-1] - start],  # first and last body handed to Server.run
+        "at_engine_s": [adds[0] - start, adds[-1] - start],  # first and last AddRequest taken by the engine
+        "first_step_s": steps[0][0] - start, "last_step_end_s": steps[-1][1] - start,
+        "last_stream_end_s": done[-1] - start,
+        "steps": len(steps), "step_busy_s": sum(e - s for s, e, _ in steps),
+        "idle_between_steps_s": sum(b[0] - a[1] for a, b in zip(steps, steps[1:])),
+        "max_running": max(r for _, _, r in steps),
+    }
+
+
+def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = False, trace: bool = False) -> None:
     """With rates: the in-process engine, then the server at saturation, at each rate, and at saturation
-    again. Without: the in-process engine `repeat` times, then the server at saturation `repeat` times."""
+    again. Without: the in-process engine `repeat` times, then the server at saturation `repeat` times.
+    trace: the server and client processes log timestamped events (tools/serve_trace), and each
+    saturation run gets its `timeline`."""
     import fastapi
     import uvicorn
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
@@ -139,6 +173,11 @@ def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = Fal
         checkpoint(folder)
         res["in_process"] = in_process(folder, prompts, outs, repeat)
         path.write_text(json.dumps(res, indent=1))
+        traces = Path(tmp) / "traces"
+        if trace:  # inherited by the server and the client processes
+            traces.mkdir()
+            os.environ["MI_TRACE"] = str(traces)
+            os.environ["PYTHONPATH"] = f"{Path(__file__).parent / 'serve_trace'}:{os.environ.get('PYTHONPATH', '')}"
         proc = start_server(folder, 8000, path.with_suffix(".server.log"),
                             path.with_suffix(".stacks.json") if profile else None)
         url = "http://127.0.0.1:8000"
@@ -154,6 +193,11 @@ def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = Fal
         finally:
             proc.terminate()
             proc.wait(60)
+        if trace:
+            events = read_traces(traces)
+            for r in res["saturation"]:
+                r["timeline"] = timeline(events, *r["wall"])
+                print("timeline:", r["timeline"], flush=True)
     ratios = sorted(r["output_throughput"] / res["in_process"]["output_tokens_per_s"] for r in res["saturation"])
     res["server_vs_in_process"] = {"each": ratios, "median": ratios[len(ratios) // 2]}
     print("server / in-process at saturation:", res["server_vs_in_process"], flush=True)
@@ -229,7 +273,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "run":
         main(sys.argv[2], [float(r) for r in sys.argv[3:]] or RATES)
     elif sys.argv[1] == "saturation":
-        main(sys.argv[2], [], repeat=int(sys.argv[3]), profile="--profile" in sys.argv)
+        main(sys.argv[2], [], repeat=int(sys.argv[3]), profile="--profile" in sys.argv, trace="--trace" in sys.argv)
     elif sys.argv[1] == "http_cpu":
         http_cpu(sys.argv[2], int(sys.argv[3]))
     else:

@@ -1,5 +1,5 @@
 """Loaded by every Python process started with this folder on PYTHONPATH and MI_TRACE set (by
-tools/trace_serve.py): appends timestamped events to MI_TRACE/trace.<pid>.txt, one line each.
+`tools/bench_serve.py saturation ... --trace`): appends timestamped events to MI_TRACE/trace.<pid>.txt, one line each.
   engine process:  E start end running waiting new_tokens  (one engine step)
                    C time command                           (a command taken between steps)
   HTTP process:    H time                                   (a request body handed to Server.run)
