@@ -40,6 +40,13 @@ class EngineConfig:
     overlap: bool = setting(True, "runner", "schedule and prepare the next step while the device runs this one")
     kernels: str | None = setting(None, "runner", "attention kernels (default: triton on CUDA, else torch)",
                                   (None, "torch", "triton"))
+    speculative_method: str | None = setting(None, "speculation", "where guesses at the next tokens come from: "
+                                             "a draft model, or n-grams of the request's own text (chapter 09; "
+                                             "default: draft if speculative_model is set, else none)",
+                                             (None, "draft", "ngram"))
+    speculative_model: str | Path | None = setting(None, "speculation", "the draft's checkpoint folder or course "
+                                                   "model name (pycoder-draft); same tokenizer as the model")
+    num_speculative_tokens: int = setting(4, "speculation", "guesses verified per step")
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a
@@ -51,10 +58,16 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_cpu_blocks"):
+                     "num_cpu_blocks", "num_speculative_tokens"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype) or not isinstance(self.kv_cache_dtype, (torch.dtype, type(None))):
             raise ValueError(f"dtype and kv_cache_dtype must be torch dtypes, got {self.dtype!r} and "
                              f"{self.kv_cache_dtype!r}")
+        if self.speculative_method is None and self.speculative_model is not None:
+            self.speculative_method = "draft"
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError(f"speculative_method={self.speculative_method!r} " + (
+                "needs a speculative_model (a draft checkpoint, or pycoder-draft)" if self.speculative_model is None
+                else f"uses no model, got speculative_model={str(self.speculative_model)!r}"))

@@ -15,7 +15,7 @@ from miniinfer.block_manager import BlockManager, blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.loader import load_tokenizer
 from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import Launched, ModelRunner
+from miniinfer.model_runner import Launched, ModelRunner, SpecStats
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
@@ -23,6 +23,9 @@ from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07 adds True.
 BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching", {False: BlockManager},
                           "; chapter 07's comes with `import miniinfer.prefix_cache`")
+# The model runner for each value of EngineConfig.speculative_method: chapter 09 adds "draft" and "ngram".
+RUNNERS = Registry("model runner for speculative_method", {None: ModelRunner},
+                   "; chapter 09's come with `import miniinfer.speculative`")
 
 
 class Limits(NamedTuple):
@@ -73,6 +76,7 @@ class StepStats:
     preempted: list[str]
     num_free_blocks: int
     seconds: float
+    spec: SpecStats | None = None  # speculation's counts so far (chapter 09)
 
 
 class LLMEngine:
@@ -81,13 +85,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None):
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
+        runner = RUNNERS[config.speculative_method]
         self.config = config
         if model is None:
             try:
                 tokenizer = load_tokenizer(config.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
                 tokenizer = None
-        self.runner = ModelRunner(config, model)
+        self.runner = runner(config, model)
         self.model, self.tokenizer = self.runner.model, tokenizer
         self.detokenize = tokenizer.decode if tokenizer is not None else None
         num_blocks = config.num_blocks or self.runner.num_blocks_that_fit()
@@ -99,7 +104,11 @@ class LLMEngine:
         self.scheduler = Scheduler(block_manager(num_blocks, config.block_size),
                                    config.max_num_seqs, self.runner.max_num_batched_tokens, POLICIES[config.policy],
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
-                                   config.enable_chunked_prefill, self.model.cfg.eos_token_ids)
+                                   config.enable_chunked_prefill, self.model.cfg.eos_token_ids,
+                                   config.num_speculative_tokens if config.speculative_method else 0)
+        # Guesses follow the step before's last token, so a step cannot be scheduled before the one
+        # under way is read: speculation turns the overlap off.
+        self.overlap = config.overlap and not config.speculative_method
         self.stats = StepStats({}, [], num_blocks, 0.0)
         self._arrivals = itertools.count()
         self.in_flight: InFlight | None = None  # the step the device runs while the host goes on
@@ -162,7 +171,7 @@ class LLMEngine:
         failed: list[Sequence] = []
         if self.in_flight is None:
             self.in_flight = self._launch(failed)
-        done, self.in_flight = self.in_flight, self._launch(failed) if self.config.overlap else None
+        done, self.in_flight = self.in_flight, self._launch(failed) if self.overlap else None
         try:
             sampled = self.runner.collect(done.launched)
         except BaseException:
@@ -171,7 +180,7 @@ class LLMEngine:
         changed = self.scheduler.update_from_output(done.out, sampled)
         self._drop_if_idle()
         self.stats = StepStats(done.out.num_new_tokens, done.out.preempted_ids, self.block_manager.num_free_blocks,
-                               time.perf_counter() - t0)
+                               time.perf_counter() - t0, self.runner.spec)
         return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
 
     def _launch(self, failed: list[Sequence]) -> InFlight:

@@ -31,6 +31,23 @@ class CachedRequest:
     row: int  # in BatchRows: its block table and sampling values
 
 
+@dataclass
+class SpecStats:
+    """Guesses verified so far: chapter 09's speculation counts them."""
+    proposed: int = 0  # guesses made
+    accepted: int = 0  # guesses kept
+    verified: int = 0  # request-steps that verified guesses
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(1, self.proposed)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request gains in a step that verifies guesses: those kept, and one more."""
+        return 1 + self.accepted / max(1, self.verified)
+
+
 class ModelRunner:
     """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
@@ -48,6 +65,7 @@ class ModelRunner:
                              "enable_chunked_prefill=True")
         self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
         self.requests: dict[str, CachedRequest] = {}
+        self.spec: SpecStats | None = None  # chapter 09's runner counts its guesses here
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         for pairs, src, dst in ((out.swap_out, (self.cache.k, self.cache.v), (self.cpu_k, self.cpu_v)),
@@ -95,6 +113,10 @@ class ModelRunner:
         self.move_blocks(out)
         if not out.num_new_tokens:  # every request of the step failed: its block moves still had to happen
             return None
+        return self.start(out)
+
+    def start(self, out: SchedulerOutput) -> Launched:
+        """The step's forward and sampling, queued on the device (chapter 09 verifies guesses here)."""
         step = self.prepare(out)
         return self.sample(step, self.forward(step))
 

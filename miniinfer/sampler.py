@@ -69,16 +69,22 @@ def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple[fl
     return float(params.temperature), float(params.top_p), top_k, seed32(operator.index(seed))
 
 
+def sampling_probs(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+    """Each row's distribution after its temperature, top-k and top-p: [B, vocab] float32 (a greedy
+    row's is its softmax at temperature 1e-5; sample_batch takes its argmax instead)."""
+    logits = logits.float() / s.temperature.clamp(min=1e-5)[:, None]
+    if s.any_filter:
+        kth = logits.sort(-1, descending=True).values.gather(-1, s.top_k[:, None].clamp(max=logits.shape[-1]) - 1)
+        top_p = s.top_p.masked_fill(s.top_p >= 1, float("inf"))  # exactly off: no rounding in cumsum
+        logits = top_p_filter(logits.masked_fill(logits < kth, float("-inf")), top_p[:, None])
+    return logits.softmax(-1)
+
+
 def sample_batch(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     """One token per row of logits [B, vocab], each row by its own parameters -> [B]."""
     greedy = logits.argmax(-1)
     if not s.any_random:
         return greedy
-    logits = logits.float() / s.temperature.clamp(min=1e-5)[:, None]  # greedy rows: replaced below
-    if s.any_filter:
-        kth = logits.sort(-1, descending=True).values.gather(-1, s.top_k[:, None].clamp(max=logits.shape[-1]) - 1)
-        top_p = s.top_p.masked_fill(s.top_p >= 1, float("inf"))  # exactly off: no rounding in cumsum
-        logits = top_p_filter(logits.masked_fill(logits < kth, float("-inf")), top_p[:, None])
     noise = exponential_noise(s.seeds, s.steps, logits.shape[-1])
-    tokens = (logits.softmax(-1) / noise).argmax(-1)
+    tokens = (sampling_probs(logits, s) / noise).argmax(-1)
     return torch.where(s.temperature > 0, tokens, greedy)

@@ -47,7 +47,7 @@ class SchedulerOutput:
     new_requests: list[NewRequest] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks added since its last step
     finished_ids: list[str] = field(default_factory=list)  # for the runner to forget: finished or preempted
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # guesses each verifies (chapter 09)
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)  # room for guesses after its last token (chapter 09)
     preempted_ids: list[str] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (CPU block, device block)
@@ -69,12 +69,14 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: SchedulingPolicy = POLICIES["fcfs"], cpu_block_manager: BlockManager | None = None,
-                 enable_chunked_prefill: bool = False, eos_token_ids: list[int] | tuple = ()):
+                 enable_chunked_prefill: bool = False, eos_token_ids: list[int] | tuple = (),
+                 num_speculative_tokens: int = 0):
         # A preempted request is swapped to cpu_block_manager's pool while it has room, else recomputed.
         self.block_manager, self.cpu_block_manager = block_manager, cpu_block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.policy = policy
         self.chunked, self.eos_token_ids = enable_chunked_prefill, list(eos_token_ids)
+        self.num_speculative_tokens = num_speculative_tokens
         # Admissions leave this many blocks free for the running sequences' next blocks (1%, as
         # vLLM): without it, a full pool preempts a newly admitted sequence at the next step.
         self.watermark = block_manager.num_blocks // 100
@@ -151,8 +153,8 @@ class Scheduler:
         rid, table = seq.request_id, self.block_manager.tables[seq]
         out.num_new_tokens[rid] = n
         known = seq.num_tokens + seq.num_pending
-        if seq.num_computed_tokens + n > known:  # it reaches into its guesses
-            out.spec_token_ids[rid] = seq.spec_token_ids[:seq.num_computed_tokens + n - known]
+        if seq.num_computed_tokens + n > known:  # it reaches past its last token: room for guesses
+            out.num_spec_tokens[rid] = seq.num_computed_tokens + n - known
         sent = self.sent.get(rid)
         if sent is None:
             out.new_requests.append(NewRequest(rid, list(seq.prompt_token_ids), list(seq.output_token_ids),
@@ -167,11 +169,15 @@ class Scheduler:
 
     def _to_compute(self, seq: Sequence) -> int:
         """Its tokens not yet computed, the one sampled in a step still running included; 0 once the
-        steps under way bring it to max_tokens; no guesses while a step is under way."""
-        if len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens:
+        steps under way bring it to max_tokens. A decode with no step under way adds room for
+        guesses, as many as max_tokens leaves."""
+        left = seq.params.max_tokens - len(seq.output_token_ids) - seq.num_pending
+        if left <= 0:
             return 0
-        guesses = 0 if seq.num_pending else len(seq.spec_token_ids)
-        return seq.num_tokens + seq.num_pending + guesses - seq.num_computed_tokens
+        n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
+        if n == 1 and not seq.num_pending:
+            n += min(self.num_speculative_tokens, left - 1)
+        return n
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
         """What admitting seq now takes: the cached blocks of its prefix, and the tokens it computes
@@ -254,9 +260,11 @@ class Scheduler:
                 continue
             if new is not None:
                 seq.num_pending -= 1
-            if seq.status is Status.RUNNING and seq.spec_token_ids:
-                guesses, seq.spec_token_ids = out.spec_token_ids.get(rid, []), []
-                seq.num_computed_tokens -= len(guesses) - num_accepted(guesses, new or [])
+            room = out.num_spec_tokens.get(rid, 0)
+            if room and new and seq.status is Status.RUNNING:
+                # The runner returns the guesses it accepted and one token more; the rest of the
+                # room, guessed into or not, holds no K/V worth keeping.
+                seq.num_computed_tokens -= room - (len(new) - 1)
                 bm.truncate(seq, seq.num_computed_tokens)
                 # The runner cuts its copy of the table by the same rule: after its last accepted token.
                 self.sent[rid] = min(self.sent[rid], len(bm.tables[seq]))
@@ -271,12 +279,3 @@ class Scheduler:
             if new:
                 changed.append(seq)
         return changed
-
-
-def num_accepted(guesses: list[int], sampled: list[int]) -> int:
-    """How many guesses the runner confirmed: those equal to the tokens it sampled at their positions
-    (where it rejects a guess, it samples a token other than the guess)."""
-    n = 0
-    while n < min(len(guesses), len(sampled)) and guesses[n] == sampled[n]:
-        n += 1
-    return n

@@ -32,7 +32,6 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission (chapter 07)
     num_reported: int = 0  # output tokens already handed out in a RequestOutput
     block_hashes: list = field(default_factory=list)  # chapter 07's cache keeps its blocks' hashes here
-    spec_token_ids: list[int] = field(default_factory=list)  # guesses at its next tokens (chapter 09)
     num_pending: int = 0  # steps under way that sample it, their tokens not read yet (overlap)
 
     def __repr__(self) -> str:

@@ -1,10 +1,10 @@
 """Chapters 06 and 07: the token-budget scheduler as a hypothesis state machine (random arrivals,
 lengths, aborts, pool sizes, both policies, both preemption modes, prefix caching and chunked prefill
-on or off, guesses as chapter 09's speculation makes them, overlap on or off), with a fake runner
-that knows only the plain data the scheduler sends, accepts some of the guesses it verifies and
-returns 1 to 3 tokens more for each request whose known tokens it reached (one, with overlap: the
-next step is scheduled before this one's tokens are read), and a fake pool that records which
-token each slot holds."""
+on or off, room for guesses as chapter 09's speculation asks, overlap on or off), with a fake runner
+that knows only the plain data the scheduler sends, guesses into some of the room it is given,
+accepts some of its guesses and returns them and one token more, and returns 1 to 3 tokens for
+each other request whose known tokens it reached (one, with overlap: the next step is scheduled
+before this one's tokens are read), and a fake pool that records which token each slot holds."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -32,15 +32,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 2, 4, 16]),
                 max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 40),
                 policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
-                cpu_blocks=st.integers(1, 20), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans())
+                cpu_blocks=st.integers(1, 20), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans(),
+                spec=st.integers(0, 3))
     def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, policy, mode, cpu_blocks, caching,
-              chunked, overlap):
+              chunked, overlap, spec):
         self.bm = (mi.PrefixCachingBlockManager if caching else mi.BlockManager)(num_blocks, block_size)
         self.cpu = mi.BlockManager(cpu_blocks, block_size) if mode == "swap" else None
         self.capacity = min(num_blocks * block_size, 24)
         # As LLMEngine: unchunked, the budget holds any admissible request whole (prompt + outputs - 1).
         self.budget = max_num_seqs + extra_budget if chunked else max(max_num_seqs, self.capacity) + extra_budget
-        self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, mi.POLICIES[policy], self.cpu, chunked)
+        # As LLMEngine: speculation turns the overlap off.
+        self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, mi.POLICIES[policy], self.cpu, chunked, (),
+                              0 if overlap else spec)
         self.runner: dict[str, dict] = {}  # the fake runner's copy of each request it knows
         self.seqs: list[mi.Sequence] = []
         self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds
@@ -75,31 +78,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if a * bs + i in src:
                     dst[b * bs + i] = src[a * bs + i]
 
-    @precondition(lambda self: self.s.running and not self.overlap)  # guesses need overlap off
-    @rule(data=st.data())
-    def propose(self, data):
-        """Guesses at a running request's next tokens, for its next step to verify."""
-        seq = data.draw(st.sampled_from(self.s.running))
-        seq.spec_token_ids = data.draw(st.lists(st.sampled_from([1, 2]), max_size=3))
-
     @rule(data=st.data())
     def step(self, data):
         self.run_step(lambda: data.draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3)),
-                      lambda guesses: data.draw(st.integers(0, len(guesses))))
+                      lambda guesses: data.draw(st.integers(0, len(guesses))),
+                      lambda room: data.draw(st.lists(st.sampled_from([1, 2]), max_size=room)))
 
-    def run_step(self, tokens, accept) -> None:
+    def run_step(self, tokens, accept, guess) -> None:
         """One step; with overlap, the next is launched before this one's tokens are read."""
         if not self.overlap:
-            return self.update(*self.launch(tokens, accept))
+            return self.update(*self.launch(tokens, accept, guess))
         if self.in_flight is None:
-            self.in_flight = self.launch(lambda: [1], accept)
-        done, self.in_flight = self.in_flight, self.launch(lambda: tokens()[:1], accept)
+            self.in_flight = self.launch(lambda: [1], accept, guess)
+        done, self.in_flight = self.in_flight, self.launch(lambda: tokens()[:1], accept, guess)
         self.update(*done)
 
-    def launch(self, tokens, accept) -> tuple:
-        """Schedule a step and run it on the fake runner; a request that reached the end of its
-        known tokens and its guesses keeps the first accept(guesses) of them, then produces tokens()
-        (the first differs from the guess it rejects)."""
+    def launch(self, tokens, accept, guess) -> tuple:
+        """Schedule a step and run it on the fake runner. A request with room guesses(room) into it,
+        keeps the first accept(guesses) of them and one token more (other than the guess it rejects);
+        any other that reached the end of its known tokens produces tokens()."""
         out = self.s.schedule()
         assert out.num_batched_tokens <= self.budget
         assert len(out.num_new_tokens) <= len(self.s.running) <= self.s.max_num_seqs
@@ -119,15 +116,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         rejected = {}
         for rid, n in out.num_new_tokens.items():
             seq, r = self.s.requests[rid], self.runner[rid]
-            guesses = out.spec_token_ids.get(rid, [])
+            room = out.num_spec_tokens.get(rid, 0)
+            guesses = guess(room)
             # What the runner holds from the plain data is the scheduler's state.
-            assert seq.status is mi.Status.RUNNING and n >= 1 and guesses == seq.spec_token_ids[:len(guesses)]
+            assert seq.status is mi.Status.RUNNING and n >= 1
             # The runner may know more tokens than the scheduler: those of the step under way.
             assert r["blocks"] == self.bm.tables[seq]
             assert r["tokens"][:seq.num_tokens] == seq.token_ids(0, seq.num_tokens)
-            known = r["tokens"] + guesses
+            known = r["tokens"] + guesses + [-1] * (room - len(guesses))  # -1: room left unguessed
             assert r["computed"] + n == seq.num_computed_tokens == self.bm.lengths[seq] <= len(known)
-            assert not guesses or r["computed"] + n == len(known)  # guesses only whole to the end
+            assert not room or r["computed"] + n == len(known)  # room only after a request's last token
             # No step is spent on a request that the steps under way bring to max_tokens.
             assert len(seq.output_token_ids) + seq.num_pending <= seq.params.max_tokens
             # The K/V it attends to, whether computed, swapped back or found in the cache, are its own
@@ -141,14 +139,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             # guesses, then 1 to 3 tokens.
             if r["computed"] < len(known):
                 continue
-            a, more = accept(guesses), tokens()
+            a, more = accept(guesses), tokens()[:1] if room else tokens()
             if a < len(guesses):
                 more[0] = 3 - guesses[a]  # the token sampled where a guess is rejected differs from it
             sampled[rid] = guesses[:a] + more
-            r["computed"] -= len(guesses) - a
-            del r["blocks"][-(-r["computed"] // self.bm.block_size):]  # those of rejected guesses only
+            r["computed"] -= room - a
+            del r["blocks"][-(-r["computed"] // self.bm.block_size):]  # those past its accepted guesses only
             r["tokens"] += sampled[rid]
-            rejected[rid] = len(guesses) - a
+            rejected[rid] = room - a
         self.rejected += sum(rejected.values())
         return out, sampled
 
@@ -157,7 +155,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         changed = self.s.update_from_output(out, sampled)
         assert {s.request_id for s in changed} == alive
         for seq in changed:
-            assert not seq.spec_token_ids
             assert self.overlap or seq.num_computed_tokens == self.runner[seq.request_id]["computed"]
 
     @invariant()
@@ -189,7 +186,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(10_000):  # every request finishes: nothing starves, nothing is stuck
             if not self.s.has_unfinished():
                 break
-            self.run_step(lambda: [1], len)
+            self.run_step(lambda: [1], len, lambda room: [1] * room)
         if self.in_flight is not None:  # only finished requests ran in it
             self.update(*self.in_flight)
         assert all(s.status is mi.Status.FINISHED for s in self.seqs)

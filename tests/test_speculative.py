@@ -1,0 +1,255 @@
+"""Chapter 09: speculative decoding. Greedy output is the output without speculation (draft and
+n-gram, k = 1..8, three architectures, under preemption, prefix caching and chunked prefill); sampled
+output follows the target's distribution (chi-square, thousands of seeded requests), and the test
+that shows it fails when the residual is replaced by p; bad configurations are refused."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import miniinfer as mi
+import miniinfer.speculative as spec
+from conftest import hf_greedy, make_hf_model
+from miniinfer.sampler import sampling_probs, sampling_row
+
+
+def prompts_with_repeats(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts, each a random piece said twice: n-gram lookup finds something to propose."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        piece = torch.randint(1, vocab, (3 + i % 7,), generator=g).tolist()
+        out.append(piece + torch.randint(1, vocab, (i % 5,), generator=g).tolist() + piece)
+    return out
+
+
+def engine_for(folder, **kw) -> mi.LLMEngine:
+    base = dict(model=folder, num_blocks=24, block_size=4, max_num_seqs=4, enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=24)
+    return mi.LLMEngine(mi.EngineConfig(**{**base, **kw}))
+
+
+def run_all(engine: mi.LLMEngine, prompts, params) -> list[list[int]]:
+    outs = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if isinstance(engine.runner.proposer if hasattr(engine.runner, "proposer") else None, spec.DraftProposer):
+        assert set(engine.runner.proposer.computed) <= set(engine.runner.requests)  # it forgets with the runner
+    return outs
+
+
+@pytest.fixture(scope="module")
+def draft_of(tmp_path_factory):
+    """kind -> a one-layer draft checkpoint of that architecture (other weights than the target's)."""
+    folders = {}
+
+    def make(kind):
+        if kind not in folders:
+            folders[kind] = tmp_path_factory.mktemp(f"{kind}-draft")
+            torch.manual_seed(1)
+            make_hf_model(kind, num_hidden_layers=1).save_pretrained(folders[kind])
+        return folders[kind]
+    return make
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_output_is_the_output_without_speculation(hf_checkpoint, draft_of, method):
+    """Both methods on three architectures, under preemption (a pool of 24 blocks of 4 tokens for
+    eight requests of up to 46 tokens), prefix caching and chunked prefill: the tokens of
+    transformers' greedy decoding, and every block back."""
+    kind, folder, hf = hf_checkpoint
+    prompts = prompts_with_repeats(8, 300)
+    params = mi.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [hf_greedy(hf, p, 24) for p in prompts]
+    for k, mode in [(1, "recompute"), (3, "swap"), (8, "recompute")]:
+        extra = dict(speculative_model=draft_of(kind)) if method == "draft" else dict(speculative_method="ngram")
+        engine = engine_for(folder, num_speculative_tokens=k, preemption_mode=mode, **extra)
+        assert run_all(engine, prompts, params) == expected, (k, mode)
+        assert engine.runner.spec.verified > 0
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_course_model_pair_greedy_for_every_k(k):
+    """pycoder with pycoder-draft and with n-grams, k = 1..8: the tokens without speculation."""
+    prompts = ['def add(a, b):\n    """Return a + b."""\n', "for i in range(10):\n    print(i)\nfor j in range(",
+               "x = [1, 2, 3]\n", 'def is_even(n):\n    """Return True if n is even."""\n']
+    params = mi.SamplingParams(temperature=0, max_tokens=40)
+    base = dict(num_blocks=64, block_size=4, max_num_seqs=3)
+    expected = run_all(mi.LLMEngine(mi.EngineConfig(**base)), prompts, params)
+    for extra in (dict(speculative_model="pycoder-draft"), dict(speculative_method="ngram")):
+        engine = mi.LLMEngine(mi.EngineConfig(**base, num_speculative_tokens=k, **extra))
+        assert run_all(engine, prompts, params) == expected, extra
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts against probs, cells expecting fewer than 5 pooled into one."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A target and a draft of 6 tokens whose distributions differ much (large random weights)."""
+    folders = []
+    for seed in (0, 1):
+        folder = tmp_path_factory.mktemp(f"tiny{seed}")
+        hf = make_hf_model("llama", vocab_size=6, initializer_range=0.6, num_hidden_layers=1)
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            for param in hf.parameters():
+                param.add_(torch.randn_like(param) * 0.1)
+        hf.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+def sampled_tokens(target, draft, params, n: int) -> torch.Tensor:
+    """The first 3 of the 4 tokens of n seeded requests of prompt [1, 2]: [n, 3]. The first is
+    sampled after the prompt; the next two are guesses verified in one step (then one token more)."""
+    engine = mi.LLMEngine(mi.EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2,
+                                          max_num_seqs=256, num_blocks=512, block_size=4))
+    prompts = [[1, 2]] * n
+    each = [mi.SamplingParams(**{**params, "seed": i}) for i in range(n)]
+    outs = torch.tensor(run_all(engine, prompts, each))
+    s = engine.runner.spec
+    assert s.verified >= n and 0.1 < s.acceptance_rate < 0.9  # guesses kept and guesses rejected, many of each
+    return outs[:, :3]
+
+
+def exact_joint(target, params: dict) -> torch.Tensor:
+    """P(x1, x2, x3 | prompt [1, 2]) of the target, sampled with params: [216]."""
+    model = mi.load_model(target)
+    sp = mi.SamplingParams(**params)
+    values = np.array([sampling_row(sp, 0, 6)] * 3, dtype=np.float64).T
+    batch = mi.SamplingBatch.build(values, np.zeros(3, dtype=np.int64), 6, "cpu")
+    out = torch.zeros(6, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        for x1 in range(6):
+            for x2 in range(6):
+                probs = sampling_probs(model(torch.tensor([[1, 2, x1, x2]]))[0, 1:], batch).double()
+                out[x1, x2] = probs[0, x1] * probs[1, x2] * probs[2]
+    return out.flatten()
+
+
+PARAMS = [dict(temperature=1.0, max_tokens=4, ignore_eos=True),
+          dict(temperature=0.7, top_k=4, top_p=0.9, max_tokens=4, ignore_eos=True)]
+
+
+def joint_counts(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens[:, 0] * 36 + tokens[:, 1] * 6 + tokens[:, 2], minlength=216)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["t1", "t0.7-topk-topp"])
+def test_sampled_tokens_follow_the_target_distribution(tiny_pair, params):
+    """3,000 seeded requests: the joint law of their 3 tokens (the 2nd and 3rd verified against a
+    draft that proposes from another distribution) passes a chi-square test against the target's."""
+    target, draft = tiny_pair
+    tokens = sampled_tokens(target, draft, params, 3000)
+    assert chi_square_p_value(joint_counts(tokens), exact_joint(target, params)) > 1e-3
+
+
+def test_the_chi_square_test_catches_a_wrong_residual(tiny_pair, monkeypatch):
+    """The same test fails when a rejected guess is replaced by a sample from p instead of from
+    norm(max(0, p - q)): the check has the power to see the residual."""
+    target, draft = tiny_pair
+    right = spec.verify
+
+    def wrong(logits, s, guesses, q):
+        return right(logits, s, guesses, q)[0], right(logits, s, torch.full_like(guesses, -1), None)[1]
+    monkeypatch.setattr(spec, "verify", wrong)
+    tokens = sampled_tokens(target, draft, PARAMS[0], 3000)
+    assert chi_square_p_value(joint_counts(tokens), exact_joint(target, PARAMS[0])) < 1e-6
+
+
+def test_seeded_requests_are_the_same_in_any_batch():
+    """A seeded request with speculation samples the same tokens alone and among others."""
+    params = mi.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=7)
+    prompt = 'def add(a, b):\n    """Return a + b."""\n'
+    config = mi.EngineConfig(speculative_model="pycoder-draft", num_speculative_tokens=3, max_num_seqs=8)
+    alone = run_all(mi.LLMEngine(config), [prompt], params)[0]
+    others = [mi.SamplingParams(temperature=1.0, max_tokens=20 + i, seed=100 + i) for i in range(5)]
+    crowd = run_all(mi.LLMEngine(config), ["x = 1\n", "import os\n", prompt, "class A:\n", "# hi\n", "y = 2\n"],
+                    others[:2] + [params] + others[2:])
+    assert crowd[2] == alone
+
+
+def test_verify_greedy_rows_and_outright_guesses():
+    """Greedy rows keep a guess equal to the argmax and give the argmax; q=None (a guess proposed
+    outright) is the same as a one-hot q."""
+    g = torch.Generator().manual_seed(0)
+    R, V = 40, 7
+    logits = torch.randn(R, V, generator=g) * 3
+    guesses = torch.randint(-1, V, (R,), generator=g)
+    temps = torch.rand(R, generator=g).numpy() * (torch.rand(R, generator=g) > 0.3).numpy()
+    values = torch.stack([torch.tensor(temps), torch.ones(R), torch.full((R,), V), torch.arange(R)]).double().numpy()
+    s = mi.SamplingBatch.build(values, torch.arange(R).numpy(), V, "cpu")
+    accepted, tokens = spec.verify(logits, s, guesses, None)
+    one_hot = torch.nn.functional.one_hot(guesses.clamp(min=0), V).float() * (guesses >= 0)[:, None]
+    assert torch.equal(spec.verify(logits, s, guesses, one_hot)[0], accepted)
+    greedy = torch.tensor(temps) == 0
+    assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
+    assert torch.equal(accepted[greedy], ((guesses == logits.argmax(-1)) & (guesses >= 0))[greedy])
+    assert not accepted[guesses < 0].any()
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=30), st.integers(1, 6), st.integers(1, 4))
+def test_ngram_guesses_follow_the_latest_longest_match(tokens, k, max_n):
+    """Against a brute-force search: the longest n (max_n down to 1) whose last n tokens occur
+    earlier followed by a token; from its latest such occurrence, the next k tokens."""
+    expected = []
+    for n in range(min(max_n, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tail]
+        if starts:
+            expected = tokens[starts[-1] + n:starts[-1] + n + k]
+            break
+    assert spec.ngram_guesses(tokens, k, max_n) == expected
+
+
+def test_bad_configurations_are_refused_before_loading(tmp_path, hf_checkpoint):
+    _, folder, _ = hf_checkpoint
+    with pytest.raises(ValueError, match="needs a speculative_model"):
+        mi.EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="uses no model"):
+        mi.EngineConfig(speculative_method="ngram", speculative_model="pycoder-draft")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be a positive int"):
+        mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        mi.EngineConfig(speculative_method="eagle")
+    # A draft of another vocabulary: refused from the config files alone.
+    with pytest.raises(ValueError, match="vocabulary of 301 tokens"):
+        spec.DraftProposer(mi.EngineConfig(speculative_model=folder))
+    # Same vocabulary size, another tokenizer: the course tokenizer with two tokens swapped.
+    other = tmp_path / "other"
+    other.mkdir()
+    course = mi.course_model_path("pycoder-draft")
+    for f in course.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        spec.DraftProposer(mi.EngineConfig(speculative_model=other))
+    with pytest.raises(ValueError, match="no embedded course model"):
+        spec.DraftProposer(mi.EngineConfig(speculative_model="no-such-model"))
+
+
+def test_metrics_count_guesses():
+    engine = mi.LLMEngine(mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=4))
+    run_all(engine, ["for i in range(10):\n    print(i)\nfor i in range(10):\n"], mi.SamplingParams(temperature=0,
+                                                                                                   max_tokens=30))
+    s = engine.stats.spec
+    assert s.verified > 0 and 0 <= s.accepted <= s.proposed <= 4 * s.verified
+    assert s.acceptance_rate == s.accepted / s.proposed and 1 <= s.tokens_per_step <= 5
+
