@@ -25,6 +25,7 @@ from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa
 from miniinfer.model import ModelConfig, Transformer  # noqa: E402
 from miniinfer.prefix_cache import PrefixCachingBlockManager, chain_hash  # noqa: E402
 from miniinfer.radix import RadixTree  # noqa: E402
+from miniinfer.speculative import DraftProposer, NgramProposer, Proposer, SpeculativeRunner  # noqa: E402
 from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, generate_paged, paged_attention_ref,  # noqa: E402
                                    paged_utilization, slot_mapping)
 from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
@@ -56,4 +57,4 @@ __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "Ou
            "Status",
            "StepRecord", "draw_timeline", "trace_steps", "PrefixCachingBlockManager",
            "chain_hash", "RadixTree", "IncrementalDetokenizer",
-           "AsyncLLMEngine"]
+           "AsyncLLMEngine", "DraftProposer", "NgramProposer", "Proposer", "SpeculativeRunner"]

@@ -329,6 +329,10 @@ class Server:
              "Seconds the engine spent in steps."),
             ("engine_wait_seconds_total", "counter", round(self.engine.totals["wait_seconds"], 6),
              "Seconds the engine's output thread waited to hand outputs to this server (it reads too slowly)."),
+            ("spec_decode_proposed_tokens_total", "counter", s.spec_proposed, "Speculative guesses verified."),
+            ("spec_decode_accepted_tokens_total", "counter", s.spec_accepted, "Speculative guesses kept."),
+            ("spec_decode_verifying_steps_total", "counter", s.spec_verified,
+             "Request-steps that verified guesses (each yields the kept ones and one token more)."),
         ]:
             lines += [f"# HELP miniinfer_{name} {help}", f"# TYPE miniinfer_{name} {kind}", f"miniinfer_{name} {value}"]
         return "\n".join(lines) + "\n"

@@ -495,3 +495,27 @@ def test_a_served_request_is_checked_once(course_model, monkeypatch):
     finally:
         eng.close()
     assert body["usage"]["completion_tokens"] == 4 and len(calls) == 1
+
+
+def test_speculative_server_streams_the_same_greedy_tokens(url, client, tmp_path):
+    """`serve --speculative-model pycoder-draft`: the openai client's streamed greedy completions
+    equal the plain server's, and /metrics counts the guesses made and kept."""
+    proc, spec_url = start_server(tmp_path / "spec.log", "--num-blocks", "400", "--block-size", "8",
+                                  "--speculative-model", "pycoder-draft", "--num-speculative-tokens", "3")
+    try:
+        spec_client = openai.OpenAI(base_url=spec_url + "/v1", api_key="unused", max_retries=0)
+        for prompt in PROMPTS[:3]:
+            texts = []
+            for c in (client, spec_client):
+                chunks = c.completions.create(model="pycoder", prompt=prompt, max_tokens=40, temperature=0,
+                                              stream=True)
+                texts.append("".join(ch.choices[0].text for ch in chunks))
+            assert texts[0] == texts[1] and texts[0], texts
+        m = wait_idle(spec_url)
+        assert m["spec_decode_verifying_steps_total"] > 0
+        assert 0 < m["spec_decode_accepted_tokens_total"] <= m["spec_decode_proposed_tokens_total"]
+        assert m["kv_blocks_used"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert "Traceback" not in (tmp_path / "spec.log").read_text()
