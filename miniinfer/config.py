@@ -45,7 +45,8 @@ class EngineConfig:
                                              "default: draft if speculative_model is set, else none)",
                                              (None, "draft", "ngram"))
     speculative_model: str | Path | None = setting(None, "speculation", "the draft's checkpoint folder or course "
-                                                   "model name (pycoder-draft); same tokenizer as the model")
+                                                   "model name (pycoder-draft), with the model's tokenizer "
+                                                   "(default: none)")
     num_speculative_tokens: int = setting(4, "speculation", "guesses verified per step")
 
     def __post_init__(self):

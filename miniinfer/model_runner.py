@@ -294,42 +294,46 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Decode steps as CUDA graphs, one per bucket of batch sizes, over shared static buffers."""
+    """Decode steps as CUDA graphs, one per bucket of batch sizes, over shared static buffers. Each
+    sequence brings query_len tokens: one for a decode; chapter 09 verifies guesses with more."""
 
-    def __init__(self, model: Transformer, cache: VarlenKVCache, max_num_seqs: int, max_model_len: int):
-        self.model, self.cache = model, cache
+    def __init__(self, model: Transformer, cache: VarlenKVCache, max_num_seqs: int, max_model_len: int,
+                 query_len: int = 1):
+        self.model, self.cache, self.L = model, cache, query_len
         self.buckets = graph_buckets(max_num_seqs)
-        dev, B = cache.k.device, self.buckets[-1]
+        dev, B, N = cache.k.device, self.buckets[-1], self.buckets[-1] * query_len
         max_blocks = -(-max_model_len // cache.block_size)
-        self.ids = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.slots = torch.full((B,), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.ids = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.positions = torch.zeros(N, dtype=torch.int32, device=dev)
+        self.slots = torch.full((N,), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.full((B,), query_len, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev) * query_len
         self.max_model_len = max_model_len
         self.graphs, self.logits = {}, {}
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
             self._use(b)
-            self.model(self.ids[None, :b], self.positions[None, :b], attn=cache)  # warm-up, compiles
+            n = b * query_len
+            self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)  # warm-up, compiles
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.model(self.ids[None, :b], self.positions[None, :b], attn=cache)[0]
+                self.logits[b] = self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)[0]
             self.graphs[b] = graph
 
     def _use(self, b: int) -> None:
         # Decode kernels pick their split from max_seq_len: the longest context any replay may see.
-        self.cache.step(VarlenBatch(self.ids[:b], self.positions[:b], self.slots[:b], self.query_start_loc[:b + 1],
-                                    self.seq_lens[:b], self.tables[:b], 1, self.max_model_len))
+        n = b * self.L
+        self.cache.step(VarlenBatch(self.ids[:n], self.positions[:n], self.slots[:n], self.query_start_loc[:b + 1],
+                                    self.seq_lens[:b], self.tables[:b], self.L, self.max_model_len))
 
     def __call__(self, batch: VarlenBatch) -> torch.Tensor:
-        """Logits [B, vocab] of a decode batch (one token per sequence)."""
+        """Logits [B * query_len, vocab] of a batch of B sequences of query_len tokens each."""
         B, width = batch.seq_lens.shape[0], batch.block_tables.shape[1]
-        b = next(b for b in self.buckets if b >= B)
-        self.ids[:B], self.positions[:B], self.slots[:B] = batch.input_ids, batch.positions, batch.slot_mapping
+        b, N = next(b for b in self.buckets if b >= B), B * self.L
+        self.ids[:N], self.positions[:N], self.slots[:N] = batch.input_ids, batch.positions, batch.slot_mapping
         self.seq_lens[:B], self.tables[:B, :width] = batch.seq_lens, batch.block_tables
-        self.slots[B:b] = -1  # padding rows: write nowhere, read one token
-        self.seq_lens[B:b] = 1
+        self.slots[N:b * self.L] = -1  # padding rows: write nowhere, read the tokens they are
+        self.seq_lens[B:b] = self.L
         self.graphs[b].replay()
-        return self.logits[b][:B]
+        return self.logits[b][:N]

@@ -249,6 +249,8 @@ class DraftProposer(Proposer):
         self.computed.pop(rid, None)
 
 
+VERIFY_GRAPHS_MAX = 64
+
 PROPOSERS = Registry("speculative_method", {"draft": DraftProposer, "ngram": NgramProposer})
 
 
@@ -275,6 +277,12 @@ class SpeculativeRunner(ModelRunner):
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         super().allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.proposer.allocate(self, num_blocks)
+        # Verifying steps where every request has room for k guesses, as CUDA graphs too: eager, a
+        # step of a 1B model is hundreds of kernel launches. Up to 64 requests: larger batches gain
+        # little from speculation, and their graphs' logits would take gigabytes.
+        k = self.config.num_speculative_tokens
+        self.verify_graphs = (DecodeGraphs(self.model, self.cache, min(self.config.max_num_seqs, VERIFY_GRAPHS_MAX),
+                                           self.max_model_len, k + 1) if self.graphs is not None else None)
 
     def update_states(self, out: SchedulerOutput) -> None:
         super().update_states(out)
@@ -289,15 +297,22 @@ class SpeculativeRunner(ModelRunner):
         ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
         reqs = [self.requests[rid] for rid in ids]
         known = [len(r.token_ids) for r in reqs]
+        computed = np.array([r.num_computed_tokens for r in reqs])
+        graphs = self.verify_graphs
+        k = self.config.num_speculative_tokens
+        replay = graphs is not None and len(ids) <= graphs.buckets[-1] and all(room.get(rid) == k for rid in ids)
         for rid, g in guesses.items():
-            self.requests[rid].token_ids += g
+            r = self.requests[rid]
+            # A graph takes k+1 tokens from each: fewer guesses are padded (their rows verify nothing).
+            r.token_ids += g + [r.token_ids[-1]] * (k - len(g)) * replay
         step = self.prepare(out)
         # Logits at the row of each request's last known token and of each of its guesses.
         m = np.array([len(guesses.get(rid, ())) for rid in ids])
-        lens = [min(n, len(r.token_ids) - r.num_computed_tokens) for r, n in zip(reqs, counts)]
-        last = np.cumsum(lens) - 1
+        lens = [min(n, len(r.token_ids) - c) for r, n, c in zip(reqs, counts, computed)]
+        starts = np.cumsum([0] + lens)
+        at = np.minimum(starts[:-1] + np.array(known) - 1 - computed, starts[1:] - 1)  # its last known token
         first = np.cumsum(m + 1) - (m + 1)  # each request's first verified row
-        rows = np.concatenate([np.arange(e - k, e + 1) for e, k in zip(last, m)])
+        rows = np.concatenate([np.arange(a, a + n + 1) for a, n in zip(at, m)])
         owner = np.repeat(np.arange(len(ids)), m + 1)
         j = np.arange(len(rows)) - first[owner]  # 0..m_i within request i
         guess_rows = np.full(len(rows), -1)
@@ -306,9 +321,12 @@ class SpeculativeRunner(ModelRunner):
         steps = np.array([k - r.num_prompt_tokens for k, r in zip(known, reqs)])[owner] + j
         vocab = self.model.cfg.vocab_size
         s = SamplingBatch.build(self.rows.sampling[:, np.array(step.rows)[owner]], steps, vocab, self.device)
-        self.cache.step(step.batch)
-        logits = self.model(step.batch.input_ids[None], step.batch.positions[None], attn=self.cache,
-                            logits_at=to_device(rows, self.device))
+        if graphs is not None and replay:
+            logits = graphs(step.batch)[to_device(rows, self.device)]
+        else:
+            self.cache.step(step.batch)
+            logits = self.model(step.batch.input_ids[None], step.batch.positions[None], attn=self.cache,
+                                logits_at=to_device(rows, self.device))
         q_rows = None
         if q is not None:
             spec_of = {rid: a for a, rid in enumerate(room)}

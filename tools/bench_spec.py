@@ -11,6 +11,9 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              a proposer of k guesses whose acceptance is forced to a set rate (the tokens are not
              the model's; only the time is measured), batch 1, against the same engine without
              speculation
+    cost     (GPU) one forward over T = 1..16 tokens a request after 512 cached ones, from CUDA
+             graphs, on the Llama-3.2-1B shape at batch 1 and 32, and the device's kernels for
+             each T at batch 1 (torch.profiler)
     parity   greedy tokens with and without speculation (both methods, k = 1, 4, 8), the course
              pair, on this device
     python tools/bench_spec.py run docs/benchmarks/spec_cpu_2core.json draft ngram
@@ -20,9 +23,11 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,8 +74,12 @@ def timed(config: mi.EngineConfig, prompts, batch: int, model=None, params=None)
     return res
 
 
-def config(batch: int, **kw) -> mi.EngineConfig:
-    dt = torch.bfloat16 if device() == "cuda" else torch.float32
+def config(batch: int, dtype: torch.dtype | None = None, **kw) -> mi.EngineConfig:
+    dt = dtype or (torch.bfloat16 if device() == "cuda" else torch.float32)
+    gc.collect()  # the engines before, with their pools and graphs
+    if device() == "cuda":
+        torch.cuda.empty_cache()
+        kw.setdefault("num_blocks", 4096)  # 65k tokens: plenty here, and no profiling of free memory
     return mi.EngineConfig(device=device(), dtype=dt, max_num_seqs=batch, **kw)
 
 
@@ -139,14 +148,54 @@ def forced(rates=(0.5, 0.8, 0.9), ks=(1, 2, 3, 4, 6, 8)) -> dict:
     return rows
 
 
+def cost(batches=(1, 32), lengths=range(1, 17)) -> dict:
+    """Replay time of a forward over T tokens per request (the verifying forward of k = T-1)."""
+    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_engine import models
+    _, model = models("llama")
+    res: dict = {}
+    for B in batches:
+        cache = mi.VarlenKVCache(model.cfg, B * 34, 16, "cuda", torch.bfloat16)
+        tables = [list(range(34 * b, 34 * b + 34)) for b in range(B)]
+        for T in lengths:
+            graphs = mi.model_runner.DecodeGraphs(model, cache, B, 2048, T)
+            batch = mi.VarlenBatch.build([[7] * T] * B, tables, [512] * B, 16, "cuda")
+            for _ in range(5):
+                graphs(batch)
+            times = []
+            for _ in range(30):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs(batch)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            row = res.setdefault(str(B), {})[str(T)] = {"ms": statistics.median(times)}
+            if B == 1:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    graphs(batch)
+                    torch.cuda.synchronize()
+                kernels: dict = {}
+                for e in prof.events():
+                    if e.device_type.name == "CUDA":
+                        kernels[e.name[:60]] = kernels.get(e.name[:60], 0) + e.device_time / 1e3
+                row["top_kernels_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:6])
+            print(f"batch {B}, T={T}: {row['ms']:.3f} ms", flush=True)
+            del graphs
+    return res
+
+
 def parity() -> dict:
+    """In float32: in bfloat16 a verifying forward (k+1 tokens a request) rounds differently from a
+    decode step, and near-ties may flip."""
     res = {}
     prompts = PROMPTS[:8]
-    base = timed(config(4), prompts, 4)["outputs"]
+    base = timed(config(4, torch.float32), prompts, 4)["outputs"]
     methods = [("draft", dict(speculative_model="pycoder-draft")), ("ngram", dict(speculative_method="ngram"))]
     for name, method in methods:
         for k in (1, 4, 8):
-            engine = mi.LLMEngine(config(4, num_speculative_tokens=k, **method))
+            engine = mi.LLMEngine(config(4, torch.float32, num_speculative_tokens=k, **method))
             outs = [o.token_ids for o in engine.generate(prompts, greedy(), use_tqdm=False)]
             bm = engine.block_manager
             res[f"{name}/{k}"] = {"same_tokens": outs == base, "blocks_back": bm.num_free_blocks == bm.num_blocks}
@@ -169,11 +218,16 @@ def main(out_path: str, parts: list[str], batches: list[int]) -> None:
                date=datetime.date.today().isoformat(), max_tokens=MAX_TOKENS)
     for part in parts:
         if part == "draft":
-            res["draft"] = {str(b): sweep(PROMPTS, b, dict(speculative_model="pycoder-draft")) for b in batches}
+            for b in batches:
+                res.setdefault("draft", {})[str(b)] = sweep(PROMPTS, b, dict(speculative_model="pycoder-draft"))
         elif part == "ngram":
-            res["ngram"] = {str(b): sweep(repeat_prompts(), b, dict(speculative_method="ngram")) for b in batches}
+            prompts = repeat_prompts()
+            for b in batches:
+                res.setdefault("ngram", {})[str(b)] = sweep(prompts, b, dict(speculative_method="ngram"))
         elif part == "forced":
             res["forced"] = forced()
+        elif part == "cost":
+            res["cost"] = cost()
         elif part == "parity":
             res["parity"] = parity()
         else:
@@ -182,19 +236,44 @@ def main(out_path: str, parts: list[str], batches: list[int]) -> None:
 
 
 def plot(out_path: str) -> None:
+    """Speed-up against k: the course pair per batch and, where recorded, the forward's cost against
+    its tokens and the forced-acceptance curves of the Llama shape."""
     import matplotlib.pyplot as plt
 
     res = json.loads(Path(out_path).read_text())
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in ("draft", "ngram"):
-        for b, rows in res.get(name, {}).items():
-            ks = [k for k in rows if k != "off"]
-            ax.plot([int(k) for k in ks], [rows[k]["speedup"] for k in ks], "o-", label=f"{name}, batch {b}")
-    ax.axhline(1, color="gray", lw=0.8)
-    ax.set_xlabel("k (guesses per step)")
-    ax.set_ylabel("tokens/s over no speculation")
-    ax.set_title(f"Speculative decoding on {res['device']} ({res['date']})", fontsize=9)
-    ax.legend(fontsize=7)
+    panels = ["pair"] + [p for p in ("cost", "forced") if p in res]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        if panel == "pair":
+            for name, style in (("draft", "o-"), ("ngram", "s--")):
+                for b, rows in res.get(name, {}).items():
+                    ks = [k for k in rows if k != "off"]
+                    ax.plot([int(k) for k in ks], [rows[k]["speedup"] for k in ks], style, ms=3,
+                            label=f"{name}, batch {b}")
+            ax.set_title("course model: pycoder-draft and n-grams", fontsize=9)
+            ax.set_xlabel("k (guesses per step)")
+            ax.set_ylabel("tokens/s over no speculation")
+            ax.axhline(1, color="gray", lw=0.8)
+        elif panel == "cost":
+            for b, rows in res["cost"].items():
+                ts = [int(t) for t in rows]
+                ax.plot(ts, [rows[str(t)]["ms"] / rows["1"]["ms"] for t in ts], "o-", ms=3,
+                        label=f"batch {b} ({rows['1']['ms']:.2f} ms at T=1)")
+            ax.set_title("Llama-3.2-1B shape: a forward over T tokens a request", fontsize=9)
+            ax.set_xlabel("T (tokens per request)")
+            ax.set_ylabel("time over T = 1")
+        else:
+            rows = res["forced"]
+            for rate in sorted({k.split("/")[0] for k in rows if k != "off"}):
+                ks = sorted(int(k.split("/")[1]) for k in rows if k.startswith(rate + "/"))
+                ax.plot(ks, [rows[f"{rate}/{k}"]["speedup"] for k in ks], "o-", ms=3,
+                        label=f"each guess kept at {rate}")
+            ax.set_title(f"Llama-3.2-1B shape, batch 1 ({rows['off']['tokens_per_s']:.0f} tok/s without)", fontsize=9)
+            ax.set_xlabel("k (guesses per step)")
+            ax.set_ylabel("tokens/s over no speculation")
+            ax.axhline(1, color="gray", lw=0.8)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Speculative decoding, {res['device']}, torch {res['torch']} ({res['date']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)
 
