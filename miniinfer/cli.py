@@ -63,12 +63,19 @@ def engine_config(args: argparse.Namespace):
     values["dtype"] = args.dtype or ("bfloat16" if values["device"].startswith("cuda") else "float32")
     for name in ("dtype", "kv_cache_dtype"):
         values[name] = values[name] and getattr(torch, values[name])
-    return mi.EngineConfig(**values)
+    try:
+        return mi.EngineConfig(**values)
+    except ValueError as err:  # a bad option: its message, not a traceback
+        raise SystemExit(f"miniinfer: {err}") from None
 
 
 def make_engine(args: argparse.Namespace):
     import miniinfer as mi
-    return mi.LLMEngine(engine_config(args))
+    config = engine_config(args)
+    try:
+        return mi.LLMEngine(config)
+    except ValueError as err:  # a checkpoint or draft that cannot serve
+        raise SystemExit(f"miniinfer: {err}") from None
 
 
 def sampling_options(ap: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -127,7 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(prompt, end="")
     t0 = time.perf_counter()
     _, n = stream_text(engine, engine.tokenizer(prompt).input_ids, sampling(args))
-    print(f"\n[{n} tokens in {time.perf_counter() - t0:.2f} s on {args.device}]")
+    print(f"\n[{n} tokens in {time.perf_counter() - t0:.2f} s on {engine.config.device}]")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

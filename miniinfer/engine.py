@@ -227,11 +227,12 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
         tokens, seconds = {"prefill": 0, "decode": 0}, {"prefill": 1e-9, "decode": 1e-9}
+        per_decode = 1 + self.scheduler.num_speculative_tokens  # a decode's token and its room for guesses
         try:
             while len(final) < len(ids):
                 outputs = self.step()
                 ran = self.stats.scheduled
-                kind = "decode" if sum(ran.values()) == len(ran) else "prefill"
+                kind = "decode" if sum(ran.values()) <= len(ran) * per_decode else "prefill"
                 tokens[kind] += sum(ran.values())
                 seconds[kind] += self.stats.seconds
                 for o in outputs:

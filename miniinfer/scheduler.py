@@ -122,7 +122,7 @@ class Scheduler:
         todo, self.running, urgent = self.running, [], len(out.preempted_ids)
         while todo:
             seq = todo.pop(0)
-            n = min(self._to_compute(seq), budget)
+            n = self._within(self._to_compute(seq), self._room(seq), budget)
             if self._slots(seq, n, todo, out):
                 self._run(seq, n, out)
                 budget -= n
@@ -168,24 +168,39 @@ class Scheduler:
             seq.num_pending += 1
 
     def _to_compute(self, seq: Sequence) -> int:
-        """Its tokens not yet computed, the one sampled in a step still running included; 0 once the
-        steps under way bring it to max_tokens. A decode with no step under way adds room for
-        guesses, as many as max_tokens leaves."""
-        left = seq.params.max_tokens - len(seq.output_token_ids) - seq.num_pending
-        if left <= 0:
+        """Its tokens not yet computed, the one sampled in a step still running included, and its room
+        for guesses; 0 once the steps under way bring it to max_tokens (or while a step with guesses
+        is under way: it counted its room as computed)."""
+        if len(seq.output_token_ids) + seq.num_pending >= seq.params.max_tokens:
             return 0
-        n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
-        if n == 1 and not seq.num_pending:
-            n += min(self.num_speculative_tokens, left - 1)
-        return n
+        return max(0, seq.num_tokens + seq.num_pending - seq.num_computed_tokens) + self._room(seq)
+
+    def _room(self, seq: Sequence) -> int:
+        """Guesses seq has room for after its known tokens: once it has outputs (its first token is
+        sampled from the prompt alone) and no step is under way, as many as max_tokens and the
+        budget leave."""
+        if seq.num_pending or not seq.output_token_ids:
+            return 0
+        left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        return max(0, min(self.num_speculative_tokens, left, self.max_num_batched_tokens - 1))
+
+    @staticmethod
+    def _within(n: int, room: int, budget: int) -> int:
+        """Of n tokens to compute, room last, those a budget takes. The room comes whole, right after
+        the last known token, or not at all: whether a position had a guess decides which noise
+        samples its token, and a seeded request samples the same in any batch and after a preemption."""
+        if n <= budget:
+            return n
+        return min(n - room - 1, budget) if room else budget
 
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
         """What admitting seq now takes: the cached blocks of its prefix, and the tokens it computes
         (0: it cannot start, as a prompt larger than the budget without chunking)."""
         hits = self.block_manager.match(seq)
-        rest = seq.num_tokens - len(hits) * self.block_manager.block_size
-        n = min(rest, budget)
-        return hits, n if self.chunked or n == rest else 0
+        room = self._room(seq)  # back after a preemption, it may have room for guesses
+        total = seq.num_tokens - len(hits) * self.block_manager.block_size + room
+        n = self._within(total, room, budget)
+        return hits, n if self.chunked or n == total else 0
 
     def _fits(self, num_blocks: int, n: int) -> bool:
         """Whether a request that takes num_blocks free blocks and computes n tokens can join."""
@@ -198,7 +213,7 @@ class Scheduler:
         bm, cpu = self.block_manager, self.cpu_block_manager
         while self.swapped and cpu is not None:
             seq = self.swapped[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._within(self._to_compute(seq), self._room(seq), budget)
             if seq.num_pending or not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
                 break
             self.swapped.pop(0)
@@ -240,11 +255,12 @@ class Scheduler:
         and does not fit (under FCFS a waiting sequence never outranks a running one)."""
         key, bm = self.policy.key, self.block_manager
         while self.waiting and self.running and key(self.waiting[0]) < key(self.running[-1]):
-            running = len(self.running)
-            hits, n = self._admission(self.waiting[0], self.max_num_batched_tokens - running)
-            # Room for it once each running sequence has taken one more block.
+            running, per = len(self.running), 1 + self.num_speculative_tokens  # tokens a decode takes
+            hits, n = self._admission(self.waiting[0], self.max_num_batched_tokens - running * per)
+            # Room for it once each running sequence has taken the blocks of its next step.
             blocks = bm.blocks_to_allocate(len(hits) * bm.block_size + n, hits)
-            if n and running < self.max_num_seqs and blocks + running + self.watermark <= bm.num_free_blocks:
+            need = blocks + running * (1 + bm.blocks_for(per - 1)) + self.watermark
+            if n and running < self.max_num_seqs and need <= bm.num_free_blocks:
                 return
             self._preempt(self.running.pop(), out)
 

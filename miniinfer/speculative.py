@@ -195,7 +195,9 @@ class DraftProposer(Proposer):
         # whose guesses were all accepted), with logits where the requests with room end.
         ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
         reqs = [runner.requests[rid] for rid in ids]
-        starts = [self.computed.setdefault(rid, r.num_computed_tokens) for rid, r in zip(ids, reqs)]
+        # A request new to the runner starts from its first token: its blocks may hold K/V the draft
+        # never made (swapped in, or a cached prefix), and the draft is cheap to catch up.
+        starts = [self.computed.setdefault(rid, 0) for rid in ids]
         stops = [r.num_computed_tokens + n - room.get(rid, 0) for rid, r, n in zip(ids, reqs, counts)]
         tokens = [r.token_ids[a:b] for r, a, b in zip(reqs, starts, stops)]
         tables, widths = runner.rows.gather([r.row for r in reqs], [r.block_ids for r in reqs])
@@ -274,6 +276,15 @@ class SpeculativeRunner(ModelRunner):
     def kv_bytes_per_block(self) -> int:
         return super().kv_bytes_per_block() + self.proposer.bytes_per_block()
 
+    def num_blocks_that_fit(self) -> int:
+        """Chapter 06's measure, less the room verification takes that it does not see: float32
+        [rows, vocab] tensors for k+1 rows a request (logits, p, q, the residual, noise in int64)."""
+        blocks = super().num_blocks_that_fit()
+        if self.device.type != "cuda":
+            return blocks
+        rows = self.config.max_num_seqs * (self.config.num_speculative_tokens + 1)
+        return max(0, blocks - 8 * rows * self.model.cfg.vocab_size * 4 // self.kv_bytes_per_block())
+
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         super().allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.proposer.allocate(self, num_blocks)
@@ -338,7 +349,7 @@ class SpeculativeRunner(ModelRunner):
         acc, tok = accepted.tolist(), tokens.tolist()
         sampled = {}
         for i, (rid, r, n) in enumerate(zip(ids, reqs, counts)):
-            c, f = r.num_computed_tokens, first[i]
+            f = first[i]
             if rid in room:
                 a = num_accepted(acc[f:f + m[i]])
                 sampled[rid] = r.token_ids[known[i]:known[i] + a] + [tok[f + a]]
@@ -349,12 +360,13 @@ class SpeculativeRunner(ModelRunner):
                 # Its row in BatchRows too: a block given back may come back as another.
                 self.rows.widths[r.row] = min(self.rows.widths[r.row], len(r.block_ids))
                 self.proposer.rewind(rid, r.num_computed_tokens)
-                self.spec.proposed += int(m[i])
-                self.spec.accepted += a
-                self.spec.verified += 1
+                if m[i]:
+                    self.spec.proposed += int(m[i])
+                    self.spec.accepted += a
+                    self.spec.verified += 1
             else:
-                r.num_computed_tokens = c + n
-                if c + n == known[i]:  # it reached the end of its tokens: it samples
+                r.num_computed_tokens = computed[i] + n
+                if computed[i] + n == known[i]:  # it reached the end of its tokens: it samples
                     r.token_ids.append(tok[f])
                     sampled[rid] = [tok[f]]
         return Verified(step, [], tokens, None, sampled)

@@ -174,6 +174,18 @@ def test_cli_generates_a_completion(tmp_path):
     from_file = run("-m", "miniinfer", "generate", "--file", str(file), "--max-tokens", "8")
     for other in (piped, from_file):
         assert other.stdout.split("\n[")[0] == res.stdout.split("\n[")[0], other.stderr
+    # With speculation, the same greedy tokens; the device it ran on is named.
+    spec = run("-m", "miniinfer", "generate", prompt, "--max-tokens", "8", "--speculative-model", "pycoder-draft")
+    assert spec.stdout.split("\n[")[0] == res.stdout.split("\n[")[0] and "s on cpu]" in spec.stdout, spec.stderr
+
+
+def test_cli_bad_options_are_one_line_errors():
+    """A bad engine option, or a draft that cannot serve, exits 1 with a message and no traceback."""
+    for args in (["--block-size", "0"], ["--speculative-method", "draft"], ["--speculative-model", "nowhere"],
+                 ["--speculative-method", "ngram", "--num-speculative-tokens", "0"]):
+        res = run("-m", "miniinfer", "generate", "x", *args)
+        assert res.returncode == 1 and res.stderr.startswith("miniinfer: ") and "Traceback" not in res.stderr, \
+            (args, res.stderr)
 
 
 def test_cli_help_shows_every_default():

@@ -170,16 +170,22 @@ def test_the_chi_square_test_catches_a_wrong_residual(tiny_pair, monkeypatch):
     assert chi_square_p_value(joint_counts(tokens), exact_joint(target, PARAMS[0])) < 1e-6
 
 
-def test_seeded_requests_are_the_same_in_any_batch():
-    """A seeded request with speculation samples the same tokens alone and among others."""
-    params = mi.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=7)
+@pytest.mark.parametrize("method", [dict(speculative_model="pycoder-draft"), dict(speculative_method="ngram")])
+def test_seeded_requests_are_the_same_in_any_batch(method):
+    """A seeded request with speculation samples the same tokens alone and among others: where a
+    tight token budget cannot give every request its room for guesses in every step, and where a
+    pool of 16 blocks of 4 tokens for four requests of 44 preempts them."""
+    params = [mi.SamplingParams(temperature=1.5, top_p=0.95, max_tokens=30, seed=s) for s in range(4)]
     prompt = 'def add(a, b):\n    """Return a + b."""\n'
-    config = mi.EngineConfig(speculative_model="pycoder-draft", num_speculative_tokens=3, max_num_seqs=8)
-    alone = run_all(mi.LLMEngine(config), [prompt], params)[0]
-    others = [mi.SamplingParams(temperature=1.0, max_tokens=20 + i, seed=100 + i) for i in range(5)]
-    crowd = run_all(mi.LLMEngine(config), ["x = 1\n", "import os\n", prompt, "class A:\n", "# hi\n", "y = 2\n"],
-                    others[:2] + [params] + others[2:])
-    assert crowd[2] == alone
+    alone = [run_all(mi.LLMEngine(mi.EngineConfig(num_speculative_tokens=3, **method)), [prompt], p)[0]
+             for p in params]
+    for budget, blocks, mode in ((6, None, "recompute"), (64, None, "recompute"), (64, 16, "recompute"),
+                                 (64, 16, "swap")):
+        config = mi.EngineConfig(num_speculative_tokens=3, max_num_seqs=8, enable_chunked_prefill=True,
+                                 max_num_batched_tokens=budget, block_size=4, num_blocks=blocks,
+                                 preemption_mode=mode, **method)
+        engine = mi.LLMEngine(config)
+        assert run_all(engine, [prompt] * 4, params) == alone, (budget, blocks, mode)
 
 
 def test_verify_greedy_rows_and_outright_guesses():
