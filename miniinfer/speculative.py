@@ -31,10 +31,9 @@ def uniform(s: SamplingBatch, stream: int) -> torch.Tensor:
     return (-exponential_noise(s.seeds ^ stream, s.steps, 1)[:, 0]).exp()
 
 
-def draw(logits: torch.Tensor, probs: torch.Tensor | None, s: SamplingBatch, stream: int = 0) -> torch.Tensor:
+def draw(greedy: torch.Tensor, probs: torch.Tensor | None, s: SamplingBatch, stream: int = 0) -> torch.Tensor:
     """A token per row from probs [R, vocab] (weights: they need not sum to 1), by the seeded race of
-    chapter 06; argmax of logits for greedy rows (and all rows when probs is None)."""
-    greedy = logits.argmax(-1)
+    chapter 06; greedy [R] (the argmax of the logits) for greedy rows, and all rows when probs is None."""
     if probs is None:
         return greedy
     tokens = (probs / exponential_noise(s.seeds ^ stream, s.steps, probs.shape[-1])).argmax(-1)
@@ -67,7 +66,7 @@ def verify(logits: torch.Tensor, s: SamplingBatch, guesses: torch.Tensor,
     # p equal to q up to rounding leaves nothing to correct with: then p is the right law anyway.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     random = s.temperature > 0
-    return torch.where(random, accept, greedy_accept), draw(logits, residual, s)
+    return torch.where(random, accept, greedy_accept), draw(greedy, residual, s)
 
 
 def num_accepted(accepted: list[bool]) -> int:
@@ -121,6 +120,16 @@ class NgramProposer(Proposer):
     def propose(self, runner, out, room):
         return {rid: ngram_guesses(runner.requests[rid].token_ids, k, self.max_n, self.min_n)
                 for rid, k in room.items()}, None
+
+
+def run_forward(model: Transformer, cache: VarlenKVCache, graphs: DecodeGraphs | None, batch: VarlenBatch,
+                logits_at: torch.Tensor) -> torch.Tensor:
+    """Logits [len(logits_at), vocab] of a varlen batch: replayed from graphs (that take its shape), or
+    eagerly when there are none."""
+    if graphs is not None:
+        return graphs(batch)[logits_at]
+    cache.step(batch)
+    return model(batch.input_ids[None], batch.positions[None], attn=cache, logits_at=logits_at)
 
 
 def model_folder(name: str | Path | None) -> Path:
@@ -185,10 +194,7 @@ class DraftProposer(Proposer):
                        if runner.graphs is not None else None)
 
     def forward(self, batch: VarlenBatch, logits_at: torch.Tensor) -> torch.Tensor:
-        if self.graphs is not None and batch.max_query_len == 1:
-            return self.graphs(batch)[logits_at]
-        self.cache.step(batch)
-        return self.model(batch.input_ids[None], batch.positions[None], attn=self.cache, logits_at=logits_at)
+        return run_forward(self.model, self.cache, self.graphs if batch.max_query_len == 1 else None, batch, logits_at)
 
     def propose(self, runner, out, room):
         # Catch up: every token the target computes this step (and the last one or two of a request
@@ -222,7 +228,7 @@ class DraftProposer(Proposer):
         for j in range(int(k.max())):
             s = SamplingBatch.build(values[:, active], first_step[active] + j, vocab, device)
             q = sampling_probs(logits, s) if s.any_random else None
-            g = draw(logits, q, s, DRAFT_NOISE)
+            g = draw(logits.argmax(-1), q, s, DRAFT_NOISE)
             rows = to_device(active, device)
             drawn[rows, j] = g
             if q is not None:
@@ -332,12 +338,8 @@ class SpeculativeRunner(ModelRunner):
         steps = np.array([k - r.num_prompt_tokens for k, r in zip(known, reqs)])[owner] + j
         vocab = self.model.cfg.vocab_size
         s = SamplingBatch.build(self.rows.sampling[:, np.array(step.rows)[owner]], steps, vocab, self.device)
-        if graphs is not None and replay:
-            logits = graphs(step.batch)[to_device(rows, self.device)]
-        else:
-            self.cache.step(step.batch)
-            logits = self.model(step.batch.input_ids[None], step.batch.positions[None], attn=self.cache,
-                                logits_at=to_device(rows, self.device))
+        logits = run_forward(self.model, self.cache, graphs if replay else None, step.batch,
+                             to_device(rows, self.device))
         q_rows = None
         if q is not None:
             spec_of = {rid: a for a, rid in enumerate(room)}
