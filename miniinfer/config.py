@@ -22,6 +22,9 @@ class EngineConfig:
     device: str = setting("cpu", "model", "where the model runs: cpu, cuda, cuda:1, ...")
     dtype: torch.dtype = setting(torch.float32, "model", "the weights' and activations' dtype")
     max_model_len: int | None = setting(None, "model", "context length (default: the model's)")
+    quantization: str | None = setting(None, "model", "store the linear layers' weights in 8 or 4 bits on load "
+                                       "(chapter 10; default: as the checkpoint has them)",
+                                       (None, "int8", "int4", "fp8"))
     kv_cache_dtype: torch.dtype | None = setting(None, "cache", "the KV pool's dtype (default: the model's)")
     block_size: int = setting(16, "cache", "tokens per KV block")
     num_blocks: int | None = setting(None, "cache", "KV pool size (default: from free memory, or 256 MiB on a CPU)")

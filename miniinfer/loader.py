@@ -3,13 +3,14 @@
 import contextlib
 import json
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 from safetensors import safe_open
 
 from miniinfer.course_model import course_model_path
-from miniinfer.model import Linear, ModelConfig, Transformer, default_ops, rope_inv_freq
+from miniinfer.model import ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
 
 
 class CheckpointError(ValueError):
@@ -60,15 +61,54 @@ def _skeleton():
         nn.Embedding.reset_parameters = reset
 
 
+class Quantization(Protocol):
+    """A quantized format's two moments in loading (chapter 10 brings the formats)."""
+
+    def prepare(self, model: Transformer) -> None:
+        """Before the tensors are read: give the skeleton layers whose parameters are the checkpoint's
+        quantized tensors (a pre-quantized checkpoint)."""
+
+    def finish(self, model: Transformer) -> None:
+        """After: quantize the layers that were loaded in full precision (quantizing on load)."""
+
+
+# Name (load_model's `quantization`, or a checkpoint's quant_method) -> factory(the checkpoint's
+# quantization_config, or None when quantizing on load) -> Quantization.
+QUANTIZATIONS = Registry("quantization", {}, "; chapter 10 registers its formats in miniinfer.quant")
+
+
+def _quantization(folder: Path, hf: dict, asked: str | None) -> Quantization | None:
+    stored = hf.get("quantization_config")
+    if stored is None:
+        return QUANTIZATIONS[asked](None) if asked is not None else None
+    method = stored.get("quant_method")
+    if asked is not None and asked != method:
+        raise CheckpointError(f"{folder} is already quantized ({method}): quantization={asked!r} cannot apply")
+    try:
+        return QUANTIZATIONS[method](stored)
+    except ValueError as e:  # an unknown method or a scheme the format cannot serve
+        raise CheckpointError(f"{folder}: {e}") from None
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Integer codes and float8 weights are left for their quantized layer to read.
+    return t.to(dtype) if t.is_floating_point() and t.element_size() > 1 else t
+
+
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load a Llama/Qwen2/Qwen3 checkpoint folder (None: the embedded course model)."""
+               dtype: torch.dtype = torch.float32, quantization: str | None = None) -> Transformer:
+    """Load a Llama/Qwen2/Qwen3 checkpoint folder (None: the embedded course model), its linear layers
+    quantized on load when `quantization` names a method (chapter 10)."""
     folder = Path(path) if path is not None else course_model_path()
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
-    cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    hf = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf)
+    quant = _quantization(folder, hf, quantization)
     with _skeleton():
         model = Transformer(cfg)
+        if quant is not None:
+            quant.prepare(model)
     params = model.state_dict()
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight")
@@ -79,7 +119,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
             for name in f.keys():
                 target, piece = _packed_name(name, packed)
                 if target in params:  # skips e.g. a tied lm_head or a stored rotary inv_freq
-                    pieces.setdefault(target, {})[piece] = f.get_tensor(name).to(dtype)
+                    pieces.setdefault(target, {})[piece] = _cast(f.get_tensor(name), dtype)
     missing = [n for p in params for i, n in enumerate(_checkpoint_names(p, packed)) if i not in pieces.get(p, {})]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -89,7 +129,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         parts = [by_index[i] for i in range(len(by_index))]
         module_name, _, param_name = name.rpartition(".")
         module = model.get_submodule(module_name)
-        state[name] = module.load_weight(param_name, parts) if isinstance(module, Linear) else parts[0]
+        load = getattr(module, "load_weight", None)  # a projection's (see Linear)
+        state[name] = load(param_name, parts) if load is not None else parts[0]
         if state[name].shape != params[name].shape:
             raise CheckpointError(
                 f"{folder}: tensor {' + '.join(_checkpoint_names(name, packed))} has shape "
@@ -101,6 +142,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     # Buffers were built on meta with the parameters: compute them for real.
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.ops = default_ops(device)
+    if quant is not None:
+        quant.finish(model)
     return model.eval()
 
 

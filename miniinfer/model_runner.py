@@ -10,7 +10,7 @@ import torch
 
 from miniinfer.block_manager import blocks_needed
 from miniinfer.config import EngineConfig
-from miniinfer.loader import load_model
+from miniinfer.loader import QUANTIZATIONS, load_model
 from miniinfer.model import Transformer
 from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
 from miniinfer.scheduler import SchedulerOutput
@@ -55,7 +55,11 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None):
         self.config = config
-        self.model = model if model is not None else load_model(config.model, config.device, config.dtype)
+        if model is None:
+            model = load_model(config.model, config.device, config.dtype, config.quantization)
+        elif config.quantization is not None:  # a model built by the caller: quantized here, in place
+            QUANTIZATIONS[config.quantization](None).finish(model)
+        self.model = model
         cfg = self.model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 8192)

@@ -8,3 +8,4 @@ from miniinfer.kernels.norm_rope import apply_rope, fused_add_rms_norm, qk_norm_
 
 __all__ = ["apply_rope", "decode_config", "fused_add_rms_norm", "paged_attention", "prefill_attention",
            "qk_norm_rope", "rms_norm", "silu_and_mul", "store_kv"]
+from miniinfer.kernels.quant import int_matmul  # noqa: E402,F401

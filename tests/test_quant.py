@@ -1,0 +1,161 @@
+"""Chapter 10: quantized weights. Packing against compressed-tensors' own, the Triton kernels (under the
+interpreter here) against dequantize-then-matmul, checkpoints written by compressed-tensors against
+transformers' dequantized model, refusals, and the engine with quantized weights."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import miniinfer as mi
+from miniinfer import quant
+from miniinfer.kernels.quant import int_matmul
+from conftest import hf_greedy
+
+ct = pytest.importorskip("compressed_tensors")
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([4, 8]), rows=st.integers(1, 5), words=st.integers(1, 4), seed=st.integers(0, 99))
+def test_pack_is_compressed_tensors_layout(bits, rows, words, seed):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-2 ** (bits - 1), 2 ** (bits - 1), (rows, words * 32 // bits), generator=g,
+                          dtype=torch.int8)
+    packed = quant.pack(codes, bits)
+    assert torch.equal(packed, pack_to_int32(codes, bits))
+    assert torch.equal(quant.unpack(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 128), (4, 32)])
+def test_round_to_nearest_error_is_half_a_step(bits, group):
+    w = torch.randn(19, 256) * torch.rand(19, 1) * 3
+    codes, scale = quant.quantize_int(w, bits, group)
+    assert codes.min() >= -2 ** (bits - 1) and codes.max() <= 2 ** (bits - 1) - 1
+    err = (quant.dequantize(quant.pack(codes, bits), scale, bits) - w).abs()
+    step = scale.repeat_interleave(256 // scale.shape[1], dim=1)
+    assert (err <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 128), (4, 32)])
+@pytest.mark.parametrize("M", [1, 3, 17, 40])
+def test_int_matmul_equals_dequantize_then_matmul(bits, group, M):
+    torch.manual_seed(M)
+    N, K = 37, 256  # N not a multiple of any tile; M = 40 takes the dequantize-then-matmul path
+    codes, scale = quant.quantize_int(torch.randn(N, K), bits, group)
+    packed = quant.pack(codes, bits)
+    x, bias = torch.randn(M, K), torch.randn(N)
+    ref = x @ quant.dequantize(packed, scale, bits).T + bias
+    out = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, bias)
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    split = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, None,
+                       dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if group == 32 else 128, SPLIT_K=3))
+    assert torch.allclose(split, ref - bias, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_quantized_layers_stay_close_to_the_original(scheme):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 48, bias=True)
+    x = torch.randn(5, 256)
+    q = quant.SCHEMES[scheme].quantize(layer)
+    ref = layer(x)
+    err = ((q(x) - ref).norm() / ref.norm()).item()
+    assert err < {"int8": 0.01, "int4": 0.15, "fp8": 0.05}[scheme]
+
+
+def test_int4_needs_whole_groups():
+    with pytest.raises(ValueError, match="groups of 128"):
+        quant.SCHEMES["int4"].quantize(torch.nn.Linear(96, 8))
+
+
+def write_compressed(preset: str, folder, ignore=("lm_head",)) -> None:
+    """A small Llama quantized by compressed-tensors itself (min-max scales, as its observers pick)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                   max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}, ignore=list(ignore)))
+    for m in model.modules():
+        if getattr(m, "quantization_scheme", None) is None or not hasattr(m, "weight_scale"):
+            continue
+        w, args = m.weight.detach(), m.quantization_scheme.weights
+        groups = w.reshape(w.shape[0], -1, args.group_size) if args.strategy == "group" else w[:, None, :]
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data = zero.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+
+
+def dequantized(folder):
+    """transformers' own reading of the checkpoint: compressed-tensors decompresses the weights."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+
+
+@pytest.mark.parametrize("preset,layer", [("W4A16", quant.IntLinear), ("W8A16", quant.IntLinear)])
+def test_compressed_tensors_checkpoint_matches_its_library(tmp_path, preset, layer):
+    write_compressed(preset, tmp_path)
+    ours, theirs = mi.load_model(tmp_path), dequantized(tmp_path)
+    proj = ours.model.layers[1].mlp.down_proj
+    assert isinstance(proj, layer)
+    w = quant.dequantize(proj.weight_packed.t(), proj.weight_scale.t(), proj.bits)
+    assert torch.equal(w, theirs.model.layers[1].mlp.down_proj.weight)
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), theirs(ids).logits, atol=1e-4)
+    greedy = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = mi.LLMEngine(mi.EngineConfig(model=tmp_path, num_blocks=32, max_model_len=128))
+    out = engine.generate([list(range(5, 15))], greedy, use_tqdm=False)[0]
+    assert out.token_ids == hf_greedy(theirs, list(range(5, 15)), 8)
+    assert engine.block_manager.num_free_blocks == 32
+
+
+def test_fp8_checkpoint_weights_match_its_library(tmp_path):
+    write_compressed("FP8_DYNAMIC", tmp_path)
+    ours, theirs = mi.load_model(tmp_path), dequantized(tmp_path)
+    proj = ours.model.layers[0].self_attn.o_proj
+    assert isinstance(proj, quant.FP8Linear)
+    w = proj.weight.float() * proj.weight_scale
+    assert torch.allclose(w, theirs.model.layers[0].self_attn.o_proj.weight, rtol=1e-6, atol=0)
+
+
+def test_unsupported_checkpoints_are_refused_before_serving(tmp_path):
+    write_compressed("W4A16_ASYM", tmp_path / "asym")
+    with pytest.raises(mi.CheckpointError, match="symmetric"):
+        mi.load_model(tmp_path / "asym")
+    write_compressed("W4A16", tmp_path / "w4")
+    with pytest.raises(mi.CheckpointError, match="already quantized"):
+        mi.load_model(tmp_path / "w4", quantization="int8")
+    config = json.loads((tmp_path / "w4" / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "gptq"
+    (tmp_path / "w4" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(mi.CheckpointError, match="no quantization 'gptq'"):
+        mi.LLMEngine(mi.EngineConfig(model=tmp_path / "w4"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        mi.EngineConfig(quantization="int3")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
+    greedy = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], list(range(100, 140)), [42]]
+    engine = mi.LLMEngine(mi.EngineConfig(quantization=scheme, num_blocks=24, max_num_seqs=2))
+    outs = engine.generate(prompts, greedy, use_tqdm=False)
+    model = quant.quantize_model(mi.load_model(), scheme)
+    assert [o.token_ids for o in outs] == [mi.generate_naive(model, p, greedy) for p in prompts]
+    assert engine.block_manager.num_free_blocks == 24

@@ -1,0 +1,203 @@
+"""Chapter 10 GPU benchmark: quantized matmuls and the engine with quantized weights and KV cache.
+
+Hand-written tool. Parts (any of them, in one run, in the order given; results merge into the JSON):
+    check    the Triton kernels against dequantize-then-matmul, compiled, on random odd shapes
+    sweep    tile sizes, K-splits, warps and stages of the int8/int4 kernel per shape and batch
+    kernels  GB/s of each format's matmul at the Llama-3.2-1B and an 8B-sized layer's shapes, batch
+             1/16/256, against the copy bandwidth: bf16 (cuBLAS), int8, int4 (ours), int4
+             dequantized then cuBLAS, fp8 (torch._scaled_mm)
+    decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B shape
+    python tools/bench_quant.py run docs/benchmarks/quant_h200.json check sweep kernels
+    python tools/bench_quant.py plot docs/benchmarks/quant_h200.json
+"""
+
+import datetime
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from copy_bandwidth import copy_bandwidth
+from miniinfer import quant
+from miniinfer.kernels import quant as kq
+
+DT = torch.bfloat16
+# (name, N, K) of each projection: out_features, in_features
+SHAPES = {"llama-1b": [("qkv", 3072, 2048), ("o", 2048, 2048), ("gate_up", 16384, 2048), ("down", 2048, 8192)],
+          "llama-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]}
+BATCHES = (1, 16, 256)
+FORMATS = {"int8": (8, None), "int4": (4, 128)}
+
+
+def us(fn) -> float:
+    """Microseconds per call, replayed from a CUDA graph (the engine's decode steps run so)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return min(do_bench(graph.replay, warmup=5, rep=30, return_mode="median") for _ in range(2)) * 100
+
+
+def layer(fmt: str, N: int, K: int):
+    torch.manual_seed(0)
+    w = torch.randn(N, K, device="cuda", dtype=DT) * 0.02
+    if fmt == "fp8":
+        return w, quant.quantize_fp8(w)
+    bits, group = FORMATS[fmt]
+    codes, scale = quant.quantize_int(w, bits, group)
+    return w, (quant.pack(codes, bits).t().contiguous(), scale.t().contiguous())
+
+
+def check() -> dict:
+    """Max error against dequantize-then-matmul in float32, on shapes no tile divides."""
+    rows = []
+    for (bits, group), dtype, (M, N, K) in itertools.product(
+            [(8, None), (4, 128), (4, 32)], (torch.float32, torch.float16, torch.bfloat16),
+            [(1, 37, 256), (5, 1000, 384), (33, 515, 1024), (300, 77, 4096)]):
+        torch.manual_seed(M + N)
+        codes, scale = quant.quantize_int(torch.randn(N, K, device="cuda"), bits, group)
+        scale = scale.to(dtype)
+        packed = quant.pack(codes, bits)
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        bias = torch.randn(N, device="cuda", dtype=dtype)
+        ref = F.linear(x.float(), quant.dequantize(packed, scale, bits).float(), bias.float())
+        out = kq.int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, bias)
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        rows.append({"bits": bits, "group": group, "dtype": str(dtype), "MNK": [M, N, K], "rel_err": err})
+    worst = max(r["rel_err"] for r in rows)
+    x = torch.randn(7, 5000, device="cuda", dtype=DT) * 3
+    (a, sa), (b, sb) = kq.quantize_fp8(x), quant.quantize_fp8(x)
+    fp8 = {"values_differing": int((a.float() != b.float()).sum()), "scale_max_diff": (sa - sb).abs().max().item()}
+    print(f"fp8 row quantization against PyTorch: {fp8}", flush=True)
+    print(f"check: {len(rows)} cases, worst relative error {worst:.2e}", flush=True)
+    return {"cases": rows, "worst_rel_err": worst, "fp8_rows": fp8}
+
+
+def sweep() -> dict:
+    """Every config per (format, shape, batch); the fastest kept with its microseconds."""
+    best = {}
+    for fmt, (bits, group) in FORMATS.items():
+        for model, shapes in SHAPES.items():
+            for (name, N, K), M in itertools.product(shapes, (1, 16)):
+                _, (packed, scale) = layer(fmt, N, K)
+                x = torch.randn(M, K, device="cuda", dtype=DT)
+                def run(cfg):
+                    try:
+                        return us(lambda: kq.int_matmul(x, packed, scale, bits, None, cfg))
+                    except Exception as e:  # out of shared memory, for instance
+                        print(f"  {cfg}: {type(e).__name__}", flush=True)
+                        return float("inf")
+
+                tiles = itertools.product((16,), (64, 128), (128, 256), (2, 4, 8))
+                times = [(run(cfg), cfg) for cfg in (dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=4,
+                                                          num_stages=2)
+                                                     for bm, bn, bk, sk in tiles if not (group and group % bk))]
+                for _, top in sorted(times, key=lambda tc: tc[0])[:1]:  # then warps and stages around the best
+                    for warps, stages in ((2, 3), (8, 3), (4, 2), (4, 4)):
+                        cfg = {**top, "num_warps": warps, "num_stages": stages}
+                        times.append((run(cfg), cfg))
+                t, cfg = min(times, key=lambda tc: tc[0])
+                weight_bytes = packed.numel() * 4 + scale.numel() * 2
+                key = f"{fmt}/{model}/{name}/{M}"
+                best[key] = {"us": t, "config": cfg, "weight_GBps": weight_bytes / t / 1e3,
+                             "default_us": us(lambda: kq.int_matmul(x, packed, scale, bits, None)),
+                             "top5": sorted(times, key=lambda tc: tc[0])[:5]}
+                print(f"{key}: {t:.1f} us ({best[key]['weight_GBps']:.0f} GB/s) with {cfg}; "
+                      f"default {best[key]['default_us']:.1f} us", flush=True)
+    return best
+
+
+def kernels(gbps: float) -> dict:
+    """Each format's matmul at each shape and batch: microseconds and bytes moved per second."""
+    rows = []
+    for model, shapes in SHAPES.items():
+        for (name, N, K), M in itertools.product(shapes, BATCHES):
+            x = torch.randn(M, K, device="cuda", dtype=DT)
+            w, _ = layer("int8", N, K)
+            w = w.to(DT)
+            io = (M * K + M * N) * 2
+            entry = {"model": model, "layer": name, "N": N, "K": K, "M": M, "us": {}, "GBps": {}}
+            runs = {"bf16": (lambda: F.linear(x, w), N * K * 2)}
+            for fmt, (bits, group) in FORMATS.items():
+                _, (packed, scale) = layer(fmt, N, K)
+                nbytes = packed.numel() * 4 + scale.numel() * 2
+                runs[fmt] = ((lambda p=packed, s=scale, b=bits: kq.int_matmul(x, p, s, b)), nbytes)
+            _, (wq, ws) = layer("fp8", N, K)
+            ws = ws.float().reshape(1, N)
+            runs["fp8"] = ((lambda: fp8_matmul(x, wq, ws)), N * K + N * 4)
+            for fmt, (fn, nbytes) in runs.items():
+                t = us(fn)
+                entry["us"][fmt] = t
+                entry["GBps"][fmt] = (nbytes + io) / t / 1e3
+            entry["fraction_of_copy"] = {f: g / gbps for f, g in entry["GBps"].items()}
+            rows.append(entry)
+            print(f"{model} {name} M={M}: " + ", ".join(f"{f} {t:.1f} us ({100 * entry['fraction_of_copy'][f]:.0f}%)"
+                                                        for f, t in entry["us"].items()), flush=True)
+    return {"rows": rows}
+
+
+def fp8_matmul(x, wq, ws):
+    xq, xs = kq.quantize_fp8(x)  # the activations' quantization is part of the cost
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=DT)
+
+
+def decode(gbps: float) -> dict:
+    """Batch-1 decode tokens/s of the engine on the Llama-3.2-1B shape (random bf16 weights) per
+    weight format, against each format's floor (every weight byte read once per token)."""
+    import copy
+
+    from bench_engine import batch1, models
+
+    _, base = models("llama")
+    res = {}
+    for fmt in ("bf16", "int8", "int4", "fp8"):
+        model = copy.deepcopy(base)
+        if fmt != "bf16":
+            quant.quantize_model(model, fmt)
+        tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
+                   if t is not model.inv_freq}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        r = batch1(model, gbps)
+        res[fmt] = {"tokens_per_s": r["tokens_per_s"], "weight_bytes": nbytes,
+                    "floor_tokens_per_s": gbps * 1e9 / nbytes}
+        res[fmt]["fraction_of_floor"] = res[fmt]["tokens_per_s"] / res[fmt]["floor_tokens_per_s"]
+        print(f"decode {fmt}: {r['tokens_per_s']:.0f} tok/s, {nbytes / 1e9:.2f} GB of weights, "
+              f"{100 * res[fmt]['fraction_of_floor']:.0f}% of its floor", flush=True)
+        del model
+    for fmt in res:
+        res[fmt]["speedup_vs_bf16"] = res[fmt]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    return res
+
+
+def main(out: str, parts: list[str]) -> None:
+    path = Path(out)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.update({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                "date": datetime.date.today().isoformat()})
+    res.setdefault("copy_GBps", copy_bandwidth())
+    for part in parts:
+        if part == "check":
+            res["check"] = check()
+        elif part == "sweep":
+            res["sweep"] = sweep()
+        elif part == "decode":
+            res["decode"] = decode(res["copy_GBps"])
+        elif part == "kernels":
+            res["kernels"] = kernels(res["copy_GBps"])
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+        path.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        main(sys.argv[2], sys.argv[3:])
+    else:
+        raise SystemExit(__doc__)
