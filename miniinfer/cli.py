@@ -45,7 +45,8 @@ def engine_options(ap: argparse.ArgumentParser) -> None:
         else:
             default = f.default
         if "dtype" in kind:
-            groups[group].add_argument(flag, choices=DTYPES, default=default and str(default).removeprefix("torch."),
+            choices = DTYPES + (("fp8",) if f.name == "kv_cache_dtype" else ())
+            groups[group].add_argument(flag, choices=choices, default=default and str(default).removeprefix("torch."),
                                        help=text)
         elif isinstance(f.default, bool):
             groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
@@ -62,7 +63,7 @@ def engine_config(args: argparse.Namespace):
     values["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     values["dtype"] = args.dtype or ("bfloat16" if values["device"].startswith("cuda") else "float32")
     for name in ("dtype", "kv_cache_dtype"):
-        values[name] = values[name] and getattr(torch, values[name])
+        values[name] = values[name] and (values[name] if values[name] == "fp8" else getattr(torch, values[name]))
     try:
         return mi.EngineConfig(**values)
     except ValueError as err:  # a bad option: its message, not a traceback

@@ -25,7 +25,9 @@ class EngineConfig:
     quantization: str | None = setting(None, "model", "store the linear layers' weights in 8 or 4 bits on load "
                                        "(chapter 10; default: as the checkpoint has them)",
                                        (None, "int8", "int4", "fp8"))
-    kv_cache_dtype: torch.dtype | None = setting(None, "cache", "the KV pool's dtype (default: the model's)")
+    # a torch dtype, or "fp8", which __post_init__ turns into torch.float8_e4m3fn
+    kv_cache_dtype: torch.dtype | None = setting(None, "cache", "the KV pool's dtype, or fp8 (e4m3, half the bytes "
+                                                 "of bf16: chapter 10; default: the model's)")
     block_size: int = setting(16, "cache", "tokens per KV block")
     num_blocks: int | None = setting(None, "cache", "KV pool size (default: from free memory, or 256 MiB on a CPU)")
     gpu_memory_utilization: float = setting(0.9, "cache", "fraction of the GPU's memory the engine may use")
@@ -66,6 +68,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = torch.float8_e4m3fn
         if not isinstance(self.dtype, torch.dtype) or not isinstance(self.kv_cache_dtype, (torch.dtype, type(None))):
             raise ValueError(f"dtype and kv_cache_dtype must be torch dtypes, got {self.dtype!r} and "
                              f"{self.kv_cache_dtype!r}")

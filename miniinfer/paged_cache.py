@@ -34,7 +34,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Decode attention over paged memory (the contract chapter 05's kernel meets):
     q [B, Hq, D] of each sequence's newest token over its context_lens[b] cached tokens -> [B, Hq, D]."""
     length = int(context_lens.max())
-    k, v = gather_kv(k_cache, block_tables, length), gather_kv(v_cache, block_tables, length)
+    k, v = (gather_kv(pool, block_tables, length).to(q.dtype) for pool in (k_cache, v_cache))  # a pool may be narrower
     real = torch.arange(length, device=q.device) < context_lens[:, None]
     return attention(q[:, None], k, v, scale, attention_mask(1, length, context_lens - 1, real, q.device))[:, 0]
 

@@ -111,10 +111,12 @@ class IntLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     @classmethod
-    def quantize(cls, layer: nn.Linear, bits: int, group_size: int | None) -> "IntLinear":
-        """Round-to-nearest of a full-precision layer."""
+    def quantize(cls, layer: nn.Linear, bits: int, group_size: int | None,
+                 hessian: torch.Tensor | None = None) -> "IntLinear":
+        """A full-precision layer quantized: rounding to nearest, or by GPTQ given its inputs' Hessian."""
         new = cls(layer.in_features, layer.out_features, False, bits, group_size)
-        codes, scale = quantize_int(layer.weight.detach(), bits, group_size)
+        w = layer.weight.detach()
+        codes, scale = quantize_int(w, bits, group_size) if hessian is None else gptq(w, hessian, bits, group_size)
         new.weight_packed = pack(codes, bits).t().contiguous()
         new.weight_scale = scale.t().contiguous()
         new.bias = layer.bias
@@ -176,15 +178,74 @@ class Scheme:
         return IntLinear(layer.in_features, layer.out_features, layer.bias is not None, self.bits,
                          self.group_size, dtype)
 
-    def quantize(self, layer: nn.Linear) -> nn.Module:
-        """A full-precision layer quantized, rounding to nearest."""
+    def quantize(self, layer: nn.Linear, hessian: torch.Tensor | None = None) -> nn.Module:
+        """A full-precision layer quantized: rounding to nearest, or by GPTQ given a Hessian."""
         if self.kind == "fp8":
+            if hessian is not None:
+                raise ValueError("calibration (GPTQ) applies to the int8 and int4 schemes")
             require_fp8(layer.weight.device)
             return FP8Linear.quantize(layer)
-        return IntLinear.quantize(layer, self.bits, self.group_size)
+        return IntLinear.quantize(layer, self.bits, self.group_size, hessian)
 
 
 SCHEMES = {"int8": Scheme("int", 8), "int4": Scheme("int", 4, 128), "fp8": Scheme("fp8")}
+
+
+@torch.no_grad()
+def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None = None,
+         damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al., 2022): quantize_int's codes and scales for w [N, K], chosen one input
+    column at a time, each column's rounding error spread over the columns not yet quantized so that
+    the layer's outputs on the calibration inputs move least. hessian [K, K] = sum of x^T x over them.
+    Columns are taken in blocks: the error of a block reaches the columns after it in one matmul."""
+    W = w.float().clone()
+    N, K = W.shape
+    H = hessian.float().clone()
+    dead = H.diagonal() == 0  # inputs that were always zero: their weights do not matter
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H.diagonal().add_(damp * H.diagonal().mean())  # a little damping keeps the inverse well-conditioned
+    # Upper Cholesky factor of H^-1: row k holds how column k's error spreads to the later columns.
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    group, top = group_size or K, 2 ** (bits - 1) - 1
+    codes = torch.zeros(N, K, dtype=torch.int8, device=w.device)
+    scales = torch.zeros(N, K // group, dtype=w.dtype, device=w.device)
+    for b0 in range(0, K, block):
+        b1 = min(b0 + block, K)
+        Wb, err = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, device=w.device)
+        for i in range(b1 - b0):
+            k = b0 + i
+            if k % group == 0:  # the group's scale, from its columns as the errors so far left them
+                cols = torch.cat([Wb[:, i:], W[:, b1:]], 1)[:, :group]
+                scales[:, k // group] = (cols.abs().amax(1) / top).clamp(min=1e-10).to(w.dtype)
+            s = scales[:, k // group].float()
+            q = torch.round(Wb[:, i] / s).clamp(-top - 1, top)
+            codes[:, k] = q.to(torch.int8)
+            err[:, i] = (Wb[:, i] - q * s) / U[k, k]
+            Wb[:, i + 1:] -= err[:, i:i + 1] * U[k, k + 1:b1]
+        W[:, b1:] -= err @ U[b0:b1, b1:]
+    return codes, scales
+
+
+@torch.no_grad()
+def input_hessians(model: Transformer, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """sum of x^T x of each quantized layer's inputs x over forwards of token batches [B, T]."""
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def add(module, inputs, output):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+            sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
+        return add
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in quantized_layers(model)]
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return sums
 
 
 def quantized_layers(model: Transformer, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
@@ -194,11 +255,14 @@ def quantized_layers(model: Transformer, skip: tuple[str, ...] = ("lm_head",)) -
     return [name for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip]
 
 
-def quantize_model(model: Transformer, scheme: str | Scheme) -> Transformer:
-    """Quantize a loaded model's linear layers in place (round to nearest) and return it."""
+def quantize_model(model: Transformer, scheme: str | Scheme,
+                   calibration: list[torch.Tensor] | None = None) -> Transformer:
+    """Quantize a loaded model's linear layers in place and return it: round to nearest, or GPTQ with
+    Hessians from the full-precision model's forwards over `calibration` token batches."""
     scheme = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+    hessians = input_hessians(model, calibration) if calibration else {}
     for name in quantized_layers(model):
-        model.set_submodule(name, scheme.quantize(cast(Linear, model.get_submodule(name))))
+        model.set_submodule(name, scheme.quantize(cast(Linear, model.get_submodule(name)), hessians.get(name)))
     return model
 
 

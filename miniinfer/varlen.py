@@ -83,8 +83,17 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N]
     (-1: a padding token, written nowhere)."""
     keep = slot_mapping >= 0
-    k_cache.flatten(0, 1)[slot_mapping[keep]] = k[keep]
-    v_cache.flatten(0, 1)[slot_mapping[keep]] = v[keep]
+    k_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(k[keep], k_cache.dtype)
+    v_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(v[keep], v_cache.dtype)
+
+
+def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the pool's dtype; a narrower float (chapter 10's e4m3) saturates at its largest value
+    instead of overflowing to NaN."""
+    if x.dtype == dtype:
+        return x
+    top = torch.finfo(dtype).max
+    return x.clamp(-top, top).to(dtype)
 
 
 def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -107,7 +116,7 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if Tq == 1:
             continue
         span, L = slice(starts[b], starts[b + 1]), lens[b]
-        k, v = gather_kv(k_cache, block_tables[b:b + 1], L), gather_kv(v_cache, block_tables[b:b + 1], L)
+        k, v = (gather_kv(pool, block_tables[b:b + 1], L).to(q.dtype) for pool in (k_cache, v_cache))
         out[span] = attention(q[span][None], k, v, scale, attention_mask(Tq, L, L - Tq, None, q.device))[0]
     return out
 

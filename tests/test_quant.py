@@ -159,3 +159,51 @@ def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
     model = quant.quantize_model(mi.load_model(), scheme)
     assert [o.token_ids for o in outs] == [mi.generate_naive(model, p, greedy) for p in prompts]
     assert engine.block_manager.num_free_blocks == 24
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+    torch.manual_seed(0)
+    w = torch.randn(48, 256)
+    x = torch.randn(1000, 256) @ (torch.randn(256, 256) * 0.3 + torch.eye(256))
+    errors = []
+    for codes, scale in (quant.quantize_int(w, 4, 128), quant.gptq(w, x.T @ x, 4, 128)):
+        assert codes.min() >= -8 and codes.max() <= 7
+        errors.append((x @ (quant.dequantize(quant.pack(codes, 4), scale, 4) - w).T).norm().item())
+    assert errors[1] < 0.8 * errors[0]
+
+
+def test_gptq_model_runs_in_the_engine():
+    model = mi.load_model()
+    calibration = [torch.randint(0, 4096, (1, 64)) for _ in range(2)]
+    quant.quantize_model(model, "int4", calibration)
+    assert isinstance(model.model.layers[0].mlp.down_proj, quant.IntLinear)
+    greedy = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=16), model=model)
+    assert engine.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].token_ids == mi.generate_naive(model, [1, 2, 3],
+                                                                                                   greedy)
+
+
+def test_fp8_pool_saturates_and_holds_twice_the_blocks_of_bf16():
+    fp8 = torch.float8_e4m3fn
+    k_cache, v_cache = torch.zeros(2, 4, 1, 2, dtype=fp8), torch.zeros(2, 4, 1, 2, dtype=fp8)
+    k = torch.tensor([[[1000.0, -0.3]]])
+    mi.store_kv_ref(k, -k, k_cache, v_cache, torch.tensor([5]))
+    assert k_cache.flatten(0, 1)[5].float().tolist() == [[448.0, -0.3125]]
+    assert v_cache.flatten(0, 1)[5].float().tolist() == [[-448.0, 0.3125]]
+    bf16 = mi.LLMEngine(mi.EngineConfig(kv_cache_dtype=torch.bfloat16)).block_manager.num_blocks
+    assert mi.LLMEngine(mi.EngineConfig(kv_cache_dtype="fp8")).block_manager.num_blocks == 2 * bf16
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fp8_kv_cache_paths_agree(mode):
+    """Every path over an e4m3 pool gives the tokens of one request alone: batching, preemption (a pool
+    of 10 blocks for 3 requests), chunked prefill and prefix caching."""
+    greedy = mi.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [list(range(10, 50)), list(range(10, 40)) + [7, 8], [99] * 20]
+    alone = [mi.LLMEngine(mi.EngineConfig(kv_cache_dtype="fp8", num_blocks=32)).generate([p], greedy, use_tqdm=False)
+             [0].token_ids for p in prompts]
+    engine = mi.LLMEngine(mi.EngineConfig(kv_cache_dtype="fp8", num_blocks=10, block_size=8, preemption_mode=mode,
+                                          enable_prefix_caching=True, enable_chunked_prefill=True,
+                                          max_num_batched_tokens=24, max_model_len=64))
+    assert [o.token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)] == alone
+    assert engine.block_manager.num_free_blocks == 10

@@ -7,6 +7,8 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              1/16/256, against the copy bandwidth: bf16 (cuBLAS), int8, int4 (ours), int4
              dequantized then cuBLAS, fp8 (torch._scaled_mm)
     decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B shape
+    kv_check the attention kernels over e4m3 pools against the PyTorch references
+    e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
     python tools/bench_quant.py run docs/benchmarks/quant_h200.json check sweep kernels
     python tools/bench_quant.py plot docs/benchmarks/quant_h200.json
 """
@@ -23,6 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from copy_bandwidth import copy_bandwidth
+import miniinfer as mi
 from miniinfer import quant
 from miniinfer.kernels import quant as kq
 
@@ -176,6 +179,69 @@ def decode(gbps: float) -> dict:
     return res
 
 
+def kv_check() -> dict:
+    """The Triton attention kernels over e4m3 pools against the PyTorch references over the same pools:
+    store (saturating at 448), decode and prefill, bf16 queries."""
+    torch.manual_seed(0)
+    Hq, Hk, D, bs, nb = 8, 2, 64, 16, 64
+    fp8 = torch.float8_e4m3fn
+    k_cache, v_cache = (torch.zeros(nb, bs, Hk, D, device="cuda", dtype=fp8) for _ in range(2))
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    N = 300
+    k, v = (torch.randn(N, Hk, D, device="cuda", dtype=DT) * 3 for _ in range(2))
+    k[0, 0, 0] = 1000.0  # beyond e4m3's range: stored as 448
+    slots = torch.randperm(nb * bs, device="cuda")[:N].int()
+    mi.kernels.store_kv(k, v, k_cache, v_cache, slots)
+    mi.store_kv_ref(k, v, k_ref, v_ref, slots)
+    same = torch.equal(k_cache.float(), k_ref.float()) and torch.equal(v_cache.float(), v_ref.float())
+    res = {"store_equal": bool(same),
+           "saturated_to": k_cache.flatten(0, 1)[slots[0].long(), 0, 0].float().item()}
+    tables = torch.randperm(nb, device="cuda").int().view(4, 16)
+    lens = torch.tensor([1, 77, 200, 256], device="cuda", dtype=torch.int32)
+    q = torch.randn(4, Hq, D, device="cuda", dtype=DT)
+    out = mi.kernels.paged_attention(q, k_cache, v_cache, tables, lens, D ** -0.5)
+    ref = mi.paged_attention_ref(q.float(), k_cache, v_cache, tables, lens, D ** -0.5)
+    res["decode_max_err"] = (out.float() - ref).abs().max().item()
+    qsl = torch.tensor([0, 1, 30, 130, 135], device="cuda", dtype=torch.int32)
+    qp = torch.randn(135, Hq, D, device="cuda", dtype=DT)
+    out = mi.kernels.prefill_attention(qp, k_cache, v_cache, qsl, lens, tables, D ** -0.5, 100)
+    ref = mi.prefill_attention_ref(qp.float(), k_cache, v_cache, qsl, lens, tables, D ** -0.5)
+    res["prefill_max_err"] = (out.float() - ref).abs().max().item()
+    print(f"fp8 KV kernels: {res}", flush=True)
+    return res
+
+
+def e2e() -> dict:
+    """COURSE.md's end-to-end workload on the Llama-3.2-1B shape: bf16, the FP8 KV cache, FP8 weights
+    (and both); the pool sized from free memory each time. Greedy agreement with bf16 is the share of
+    requests whose tokens are all the same (random weights make the logits nearly flat, so this is
+    a harsh test of any rounding)."""
+    import copy
+
+    from bench_engine import engine_for, models, run_engine, workload
+
+    _, base = models("llama")
+    prompts, outs = workload()
+    res, tokens = {}, {}
+    for name, fmt, kv in (("bf16", None, None), ("fp8 KV", None, "fp8"), ("fp8 weights", "fp8", None),
+                          ("fp8 weights + KV", "fp8", "fp8")):
+        model = copy.deepcopy(base)
+        if fmt:
+            quant.quantize_model(model, fmt)
+        engine = engine_for(model, kv_cache_dtype=kv)
+        engine.generate(prompts[:8], mi.SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        r = run_engine(engine, prompts, outs)
+        r.pop("trace")
+        greedy = [mi.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)] * 64
+        tokens[name] = [o.token_ids for o in engine.generate(prompts[:64], greedy, use_tqdm=False)]
+        r["same_tokens_as_bf16"] = sum(a == b for a, b in zip(tokens[name], tokens["bf16"])) / 64
+        res[name] = r
+        print(f"e2e {name}: {r['output_tokens_per_s']:.0f} output tok/s, {r['num_blocks']} blocks, "
+              f"{100 * r['same_tokens_as_bf16']:.0f}% of 64 greedy requests as bf16", flush=True)
+        del engine, model
+    return res
+
+
 def main(out: str, parts: list[str]) -> None:
     path = Path(out)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -187,6 +253,10 @@ def main(out: str, parts: list[str]) -> None:
             res["check"] = check()
         elif part == "sweep":
             res["sweep"] = sweep()
+        elif part == "kv_check":
+            res["kv_check"] = kv_check()
+        elif part == "e2e":
+            res["e2e"] = e2e()
         elif part == "decode":
             res["decode"] = decode(res["copy_GBps"])
         elif part == "kernels":

@@ -6,12 +6,15 @@ corpus is library source; none of these functions is copied from one).
 
     python tools/eval_course_model.py [CHECKPOINT_FOLDER]    # default: the embedded course model
     python tools/eval_course_model.py --speed docs/benchmarks/course_model_cpu.json   # CPU timing
+    python tools/eval_course_model.py --quant corpus docs/benchmarks/quant_quality_cpu.json
+                                   # chapter 10: held-out bits per byte and the body check per weight format
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from pathlib import Path
 
 import miniinfer as mi
 
@@ -67,11 +70,13 @@ def writes_a_body(source: str) -> bool:
     return len(statements) >= 2
 
 
-def score(folder=None) -> tuple[int, list[str]]:
+def score(folder=None, model=None, **config) -> tuple[int, list[str]]:
     """How many of PROMPTS get a real body from greedy decoding, and the cut completions."""
-    engine = mi.LLMEngine(mi.EngineConfig(model=folder))
-    outs = engine.generate(PROMPTS, mi.SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    sources = [cut_body(p, o.text, o.finish_reason == "stop") for p, o in zip(PROMPTS, outs)]
+    tokenizer = mi.load_tokenizer(folder)
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, **config), model=model)  # a model passed in: no tokenizer
+    outs = engine.generate([tokenizer(p).input_ids for p in PROMPTS],
+                           mi.SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    sources = [cut_body(p, tokenizer.decode(o.token_ids), o.finish_reason == "stop") for p, o in zip(PROMPTS, outs)]
     return sum(map(writes_a_body, sources)), sources
 
 
@@ -102,6 +107,75 @@ def speed(threads: int = 2) -> dict:
     return result
 
 
+def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
+    """Chapter 10: each weight format of the course model, and the FP8 KV cache, against float32 on
+    the CPU: bits per byte of the held-out packages (their first max_chars characters), the body
+    check, and how many of its 20 greedy completions equal float32's. int4 twice: round to nearest,
+    and GPTQ calibrated on 64 windows of 512 tokens of the standard library (training data, never the
+    held-out packages). FP8 weights are emulated (their rounding, in float32); the FP8 KV cache is the
+    engine's e4m3 pool, and in the bits per byte K and V rounded to e4m3 as the pool stores them."""
+    import contextlib
+    import platform
+    import sysconfig
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from course_corpus import read_split
+    from train_course_model import bits_per_byte, corpus_files, encode, read_documents
+
+    torch.manual_seed(0)
+    docs, n = [], 0
+    for d in read_split(Path(corpus), "val"):
+        docs.append(d["text"])
+        n += len(d["text"])
+        if n >= max_chars:
+            break
+    tokenizer = mi.load_tokenizer()
+    stream = encode(tokenizer, read_documents(corpus_files(Path(sysconfig.get_paths()["stdlib"]))[:400]))
+    calibration = [stream[i * 512:(i + 1) * 512][None] for i in range(64)]
+
+    def fp8_kv(layer, q, k, v, scale):  # causal attention over K/V as the e4m3 pool holds them
+        k, v = (mi.varlen.to_pool(t, torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
+        return mi.model.causal_attention(q, k, v, scale)
+
+    class HFView:  # bits_per_byte calls a transformers model
+        def __init__(self, model, attn=None):
+            self.model, self.attn = model, attn
+
+        def __call__(self, input_ids):
+            return SimpleNamespace(logits=self.model(input_ids, attn=self.attn))
+
+        def eval(self):
+            pass
+
+        train = eval
+
+    res = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+           "held_out_chars": sum(map(len, docs)), "held_out_docs": len(docs), "formats": {}}
+    completions = {}
+    for fmt, scheme, calib, kv in (("float32", None, None, None), ("int8", "int8", None, None),
+                                   ("int4 RTN", "int4", None, None), ("int4 GPTQ", "int4", calibration, None),
+                                   ("fp8 weights (emulated)", "fp8", None, None), ("fp8 KV cache", None, None, "fp8")):
+        t0 = time.perf_counter()
+        model = mi.load_model()
+        if scheme is not None:
+            mi.quant.quantize_model(model, scheme, calib)
+        with torch.no_grad():
+            bpb = bits_per_byte(HFView(model, fp8_kv if kv else None), tokenizer, docs, seq_len, "cpu",
+                                contextlib.nullcontext())
+        bodies, completions[fmt] = score(model=model, kv_cache_dtype=kv)
+        same = sum(a == b for a, b in zip(completions[fmt], completions["float32"]))
+        res["formats"][fmt] = {"bits_per_byte": bpb, "body_check": bodies, "completions_equal_to_float32": same,
+                               "seconds": time.perf_counter() - t0}
+        print(f"{fmt:23s} {bpb:.4f} bits/byte, body check {bodies}/{len(PROMPTS)}, {same}/{len(PROMPTS)} "
+              "completions as float32's", flush=True)
+    base = res["formats"]["float32"]["bits_per_byte"]
+    for r in res["formats"].values():
+        r["vs_float32"] = r["bits_per_byte"] / base - 1
+    return res
+
+
 def timed(fn) -> float:
     import time
 
@@ -118,7 +192,14 @@ if __name__ == "__main__":
     ap.add_argument("folder", nargs="?", help="checkpoint folder (default: the embedded course model)")
     ap.add_argument("--speed", metavar="JSON", help="instead, time 64 greedy tokens of both course models "
                     "on this CPU and write the seconds here")
+    ap.add_argument("--quant", nargs=2, metavar=("CORPUS", "JSON"), help="instead, chapter 10's quality table: "
+                    "a corpus folder of tools/course_corpus.py (its held-out split) and where to write it")
     args = ap.parse_args()
+    if args.quant:
+        res = quality(args.quant[0])
+        with open(args.quant[1], "w") as f:
+            json.dump(res, f, indent=1)
+        sys.exit()
     if args.speed:
         res = speed()
         with open(args.speed, "w") as f:

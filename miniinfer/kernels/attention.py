@@ -15,14 +15,17 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's nati
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride, v_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, TOP: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
-        tl.store(k_cache_ptr + slot * ROW + offs, tl.load(k_ptr + t * k_stride + offs, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, tl.load(v_ptr + t * v_stride + offs, mask=mask), mask=mask)
+        # clamped to the pool dtype's range: a narrower pool (chapter 10's e4m3) saturates, never NaN
+        k = tl.clamp(tl.load(k_ptr + t * k_stride + offs, mask=mask).to(tl.float32), -TOP, TOP)
+        v = tl.clamp(tl.load(v_ptr + t * v_stride + offs, mask=mask).to(tl.float32), -TOP, TOP)
+        tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,7 +36,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k2.stride(1) != 1 or v2.stride(1) != 1:
         k2, v2 = k2.contiguous(), v2.contiguous()
     _store_kv_kernel[(k.shape[0],)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row))
+                                    ROW=row, BLOCK=triton.next_power_of_2(row), TOP=torch.finfo(k_cache.dtype).max)
 
 
 @triton.jit
@@ -72,6 +75,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
         pos = t0 + tl.arange(0, TILE)
         valid = pos < end
         k, v = _kv_tile(k_ptr, v_ptr, tables_ptr + b * table_stride, pos, valid, block_size, h, d, HK, HEAD_DIM)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a pool may be narrower than the model (chapter 10's e4m3)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -175,6 +179,7 @@ def _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr, n0, end, q_pos, qk_scal
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     k, v = _kv_tile(k_ptr, v_ptr, table_ptr, pos, valid, block_size, h, d, HK, HEAD_DIM)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if CAUSAL:
         scores = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], scores, float("-inf"))
