@@ -761,6 +761,73 @@ def test_chapter_08_checks_reject_wrong_answers(check, wrong):
     rejected(check, wrong)
 
 
+# Chapter 10 ------------------------------------------------------------------------------------
+
+def fake_quantize_floor(w, bits, symmetric):  # truncates instead of rounding
+    top = 2 ** (bits - 1) - 1
+    scale = (w.abs().amax(1, keepdim=True) / top).clamp(min=1e-10)
+    return torch.floor(w / scale).clamp(-top - 1, top) * scale
+
+
+def fake_quantize_always_symmetric(w, bits, symmetric):
+    return testing._fake_quantize_ref(w, bits, True)
+
+
+def pack_without_offset(codes):
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    return ((codes.to(torch.int32) & 15).reshape(codes.shape[0], -1, 8) << shifts).sum(-1, dtype=torch.int32)
+
+
+def pack_first_code_highest(codes):
+    shifts = 28 - torch.arange(8, dtype=torch.int32) * 4
+    return ((codes.to(torch.int32) + 8).reshape(codes.shape[0], -1, 8) << shifts).sum(-1, dtype=torch.int32)
+
+
+def scales_per_row(w, group_size):
+    return (w.abs().amax(1, keepdim=True) / 7).clamp(min=1e-10).expand(-1, w.shape[1] // group_size)
+
+
+def scales_over_8(w, group_size):
+    return (w.reshape(w.shape[0], -1, group_size).abs().amax(-1) / 8).clamp(min=1e-10)
+
+
+def dequant_without_offset(x, packed, scale):
+    codes = (packed[..., None] >> (torch.arange(8, dtype=torch.int32) * 4)) & 15
+    N, G = scale.shape
+    return x @ (codes.reshape(N, G, -1) * scale[..., None]).reshape(N, -1).T
+
+
+def dequant_first_scale_only(x, packed, scale):
+    codes = ((packed[..., None] >> (torch.arange(8, dtype=torch.int32) * 4)) & 15) - 8
+    return x @ (codes.reshape(packed.shape[0], -1) * scale[:, :1]).T
+
+
+def fp8_with_fnuz_range(x):  # 240 is the largest e4m3fnuz value, another FP8 flavour
+    scale = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / 240
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_one_scale_for_all(x):
+    scale = x.abs().amax().float().clamp(min=1e-12) / 448 * torch.ones(x.shape[0], 1)
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_fake_quantize, fake_quantize_floor),
+    (testing.check_fake_quantize, fake_quantize_always_symmetric),
+    (testing.check_pack_int4, pack_without_offset),
+    (testing.check_pack_int4, pack_first_code_highest),
+    (testing.check_group_scales, scales_per_row),
+    (testing.check_group_scales, scales_over_8),
+    (testing.check_dequant_matmul, dequant_without_offset),
+    (testing.check_dequant_matmul, dequant_first_scale_only),
+    (testing.check_fp8_quantize, fp8_with_fnuz_range),
+    (testing.check_fp8_quantize, fp8_one_scale_for_all),
+])
+def test_chapter_10_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():
     def shape_error(x, weight, eps):
         return x @ weight[:-1]
