@@ -9,6 +9,7 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B shape
     kv_check the attention kernels over e4m3 pools against the PyTorch references
     e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
+    ablation where the int4 kernel's time goes at one row: its loop cut after each stage
     python tools/bench_quant.py run docs/benchmarks/quant_h200.json check sweep kernels
     python tools/bench_quant.py plot docs/benchmarks/quant_h200.json
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from copy_bandwidth import copy_bandwidth
@@ -242,6 +244,60 @@ def e2e() -> dict:
     return res
 
 
+@triton.jit
+def _ablation_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
+    """The int4 kernel's loop at one row, cut after a stage: 0 loads the words only, 1 also unpacks
+    and converts them, 2 also loads x, 3 also multiplies (tl.dot, the package's kernel)."""
+    W: tl.constexpr = 16
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    per_split = tl.cdiv(tl.cdiv(K, 128), SPLIT_K) * 128
+    acc = tl.zeros([16, BLOCK_N], tl.float32)
+    for k0 in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, K), 128):
+        wk = k0 // 8 + tl.arange(0, W)
+        words = tl.load(w_ptr + wk[:, None] * N + rn[None, :])
+        if STAGE == 0:
+            acc += tl.sum(words.to(tl.float32), 0)[None, :]
+        else:
+            for j in tl.static_range(8):
+                w = ((words >> (j * 4)) & 15 | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                if STAGE == 1:
+                    acc += tl.sum(w, 0)[None, :]
+                else:
+                    x = tl.load(x_ptr + rm[:, None] * 0 + (wk * 8 + j)[None, :], mask=rm[:, None] < 1, other=0.0)
+                    if STAGE == 2:
+                        acc += tl.sum(w, 0)[None, :] + tl.sum(x.to(tl.float32), 1)[:, None]
+                    else:
+                        acc += tl.dot(x.to(tl.float32), w, input_precision="tf32")
+        acc *= tl.load(s_ptr + (k0 // 128) * N + rn).to(tl.float32)[None, :]
+    tl.store(out_ptr + (pid_k * 16 + rm[:, None]) * N + rn[None, :], acc)
+
+
+def ablation() -> dict:
+    """Where the int4 kernel's time goes at one row on the 8B-sized layers: each stage cut off in turn."""
+    res = {}
+    for name, N, K in SHAPES["llama-8b"]:
+        _, (packed, scale) = layer("int4", N, K)
+        x = torch.randn(1, K, device="cuda", dtype=DT)
+        nbytes = packed.numel() * 4 + scale.numel() * 2
+        res[name] = {}
+        for split in (4, 8):
+            out = torch.empty(split, 16, N, device="cuda", dtype=torch.float32)
+            for stage, label in enumerate(("load", "+unpack", "+load x", "+dot")):
+                for block_n, warps in ((128, 4), (256, 8), (64, 2)):
+                    t = us(lambda: _ablation_kernel[(N // block_n, split)](x, packed, scale, out, N, K, STAGE=stage,
+                                                                           BLOCK_N=block_n, SPLIT_K=split,
+                                                                           num_warps=warps, num_stages=3))
+                    res[name][f"{label}/split{split}/n{block_n}w{warps}"] = {"us": t, "GBps": nbytes / t / 1e3}
+        best = {lab: min((v["us"], k) for k, v in res[name].items() if k.startswith(lab + "/"))
+                for lab in ("load", "+unpack", "+load x", "+dot")}
+        print(f"ablation 8B {name}: " + ", ".join(f"{lab} {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s, {k})"
+                                                   for lab, (t, k) in best.items()), flush=True)
+    return res
+
+
 def main(out: str, parts: list[str]) -> None:
     path = Path(out)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -253,6 +309,8 @@ def main(out: str, parts: list[str]) -> None:
             res["check"] = check()
         elif part == "sweep":
             res["sweep"] = sweep()
+        elif part == "ablation":
+            res["ablation"] = ablation()
         elif part == "kv_check":
             res["kv_check"] = kv_check()
         elif part == "e2e":
