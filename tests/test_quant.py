@@ -52,9 +52,10 @@ def test_int_matmul_equals_dequantize_then_matmul(bits, group, M):
     ref = x @ quant.dequantize(packed, scale, bits).T + bias
     out = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, bias)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
-    split = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, None,
-                       dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if group == 32 else 128, SPLIT_K=3))
-    assert torch.allclose(split, ref - bias, atol=1e-4, rtol=1e-4)
+    for config in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if group == 32 else 128, SPLIT_K=3),  # tiled
+                   dict(BLOCK_N=16, WORDS=16 if bits == 8 else group // 8, SPLIT_K=3)):  # GEMV, any M
+        split = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, None, config)
+        assert torch.allclose(split, ref - bias, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])

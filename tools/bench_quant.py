@@ -6,10 +6,11 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     kernels  GB/s of each format's matmul at the Llama-3.2-1B and an 8B-sized layer's shapes, batch
              1/16/256, against the copy bandwidth: bf16 (cuBLAS), int8, int4 (ours), int4
              dequantized then cuBLAS, fp8 (torch._scaled_mm)
-    decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B shape
+    decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes
     kv_check the attention kernels over e4m3 pools against the PyTorch references
     e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
-    ablation where the int4 kernel's time goes at one row: its loop cut after each stage
+    gemv_sweep  the GEMV kernel's tiles at one row; GEMV against tiled at 2, 4 and 8 rows
+    ablation where the int4 GEMV's time goes at one row: its loads alone and a copy of its bytes
     python tools/bench_quant.py run docs/benchmarks/quant_h200.json check sweep kernels
     python tools/bench_quant.py plot docs/benchmarks/quant_h200.json
 """
@@ -65,7 +66,7 @@ def check() -> dict:
     rows = []
     for (bits, group), dtype, (M, N, K) in itertools.product(
             [(8, None), (4, 128), (4, 32)], (torch.float32, torch.float16, torch.bfloat16),
-            [(1, 37, 256), (5, 1000, 384), (33, 515, 1024), (300, 77, 4096)]):
+            [(1, 37, 256), (3, 999, 384), (5, 1000, 384), (33, 515, 1024), (300, 77, 4096)]):
         torch.manual_seed(M + N)
         codes, scale = quant.quantize_int(torch.randn(N, K, device="cuda"), bits, group)
         scale = scale.to(dtype)
@@ -153,31 +154,51 @@ def fp8_matmul(x, wq, ws):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=DT)
 
 
+def llama_8b():
+    """An 8B-sized Llama (Llama-3.1-8B's shape) with random bf16 weights, built on the GPU: no
+    checkpoint, which would take minutes to write and read."""
+    from bench_static_decode import LLAMA_3_2_1B
+
+    cfg = mi.ModelConfig.from_hf(dict(LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      head_dim=128, tie_word_embeddings=False))
+    torch.manual_seed(0)
+    torch.set_default_dtype(DT)
+    try:
+        with torch.device("cuda"):
+            model = mi.Transformer(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.to("cuda")  # the rotary frequencies, made on the CPU in float32
+
+
 def decode(gbps: float) -> dict:
-    """Batch-1 decode tokens/s of the engine on the Llama-3.2-1B shape (random bf16 weights) per
-    weight format, against each format's floor (every weight byte read once per token)."""
+    """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
+    Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
+    token)."""
     import copy
 
     from bench_engine import batch1, models
 
-    _, base = models("llama")
     res = {}
-    for fmt in ("bf16", "int8", "int4", "fp8"):
-        model = copy.deepcopy(base)
-        if fmt != "bf16":
-            quant.quantize_model(model, fmt)
-        tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
-                   if t is not model.inv_freq}
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        r = batch1(model, gbps)
-        res[fmt] = {"tokens_per_s": r["tokens_per_s"], "weight_bytes": nbytes,
-                    "floor_tokens_per_s": gbps * 1e9 / nbytes}
-        res[fmt]["fraction_of_floor"] = res[fmt]["tokens_per_s"] / res[fmt]["floor_tokens_per_s"]
-        print(f"decode {fmt}: {r['tokens_per_s']:.0f} tok/s, {nbytes / 1e9:.2f} GB of weights, "
-              f"{100 * res[fmt]['fraction_of_floor']:.0f}% of its floor", flush=True)
-        del model
-    for fmt in res:
-        res[fmt]["speedup_vs_bf16"] = res[fmt]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    for shape, build in (("llama-1b", lambda: models("llama")[1]), ("llama-8b", llama_8b)):
+        base = build()
+        res[shape] = {}
+        for fmt in ("bf16", "int8", "int4", "fp8"):
+            model = copy.deepcopy(base)
+            if fmt != "bf16":
+                quant.quantize_model(model, fmt)
+            tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
+                       if t is not model.inv_freq}
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            r = batch1(model, gbps)
+            d = res[shape][fmt] = {"tokens_per_s": r["tokens_per_s"], "weight_bytes": nbytes,
+                                   "floor_tokens_per_s": gbps * 1e9 / nbytes}
+            d["fraction_of_floor"] = d["tokens_per_s"] / d["floor_tokens_per_s"]
+            d["speedup_vs_bf16"] = d["tokens_per_s"] / res[shape]["bf16"]["tokens_per_s"]
+            print(f"decode {shape} {fmt}: {r['tokens_per_s']:.0f} tok/s ({d['speedup_vs_bf16']:.2f}x bf16), "
+                  f"{nbytes / 1e9:.2f} GB of weights, {100 * d['fraction_of_floor']:.0f}% of its floor", flush=True)
+            del model
+        del base
     return res
 
 
@@ -245,57 +266,78 @@ def e2e() -> dict:
 
 
 @triton.jit
-def _ablation_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, STAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
-    """The int4 kernel's loop at one row, cut after a stage: 0 loads the words only, 1 also unpacks
-    and converts them, 2 also loads x, 3 also multiplies (tl.dot, the package's kernel)."""
-    W: tl.constexpr = 16
+def _load_only_kernel(w_ptr, out_ptr, N, K, SPLIT_K, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """The GEMV kernel's loads alone (same tiles, same K-splits), XORed together so that none is dropped:
+    what reading the words costs without unpacking or multiplying."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, 16)
-    per_split = tl.cdiv(tl.cdiv(K, 128), SPLIT_K) * 128
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, K), 128):
-        wk = k0 // 8 + tl.arange(0, W)
-        words = tl.load(w_ptr + wk[:, None] * N + rn[None, :])
-        if STAGE == 0:
-            acc += tl.sum(words.to(tl.float32), 0)[None, :]
-        else:
-            for j in tl.static_range(8):
-                w = ((words >> (j * 4)) & 15 | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                if STAGE == 1:
-                    acc += tl.sum(w, 0)[None, :]
-                else:
-                    x = tl.load(x_ptr + rm[:, None] * 0 + (wk * 8 + j)[None, :], mask=rm[:, None] < 1, other=0.0)
-                    if STAGE == 2:
-                        acc += tl.sum(w, 0)[None, :] + tl.sum(x.to(tl.float32), 1)[:, None]
-                    else:
-                        acc += tl.dot(x.to(tl.float32), w, input_precision="tf32")
-        acc *= tl.load(s_ptr + (k0 // 128) * N + rn).to(tl.float32)[None, :]
-    tl.store(out_ptr + (pid_k * 16 + rm[:, None]) * N + rn[None, :], acc)
+    per_split = tl.cdiv(tl.cdiv(K, WORDS * 8), SPLIT_K) * WORDS * 8
+    acc = tl.zeros([WORDS, BLOCK_N], tl.int32)
+    for k0 in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, K), WORDS * 8):
+        wk = k0 // 8 + tl.arange(0, WORDS)
+        acc ^= tl.load(w_ptr + wk[:, None] * N + rn[None, :], eviction_policy="evict_first")
+    tl.store(out_ptr + pid_k * N + rn, tl.xor_sum(acc, 0))
 
 
 def ablation() -> dict:
-    """Where the int4 kernel's time goes at one row on the 8B-sized layers: each stage cut off in turn."""
+    """The int4 GEMV at one row on the 8B-sized layers against its own loads alone, and a copy of
+    the same bytes: how much of its time is instruction work beyond reading."""
     res = {}
     for name, N, K in SHAPES["llama-8b"]:
         _, (packed, scale) = layer("int4", N, K)
         x = torch.randn(1, K, device="cuda", dtype=DT)
         nbytes = packed.numel() * 4 + scale.numel() * 2
-        res[name] = {}
-        for split in (4, 8):
-            out = torch.empty(split, 16, N, device="cuda", dtype=torch.float32)
-            for stage, label in enumerate(("load", "+unpack", "+load x", "+dot")):
-                for block_n, warps in ((128, 4), (256, 8), (64, 2)):
-                    t = us(lambda: _ablation_kernel[(N // block_n, split)](x, packed, scale, out, N, K, STAGE=stage,
-                                                                           BLOCK_N=block_n, SPLIT_K=split,
-                                                                           num_warps=warps, num_stages=3))
-                    res[name][f"{label}/split{split}/n{block_n}w{warps}"] = {"us": t, "GBps": nbytes / t / 1e3}
-        best = {lab: min((v["us"], k) for k, v in res[name].items() if k.startswith(lab + "/"))
-                for lab in ("load", "+unpack", "+load x", "+dot")}
-        print(f"ablation 8B {name}: " + ", ".join(f"{lab} {t:.1f} us ({nbytes / t / 1e3:.0f} GB/s, {k})"
-                                                   for lab, (t, k) in best.items()), flush=True)
+        cfg = kq.gemv_config(1, N, K, 4, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+        split = cfg["SPLIT_K"]
+        out = torch.empty(split, N, device="cuda", dtype=torch.int32)
+        dst = torch.empty_like(packed)
+        res[name] = {"config": cfg, "bytes": nbytes,
+                     "copy_us": us(lambda: dst.copy_(packed)),
+                     "load_us": us(lambda: _load_only_kernel[(N // cfg["BLOCK_N"], split)](
+                         packed, out, N, K, split, BLOCK_N=cfg["BLOCK_N"], WORDS=cfg["WORDS"],
+                         num_warps=cfg["num_warps"])),
+                     "kernel_us": us(lambda: kq.int_matmul(x, packed, scale, 4))}
+        print(f"ablation 8B {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in res[name].items() if k.endswith("us")),
+              flush=True)
     return res
+
+
+def gemv_sweep() -> dict:
+    """The GEMV kernel's tiles, K-splits and warps at one row per shape; then, at 2, 4 and 8 rows, the
+    GEMV kernel and the tiled one with their default configs (where GEMV_ROWS comes from)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best, rows = {}, {}
+    for fmt, (bits, group) in FORMATS.items():
+        for model, shapes in SHAPES.items():
+            for name, N, K in shapes:
+                _, (packed, scale) = layer(fmt, N, K)
+                nbytes = packed.numel() * 4 + scale.numel() * 2
+                x = torch.randn(8, K, device="cuda", dtype=DT)
+                times = []
+                for bn, words, warps, split in itertools.product((128, 256, 512), (8, 16) if bits == 4 else (16, 32),
+                                                                 (4, 8), (1, 2, 4, 8, 16)):
+                    cfg = dict(BLOCK_N=bn, WORDS=words, SPLIT_K=split, num_warps=warps)
+                    times.append((us(lambda: kq.int_matmul(x[:1], packed, scale, bits, None, cfg)), cfg))
+                t, cfg = min(times, key=lambda tc: tc[0])
+                key = f"{fmt}/{model}/{name}"
+                best[key] = {"us": t, "config": cfg, "GBps": nbytes / t / 1e3,
+                             "default_us": us(lambda: kq.int_matmul(x[:1], packed, scale, bits)),
+                             "default_config": kq.gemv_config(1, N, K, bits, group or K, sms),
+                             "top5": sorted(times, key=lambda tc: tc[0])[:5]}
+                print(f"gemv {key}: best {t:.1f} us ({best[key]['GBps']:.0f} GB/s) with {cfg}; "
+                      f"default {best[key]['default_us']:.1f} us", flush=True)
+                for M in (2, 4, 8):
+                    rows[f"{key}/{M}"] = {
+                        "gemv_us": us(lambda: kq.int_matmul(x[:M], packed, scale, bits, None,
+                                                            kq.gemv_config(M, N, K, bits, group or K, sms))),
+                        "tiled_us": us(lambda: kq.int_matmul(x[:M], packed, scale, bits, None,
+                                                             kq.int_config(M, N, K, bits, group or K, sms)))}
+                    print(f"  M={M}: {rows[f'{key}/{M}']}", flush=True)
+    return {"best": best, "rows": rows}
+
+
+PARTS = {"check": check, "sweep": sweep, "gemv_sweep": gemv_sweep, "ablation": ablation, "kv_check": kv_check,
+         "e2e": e2e, "decode": decode, "kernels": kernels}
 
 
 def main(out: str, parts: list[str]) -> None:
@@ -305,27 +347,46 @@ def main(out: str, parts: list[str]) -> None:
                 "date": datetime.date.today().isoformat()})
     res.setdefault("copy_GBps", copy_bandwidth())
     for part in parts:
-        if part == "check":
-            res["check"] = check()
-        elif part == "sweep":
-            res["sweep"] = sweep()
-        elif part == "ablation":
-            res["ablation"] = ablation()
-        elif part == "kv_check":
-            res["kv_check"] = kv_check()
-        elif part == "e2e":
-            res["e2e"] = e2e()
-        elif part == "decode":
-            res["decode"] = decode(res["copy_GBps"])
-        elif part == "kernels":
-            res["kernels"] = kernels(res["copy_GBps"])
-        else:
+        if part not in PARTS:
             raise SystemExit(f"unknown part {part!r}")
+        res[part] = PARTS[part](res["copy_GBps"]) if part in ("decode", "kernels") else PARTS[part]()
         path.write_text(json.dumps(res, indent=1))
+
+
+def plot(path: str) -> None:
+    """The kernels' share of the copy bandwidth at one row (8B-sized layers) and batch-1 decode per
+    format, beside the JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(path).read_text())
+    fmts = ("bf16", "int8", "int4", "fp8")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    rows = [r for r in res["kernels"]["rows"] if r["model"] == "llama-8b" and r["M"] == 1]
+    for i, f in enumerate(fmts):
+        a.bar([j + 0.2 * i for j in range(len(rows))], [100 * r["fraction_of_copy"][f] for r in rows], 0.2, label=f)
+    a.set_xticks([j + 0.3 for j in range(len(rows))], [r["layer"] for r in rows])
+    a.set_ylabel("% of copy bandwidth")
+    a.set_title("8B-sized layers, one row")
+    a.legend()
+    for i, shape in enumerate(res["decode"]):
+        d = res["decode"][shape]
+        b.bar([j + 0.4 * i for j in range(len(fmts))], [d[f]["speedup_vs_bf16"] for f in fmts], 0.4, label=shape)
+    b.axhline(1, color="gray", lw=0.8)
+    b.set_xticks([j + 0.2 for j in range(len(fmts))], fmts)
+    b.set_ylabel("tokens/s relative to bf16")
+    b.set_title("batch-1 decode")
+    b.legend()
+    fig.suptitle(f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['date']}")
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         main(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "plot":
+        plot(sys.argv[2])
     else:
         raise SystemExit(__doc__)

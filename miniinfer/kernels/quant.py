@@ -18,9 +18,21 @@ def _values(codes, BITS: tl.constexpr):
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (BITS - 1)))
 
 
+@triton.jit
+def _write(acc, out_ptr, bias_ptr, rows, rn, mask, M, N, pid_k, HAS_BIAS: tl.constexpr, SPLIT_K):
+    """The outputs of `rows` x `rn` (plus the bias) or, when K is split, this split's float32 partial
+    sums, added up by _split_k_sum."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows * N + rn, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + rows) * N + rn, acc, mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride,
-                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride, SPLIT_K,
+                       BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     PER: tl.constexpr = 32 // BITS  # codes in one int32 word
     W: tl.constexpr = BLOCK_K // PER  # words of a column in one tile
@@ -55,13 +67,44 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride
         # sums, not every weight.
         scale = tl.load(s_ptr + (k0 // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
         acc += part * scale[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # a float32 partial sum, added up by _split_k_sum
-        tl.store(out_ptr + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+    _write(acc, out_ptr, bias_ptr, rm[:, None], rn[None, :], (rm[:, None] < M) & (rn[None, :] < N), M, N, pid_k,
+           HAS_BIAS, SPLIT_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride, SPLIT_K,
+                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """One row of x against BLOCK_N output channels, WORDS words of each per step, on the CUDA cores.
+    Each code costs a shift, a mask-and-OR (one LOP3) and a multiply-add: its bits become the top of
+    a float32 mantissa, v = 1 + u / 2^BITS for the unsigned code u = s + 2^(BITS-1), so
+    sum x*s = 2^BITS * (sum x*v - 1.5 * sum x), and the subtraction is paid once per word."""
+    PER: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = WORDS * PER
+    TOP: tl.constexpr = 23 - BITS  # the code's lowest bit in the mantissa
+    row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    acc = tl.zeros([WORDS, BLOCK_N], tl.float32)  # summed over its WORDS rows once, at the end
+    for k0 in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, K), BLOCK_K):
+        wk = k0 // PER + tl.arange(0, WORDS)
+        # read once: evicted first, so that L2 keeps the activations
+        words = tl.load(w_ptr + wk[:, None] * N + rn[None, :], mask=(wk[:, None] < K // PER) & (rn[None, :] < N),
+                        other=0, eviction_policy="evict_first")
+        part = tl.zeros([WORDS, BLOCK_N], tl.float32)
+        x_sum = tl.zeros([WORDS], tl.float32)
+        for j in tl.static_range(PER):  # code j of every word, against the inputs k = word * PER + j
+            x = tl.load(x_ptr + row * x_stride + wk * PER + j, mask=wk < K // PER, other=0.0).to(tl.float32)
+            if j * BITS <= TOP:
+                at_top = words << (TOP - j * BITS)
+            else:
+                at_top = words >> (j * BITS - TOP)
+            v = (at_top & (((1 << BITS) - 1) << TOP) | 0x3F800000).to(tl.float32, bitcast=True)
+            part += x[:, None] * v
+            x_sum += x
+        scale = tl.load(s_ptr + (k0 // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc += (part - 1.5 * x_sum[:, None]) * scale[None, :]
+    _write(tl.sum(acc, 0) * (1 << BITS), out_ptr, bias_ptr, row, rn, rn < N, M, N, pid_k, HAS_BIAS, SPLIT_K)
 
 
 @triton.jit
@@ -102,11 +145,21 @@ def _split_k_sum(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < MN)
 
 
+def gemv_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: int) -> dict:
+    """The GEMV kernel's tile and K-splits for M <= GEMV_ROWS rows: a tile of 128 inputs (one int4
+    group) by 256 channels, and K split as the tiled kernel's sweep found best, until the GPU has
+    about 4 programs per multiprocessor. Not yet swept for this kernel (tools/bench_quant.py
+    gemv_sweep does that)."""
+    words = min(16 if bits == 4 else 32, group * bits // 32)
+    block_n = 256
+    programs = M * -(-N // block_n)
+    split = max(1, min(16, -(-K // (words * 32 // bits)), 4 * multiprocessors // programs))
+    return dict(BLOCK_N=block_n, WORDS=words, SPLIT_K=split, num_warps=4)
+
+
 def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: int) -> dict:
-    """Tiles and K-splits of the quantized matmul for M rows, from a sweep on the H200
-    (docs/benchmarks/quant_h200.json): tensor cores even for one row (padded to 16, which cost less
-    than multiply-adds on the CUDA cores), and the K dimension split until the GPU has about 4
-    programs per multiprocessor: one tile of weights is too little work to hide memory latency."""
+    """Tiles and K-splits of the tiled kernel for more than GEMV_ROWS rows, from a sweep on the H200
+    (docs/benchmarks/quant_h200.json): tensor cores (16 rows at least), and K split as in gemv_config."""
     block_m = 16 if M <= 16 else 32
     block_n = 128 if N >= 4096 else 64
     block_k = min(128 if bits == 4 else 256, group)
@@ -118,6 +171,9 @@ def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: i
 # Above this many rows the weight is dequantized whole and multiplied by cuBLAS: at 256 rows our
 # tiled kernel took 4-5x cuBLAS's time on bf16 weights (quant_h200.json, sweep).
 DEQUANTIZE_ROWS = 32
+# Up to this many rows the GEMV kernel, each row reading the words again (from L2, mostly); a
+# guess until gemv_sweep measures where the tiled kernel overtakes it
+GEMV_ROWS = 4
 
 
 def int_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
@@ -134,16 +190,23 @@ def int_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits:
         out = x2 @ dequantize_t(packed, scale, bits, x.dtype)
         return (out if bias is None else out + bias).view(*x.shape[:-1], N)
     group = K // scale.shape[0]
-    cfg = dict(config or int_config(M, N, K, bits, group, _multiprocessors(x.device)))
-    if group % cfg["BLOCK_K"] and scale.shape[0] > 1:
-        raise ValueError(f"BLOCK_K={cfg['BLOCK_K']} must divide the group size {group}")
+    cfg = dict(config or (gemv_config if M <= GEMV_ROWS else int_config)(M, N, K, bits, group,
+                                                                       _multiprocessors(x.device)))
+    gemv = "WORDS" in cfg  # a config names the kernel by its keys
+    block_k = cfg["WORDS"] * 32 // bits if gemv else cfg["BLOCK_K"]
+    if group % block_k and scale.shape[0] > 1:
+        raise ValueError(f"a tile of {block_k} inputs must divide the group size {group}")
     split = cfg.pop("SPLIT_K")
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     target = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
-    _int_matmul_kernel[grid](x2, packed, scale, bias if bias is not None else scale, target, M, N, K,
-                             x2.stride(0), BITS=bits, GROUP=group, HAS_BIAS=bias is not None,
-                             SPLIT_K=split, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
+    args = (x2, packed, scale, bias if bias is not None else scale, target, M, N, K, x2.stride(0), split)
+    if gemv:
+        _int_gemv_kernel[(M, triton.cdiv(N, cfg["BLOCK_N"]), split)](*args, BITS=bits, GROUP=group,
+                                                                      HAS_BIAS=bias is not None, **cfg)
+    else:
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
+        _int_matmul_kernel[grid](*args, BITS=bits, GROUP=group, HAS_BIAS=bias is not None,
+                                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
     if split > 1:
         block = 1024
         _split_k_sum[(triton.cdiv(M * N, block),)](target, bias if bias is not None else out, out, M * N, N,
