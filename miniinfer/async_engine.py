@@ -163,6 +163,7 @@ class InprocClient(EngineClient):
     def close(self) -> None:
         self.send(Shutdown())
         self.thread.join()
+        self.engine.close()
 
 
 class MultiprocClient(EngineClient):
@@ -172,7 +173,9 @@ class MultiprocClient(EngineClient):
     def __init__(self, config: EngineConfig, receive: Receive):
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=engine_process, args=(config, child), daemon=True, name="miniinfer-engine")
+        # A daemon dies with this process, but may not start processes: chapter 11's workers need that.
+        self.process = ctx.Process(target=engine_process, args=(config, child), name="miniinfer-engine",
+                                   daemon=config.tensor_parallel_size == 1)
         self.process.start()
         child.close()
         info = self.conn.recv()
@@ -266,6 +269,7 @@ def engine_process(config: EngineConfig, conn) -> None:
     finally:
         put(None)  # what is left goes, then the thread ends
         sender.join()
+        engine.close()
 
 
 def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[list[EngineOutput], EngineStats]:

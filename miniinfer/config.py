@@ -53,6 +53,8 @@ class EngineConfig:
                                                    "model name (pycoder-draft), with the model's tokenizer "
                                                    "(default: none)")
     num_speculative_tokens: int = setting(4, "speculation", "guesses verified per step")
+    tensor_parallel_size: int = setting(1, "parallel", "GPUs (on a CPU: processes) that split the model, one "
+                                        "process each (chapter 11; default: one, in this process)")
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a
@@ -64,7 +66,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_cpu_blocks", "num_speculative_tokens"):
+                     "num_cpu_blocks", "num_speculative_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

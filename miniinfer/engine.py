@@ -23,9 +23,11 @@ from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07 adds True.
 BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching", {False: BlockManager},
                           "; chapter 07's comes with `import miniinfer.prefix_cache`")
-# The model runner for each value of EngineConfig.speculative_method: chapter 09 adds "draft" and "ngram".
-RUNNERS = Registry("model runner for speculative_method", {None: ModelRunner},
-                   "; chapter 09's come with `import miniinfer.speculative`")
+# The model runner for each value of EngineConfig.speculative_method (chapter 09 adds "draft" and
+# "ngram"), and "parallel" for tensor_parallel_size > 1 (chapter 11: a process per rank).
+RUNNERS = Registry("model runner", {None: ModelRunner},
+                   "; chapter 09's come with `import miniinfer.speculative`, chapter 11's with "
+                   "`import miniinfer.parallel`")
 
 
 class Limits(NamedTuple):
@@ -85,7 +87,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None):
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
-        runner = RUNNERS[config.speculative_method]
+        runner = RUNNERS["parallel" if config.tensor_parallel_size > 1 else config.speculative_method]
         self.config = config
         if model is None:
             try:
@@ -162,6 +164,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (chapter 11's worker processes)."""
+        self.runner.close()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run, update: an output for every request that got tokens, finished or failed.

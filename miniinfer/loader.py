@@ -3,7 +3,7 @@
 import contextlib
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -96,9 +96,11 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, quantization: str | None = None) -> Transformer:
+               dtype: torch.dtype = torch.float32, quantization: str | None = None,
+               prepare: Callable[[Transformer], None] | None = None) -> Transformer:
     """Load a Llama/Qwen2/Qwen3 checkpoint folder (None: the embedded course model), its linear layers
-    quantized on load when `quantization` names a method (chapter 10)."""
+    quantized on load when `quantization` names a method (chapter 10). `prepare` changes the empty
+    model before its tensors are read: chapter 11 makes it one rank's part of the model."""
     folder = Path(path) if path is not None else course_model_path()
     if not (folder / "config.json").exists():
         raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
@@ -107,35 +109,42 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     quant = _quantization(folder, hf, quantization)
     with _skeleton():
         model = Transformer(cfg)
+        if prepare is not None:
+            prepare(model)
         if quant is not None:
             quant.prepare(model)
     params = model.state_dict()
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight")
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    pieces: dict[str, dict[int, Any]] = {}
     packed = model.packed_modules_mapping
-    for file in _weight_files(folder):
-        with safe_open(file, framework="pt", device=str(device)) as f:
+    state = {}
+    with contextlib.ExitStack() as files:  # open until every layer has read its part
+        for file in _weight_files(folder):
+            f = files.enter_context(safe_open(file, framework="pt", device=str(device)))
             for name in f.keys():
                 target, piece = _packed_name(name, packed)
                 if target in params:  # skips e.g. a tied lm_head or a stored rotary inv_freq
-                    pieces.setdefault(target, {})[piece] = _cast(f.get_tensor(name), dtype)
-    missing = [n for p in params for i, n in enumerate(_checkpoint_names(p, packed)) if i not in pieces.get(p, {})]
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise CheckpointError(f"{folder}: missing tensors {sorted(missing)[:5]}{more}")
-    state = {}
-    for name, by_index in pieces.items():
-        parts = [by_index[i] for i in range(len(by_index))]
-        module_name, _, param_name = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        load = getattr(module, "load_weight", None)  # a projection's (see Linear)
-        state[name] = load(param_name, parts) if load is not None else parts[0]
-        if state[name].shape != params[name].shape:
-            raise CheckpointError(
-                f"{folder}: tensor {' + '.join(_checkpoint_names(name, packed))} has shape "
-                f"{' + '.join(str(tuple(t.shape)) for t in parts)}, the config implies "
-                f"{tuple(params[name].shape)}")
+                    pieces.setdefault(target, {})[piece] = f.get_slice(name)  # nothing read yet
+        missing = [n for p in params for i, n in enumerate(_checkpoint_names(p, packed))
+                   if i not in pieces.get(p, {})]
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(f"{folder}: missing tensors {sorted(missing)[:5]}{more}")
+        for name, by_index in pieces.items():
+            parts = [by_index[i] for i in range(len(by_index))]
+            module_name, _, param_name = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            load = getattr(module, "load_weight", None)  # a projection's (see Linear)
+            names = ' + '.join(_checkpoint_names(name, packed))
+            try:
+                state[name] = _cast(load(param_name, parts) if load is not None else parts[0][:], dtype)
+            except ValueError as e:  # a layer that reads a part (chapter 11) checks the whole tensor
+                raise CheckpointError(f"{folder}: tensor {names} {e}") from None
+            if state[name].shape != params[name].shape:
+                raise CheckpointError(
+                    f"{folder}: tensor {names} has shape {' + '.join(str(tuple(t.get_shape())) for t in parts)}, "
+                    f"the config implies {tuple(params[name].shape)}")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

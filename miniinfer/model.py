@@ -215,10 +215,11 @@ class Linear(nn.Linear):
     hook where packing (here), tensor-parallel sharding (chapter 11) and quantized formats
     (chapter 10) plug into loading."""
 
-    def load_weight(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    def load_weight(self, name: str, tensors: list) -> torch.Tensor:
         """Parameter `name` ("weight" or "bias") from its checkpoint tensors, in packing order:
-        packed matrices are stacked along the output dimension."""
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        packed matrices are stacked along the output dimension. The tensors are read lazily
+        (safetensors slices): `t[:]` reads a whole one, `t[a:b]` only those rows."""
+        return tensors[0][:] if len(tensors) == 1 else torch.cat([t[:] for t in tensors])
 
 
 class RMSNorm(nn.Module):

@@ -11,7 +11,7 @@ import torch
 from miniinfer.block_manager import blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.loader import QUANTIZATIONS, load_model
-from miniinfer.model import Transformer
+from miniinfer.model import ModelConfig, Transformer
 from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
 from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
@@ -48,6 +48,31 @@ class SpecStats:
         return 1 + self.accepted / max(1, self.verified)
 
 
+def context_limits(config: EngineConfig, cfg: ModelConfig) -> tuple[int, int]:
+    """(max_model_len, max_num_batched_tokens) for this model, or ValueError if they cannot go together."""
+    max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    budget = config.max_num_batched_tokens or max(max_model_len, 8192)
+    if budget < max_model_len and not config.enable_chunked_prefill:
+        raise ValueError(f"max_num_batched_tokens={budget} < max_model_len={max_model_len}: a prompt must fit "
+                         "one step's budget, or set enable_chunked_prefill=True")
+    return max_model_len, budget
+
+
+def sampling_rows(out: SchedulerOutput, vocab: int) -> dict[str, tuple]:
+    """The sampling values of a step's new requests, or RequestDataError naming those that cannot
+    be used."""
+    rows: dict[str, tuple] = {}
+    errors: dict[str, Exception] = {}
+    for r in out.new_requests:
+        try:
+            rows[r.request_id] = sampling_row(r.params, r.seed, vocab)
+        except (TypeError, ValueError, OverflowError) as err:
+            errors[r.request_id] = err
+    if errors:
+        raise RequestDataError(errors)
+    return rows
+
+
 class ModelRunner:
     """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
@@ -60,13 +85,7 @@ class ModelRunner:
         elif config.quantization is not None:  # a model built by the caller: quantized here, in place
             QUANTIZATIONS[config.quantization](None).finish(model)
         self.model = model
-        cfg = self.model.cfg
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(self.max_model_len, 8192)
-        if self.max_num_batched_tokens < self.max_model_len and not config.enable_chunked_prefill:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len="
-                             f"{self.max_model_len}: a prompt must fit one step's budget, or set "
-                             "enable_chunked_prefill=True")
+        self.max_model_len, self.max_num_batched_tokens = context_limits(config, self.model.cfg)
         self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
         self.requests: dict[str, CachedRequest] = {}
         self.spec: SpecStats | None = None  # chapter 09's runner counts its guesses here
@@ -82,16 +101,7 @@ class ModelRunner:
     def update_states(self, out: SchedulerOutput) -> None:
         """Take in the step's data: forget finished requests, learn new ones, extend block tables.
         Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
-        vocab = self.model.cfg.vocab_size
-        sampling: dict[str, tuple] = {}
-        errors: dict[str, Exception] = {}
-        for r in out.new_requests:
-            try:
-                sampling[r.request_id] = sampling_row(r.params, r.seed, vocab)
-            except (TypeError, ValueError, OverflowError) as err:
-                errors[r.request_id] = err
-        if errors:
-            raise RequestDataError(errors)
+        sampling = sampling_rows(out, self.model.cfg.vocab_size)
         for rid in out.finished_ids:
             gone = self.requests.pop(rid, None)
             if gone is not None:
@@ -184,6 +194,9 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return Launched(step, at, host, ready)
+
+    def close(self) -> None:
+        """Nothing to release: this runner lives in the engine's process (chapter 11's does not)."""
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model.cfg

@@ -1,0 +1,136 @@
+"""Chapter 11: tensor parallelism on the CPU, ranks as gloo processes. Each rank loads only its slices,
+greedy tokens with 2 and 4 ranks equal transformers' (continuous batching, preemption, prefix caching,
+chunked prefill), a rank that dies or fails ends the engine's requests with the reason and leaves
+no process behind, and bad configurations are refused before any process starts."""
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+import torch
+
+import miniinfer as mi
+from miniinfer.block_manager import blocks_needed
+from miniinfer.parallel import Shard, shard_model
+from conftest import make_hf_model
+from test_chunked_prefill import shared_workload
+from test_engine import oracle, run_steps
+
+
+# 8 query heads and 2 KV heads: 4 ranks split them (each KV head on two ranks)
+FOUR_WAY = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=10)
+
+
+def load_rank(folder, rank: int, size: int) -> mi.Transformer:
+    return mi.load_model(folder, prepare=lambda m: shard_model(m, Shard(rank, size)))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_ranks_slices_make_up_the_checkpoint(tmp_path, size):
+    """Without any process: the ranks' q/k/v, o, MLP and vocabulary shares, put back together, are the
+    checkpoint's tensors (with 4 ranks over 2 KV heads, each KV head is on two ranks)."""
+    hf = make_hf_model("llama", **FOUR_WAY)
+    hf.save_pretrained(tmp_path)
+    full = mi.load_model(tmp_path)
+    ranks = [load_rank(tmp_path, r, size) for r in range(size)]
+    D, Hq, Hk = full.cfg.head_dim, full.cfg.num_heads, full.cfg.num_kv_heads
+    q, k, v = full.model.layers[1].self_attn.qkv_proj.weight.split([Hq * D, Hk * D, Hk * D])
+    parts = [m.model.layers[1].self_attn.qkv_proj.weight.split(m.model.layers[1].self_attn.sizes) for m in ranks]
+    assert torch.equal(torch.cat([p[0] for p in parts]), q)
+    per = max(1, size // Hk)  # ranks that hold the same KV head
+    assert torch.equal(torch.cat([p[1] for p in parts[::per]]), k)
+    assert torch.equal(torch.cat([p[2] for p in parts[::per]]), v)
+    assert torch.equal(torch.cat([m.model.layers[1].mlp.down_proj.weight for m in ranks], dim=1),
+                       full.model.layers[1].mlp.down_proj.weight)
+    emb = torch.cat([m.model.embed_tokens.weight for m in ranks])
+    assert torch.equal(emb[:full.cfg.vocab_size], full.model.embed_tokens.weight)
+    assert not emb[full.cfg.vocab_size:].any()  # the padding rows
+    assert ranks[0].cfg.num_kv_heads == max(1, Hk // size) and ranks[0].cfg.vocab_size == full.cfg.vocab_size
+
+
+def test_greedy_with_two_ranks_equals_transformers(hf_checkpoint):
+    """Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms, tied embeddings): two rounds of a shared-prefix
+    workload under preemption (swap), prefix caching and chunked prefill; every block back."""
+    kind, folder, hf = hf_checkpoint
+    prompts, params = shared_workload()
+    expected = oracle((kind, "shared"), hf, prompts, params)
+    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
+    engine = mi.LLMEngine(mi.EngineConfig(
+        model=folder, tensor_parallel_size=2, block_size=4, num_blocks=num_blocks, max_num_seqs=4,
+        max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True,
+        enable_chunked_prefill=True))
+    try:
+        preempted, cached = 0, 0
+        for _ in range(2):
+            ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            final, n = run_steps(engine)
+            preempted += n
+            cached += sum(final[i].num_cached_tokens for i in ids)
+            assert [final[i].token_ids for i in ids] == expected
+            assert engine.block_manager.num_free_blocks == num_blocks
+        assert preempted > 0 and cached > 0
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.runner.procs)
+
+
+def test_four_ranks_with_replicated_kv_heads_and_the_course_model(course_model, tmp_path):
+    """4 ranks over 2 KV heads (each on two ranks), and the course model on 2: greedy as in one process."""
+    hf = make_hf_model("llama", **FOUR_WAY)
+    hf.save_pretrained(tmp_path)
+    for folder, size in ((tmp_path, 4), (None, 2)):
+        prompts = [[5, 17, 99, 200], [1, 2, 3], [250] * 20]
+        greedy = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        one = mi.LLMEngine(mi.EngineConfig(model=folder)).generate(prompts, greedy, use_tqdm=False)
+        engine = mi.LLMEngine(mi.EngineConfig(model=folder, tensor_parallel_size=size))
+        try:
+            outs = engine.generate(prompts, greedy, use_tqdm=False)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in one]
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        finally:
+            engine.close()
+
+
+def test_a_rank_that_dies_fails_the_requests_and_leaves_no_process():
+    engine = mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2))
+    procs = engine.runner.procs
+    long = engine.add_request([7] * 10, mi.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        for _ in range(200):
+            engine.step()
+    assert long not in engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not any(p.is_alive() for p in procs)
+    engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=2))  # the engine refuses to go on, clearly
+    with pytest.raises(RuntimeError, match="cannot go on"):
+        engine.step()
+    assert not engine.requests
+    engine.close()
+
+
+def test_a_rank_that_fails_to_load_says_why(tmp_path):
+    """A checkpoint whose tensors do not fit the config fails in the workers: the error names the tensor."""
+    make_hf_model("llama").save_pretrained(tmp_path)
+    cfg = (tmp_path / "config.json").read_text().replace('"intermediate_size": 100', '"intermediate_size": 50')
+    (tmp_path / "config.json").write_text(cfg)
+    with pytest.raises(RuntimeError, match="rank 0: CheckpointError.*mlp"):
+        mi.LLMEngine(mi.EngineConfig(model=tmp_path, tensor_parallel_size=2))
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(tensor_parallel_size=4), "do not split evenly"),  # the course model's 2 KV heads
+    (dict(tensor_parallel_size=2, device="cuda"), "needs 2 GPUs"),
+    (dict(tensor_parallel_size=2, quantization="int8"), "does not combine with quantization"),
+    (dict(tensor_parallel_size=0), "positive int"),
+])
+def test_bad_configurations_are_refused_before_any_process_starts(config, match):
+    if "cuda" in config.values() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(ValueError, match=match):
+        mi.LLMEngine(mi.EngineConfig(**config))
+    assert not multiprocessing.active_children()
+    with pytest.raises(ValueError, match="not a model object"):
+        mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2), model=mi.load_model())
