@@ -828,6 +828,59 @@ def test_chapter_10_checks_reject_wrong_answers(check, wrong):
     rejected(check, wrong)
 
 
+# Chapter 11 ------------------------------------------------------------------------------------
+
+def shard_interleaved(w, rank, size, by):  # every size-th row or column: not a consecutive share
+    return w[rank::size] if by == "output" else w[:, rank::size]
+
+
+def shard_by_the_other_dimension(w, rank, size, by):
+    return testing._shard_linear_ref(w, rank, size, "input" if by == "output" else "output")
+
+
+def lookup_without_zeros(ids, share, start):
+    return share[(ids - start).clamp(0, share.shape[0] - 1)]
+
+
+def lookup_one_row_too_many(ids, share, start):
+    local = ids - start
+    mine = (local >= 0) & (local <= share.shape[0])
+    return share[local.clamp(0, share.shape[0] - 1)] * mine[..., None]
+
+
+def reduce_everything(module):
+    return "all_reduce"
+
+
+def gather_the_attention(module):
+    return "all_gather" if module == "qkv_proj" else testing.COLLECTIVES[module]
+
+
+def kv_share_without_replication(rank, size, num_kv_heads):
+    n = max(1, num_kv_heads // size)
+    return rank * n, (rank + 1) * n
+
+
+def kv_round_robin(rank, size, num_kv_heads):
+    if num_kv_heads >= size:
+        return kv_share_without_replication(rank, size, num_kv_heads)
+    return rank % num_kv_heads, rank % num_kv_heads + 1
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_shard_linear, shard_interleaved),
+    (testing.check_shard_linear, shard_by_the_other_dimension),
+    (testing.check_vocab_lookup, lookup_without_zeros),
+    (testing.check_vocab_lookup, lookup_one_row_too_many),
+    (testing.check_collective_after, reduce_everything),
+    (testing.check_collective_after, gather_the_attention),
+    (testing.check_kv_heads_for, kv_share_without_replication),
+    (testing.check_kv_heads_for, kv_round_robin),
+])
+def test_chapter_11_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():
     def shape_error(x, weight, eps):
         return x @ weight[:-1]
