@@ -61,35 +61,54 @@ def test_greedy_with_two_ranks_equals_transformers(hf_checkpoint):
         max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True,
         enable_chunked_prefill=True))
     try:
-        preempted, cached = 0, 0
-        for _ in range(2):
-            ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-            final, n = run_steps(engine)
-            preempted += n
-            cached += sum(final[i].num_cached_tokens for i in ids)
-            assert [final[i].token_ids for i in ids] == expected
-            assert engine.block_manager.num_free_blocks == num_blocks
+        preempted, cached = serve_twice(engine, prompts, params, expected)
         assert preempted > 0 and cached > 0
     finally:
         engine.close()
     assert not any(p.is_alive() for p in engine.runner.procs)
 
 
-def test_four_ranks_with_replicated_kv_heads_and_the_course_model(course_model, tmp_path):
-    """4 ranks over 2 KV heads (each on two ranks), and the course model on 2: greedy as in one process."""
+def serve_twice(engine, prompts, params, expected) -> tuple[int, int]:
+    """Two rounds of a workload, tokens and blocks checked each time: (preemptions, cached tokens)."""
+    preempted, cached = 0, 0
+    for _ in range(2):
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final, n = run_steps(engine)
+        preempted += n
+        cached += sum(final[i].num_cached_tokens for i in ids)
+        assert [final[i].token_ids for i in ids] == expected
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return preempted, cached
+
+
+def test_four_ranks_with_replicated_kv_heads_equal_transformers(tmp_path):
+    """8 query heads, 2 KV heads on 4 ranks (each KV head on two), recompute preemption this time."""
     hf = make_hf_model("llama", **FOUR_WAY)
     hf.save_pretrained(tmp_path)
-    for folder, size in ((tmp_path, 4), (None, 2)):
-        prompts = [[5, 17, 99, 200], [1, 2, 3], [250] * 20]
-        greedy = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        one = mi.LLMEngine(mi.EngineConfig(model=folder)).generate(prompts, greedy, use_tqdm=False)
-        engine = mi.LLMEngine(mi.EngineConfig(model=folder, tensor_parallel_size=size))
-        try:
-            outs = engine.generate(prompts, greedy, use_tqdm=False)
-            assert [o.token_ids for o in outs] == [o.token_ids for o in one]
-            assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        finally:
-            engine.close()
+    prompts, params = shared_workload(n=8)
+    expected = oracle(("llama-four-way", "shared"), hf, prompts, params)
+    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 8) for p, sp in zip(prompts, params)) * 3 // 2
+    engine = mi.LLMEngine(mi.EngineConfig(
+        model=tmp_path, tensor_parallel_size=4, block_size=8, num_blocks=num_blocks, max_num_seqs=3,
+        max_num_batched_tokens=7, enable_prefix_caching=True, enable_chunked_prefill=True))
+    try:
+        preempted, cached = serve_twice(engine, prompts, params, expected)
+        assert preempted > 0 and cached > 0
+    finally:
+        engine.close()
+
+
+def test_the_course_model_on_two_ranks_equals_one():
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self,"]
+    greedy = mi.SamplingParams(temperature=0, max_tokens=24)
+    one = mi.LLMEngine(mi.EngineConfig()).generate(prompts, greedy, use_tqdm=False)
+    engine = mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2))
+    try:
+        outs = engine.generate(prompts, greedy, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in one]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
 
 
 def test_a_rank_that_dies_fails_the_requests_and_leaves_no_process():
@@ -134,3 +153,41 @@ def test_bad_configurations_are_refused_before_any_process_starts(config, match)
     assert not multiprocessing.active_children()
     with pytest.raises(ValueError, match="not a model object"):
         mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2), model=mi.load_model())
+
+
+def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():
+    """The server's setup: the engine in a process of its own, its ranks that process's children.
+    A rank killed mid-stream ends the streams with the reason; later requests fail the same way;
+    close() leaves no process."""
+    import asyncio
+
+    import psutil
+
+    eng = mi.AsyncLLMEngine(mi.EngineConfig(tensor_parallel_size=2))
+    ranks = psutil.Process(eng.client.process.pid).children()
+    assert len(ranks) == 2
+    params = mi.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def stream(prompt, kill_after=None):
+        n = 0
+        async for out in eng.generate(prompt, params):
+            n += len(out.new_token_ids)
+            if kill_after is not None and n >= kill_after:
+                ranks[1].kill()
+        return n
+
+    async def main():
+        got = await asyncio.gather(stream([5, 6, 7], kill_after=3), stream([9, 10]), return_exceptions=True)
+        try:
+            await stream([1, 2])
+        except RuntimeError as err:
+            return got, err
+        return got, None
+
+    try:
+        got, later = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        eng.close()
+    assert all(isinstance(g, RuntimeError) and "rank 1 died" in str(g) for g in got), got
+    assert later is not None and "cannot go on" in str(later)
+    assert not eng.client.process.is_alive() and not any(p.is_running() and p.status() != "zombie" for p in ranks)
