@@ -34,6 +34,7 @@ from miniinfer.scheduler import POLICIES, NewRequest, Scheduler, SchedulerOutput
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence, Status  # noqa: E402
 from miniinfer import quant  # noqa: E402,F401  (registers the quantization methods)
 from miniinfer import parallel  # noqa: E402,F401  (registers the tensor-parallel runner)
+from miniinfer import processors  # noqa: E402,F401  (registers the penalties and filters)
 from miniinfer.varlen import VarlenBatch, VarlenKVCache, prefill_attention_ref, store_kv_ref  # noqa: E402
 from miniinfer.timeline import StepRecord, draw_timeline, trace_steps  # noqa: E402
 from miniinfer.static_cache import (StaticBatchGenerator, StaticKVCache, benchmark_lengths, generate_cached,  # noqa: E402

@@ -54,6 +54,10 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
     if bad:
         raise ValueError(f"token ids must be ints in 0..{vocab - 1}, got {bad[:5]}")
+    for name in ("logit_bias", "stop_token_ids"):  # chapter 12's: token ids the vocabulary must hold
+        outside = [t for t in getattr(params, name) or () if t >= vocab]
+        if outside:
+            raise ValueError(f"{name} names token ids outside the vocabulary (0..{vocab - 1}): {outside[:5]}")
     total = len(ids) + params.max_tokens
     if total > limits.max_model_len:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "

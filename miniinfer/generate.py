@@ -12,6 +12,8 @@ def check_prompt(model: Transformer, prompt_ids: list[int], params: SamplingPara
     `capacity` tokens (default: the model's context)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
+    if params.engine_only():
+        raise ValueError(f"{', '.join(params.engine_only())}: only the engine's sampler serves these (LLMEngine)")
     capacity = min(capacity or model.cfg.max_position_embeddings, model.cfg.max_position_embeddings)
     if len(prompt_ids) + params.max_tokens > capacity:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from miniinfer.config import EngineConfig
 from miniinfer.loader import QUANTIZATIONS, load_model
 from miniinfer.model import ModelConfig, Transformer
 from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
+from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
 from miniinfer.varlen import VarlenBatch, VarlenKVCache, to_device
@@ -73,6 +75,22 @@ def sampling_rows(out: SchedulerOutput, vocab: int) -> dict[str, tuple]:
     return rows
 
 
+class LogitsProcessor(Protocol):
+    """A change to the logits before sampling, by each request's own parameters, with state by batch
+    row (chapter 12's penalties and filters): `add` when a request takes a row, `apply` before each
+    sampling, `accept` with the tokens sampled for the rows that end."""
+
+    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None: ...
+
+    def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor: ...
+
+    def accept(self, step: StepBatch, tokens: torch.Tensor) -> None: ...
+
+
+# The logits processors every runner applies, each made for the runner by its factory (chapter 12's).
+LOGITS_PROCESSORS: dict[str, Callable[[ModelRunner], LogitsProcessor]] = {}
+
+
 class ModelRunner:
     """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
@@ -108,8 +126,11 @@ class ModelRunner:
                 self.rows.release(gone.row)
         for r in out.new_requests:
             tokens = r.prompt_token_ids + r.output_token_ids
+            row = self.rows.add(sampling[r.request_id])
             self.requests[r.request_id] = CachedRequest(tokens, len(r.prompt_token_ids), list(r.block_ids),
-                                                        r.num_computed_tokens, self.rows.add(sampling[r.request_id]))
+                                                        r.num_computed_tokens, row)
+            for p in self.processors:
+                p.add(row, r.params, r.prompt_token_ids, r.output_token_ids)
         for rid, blocks in out.new_block_ids.items():
             self.requests[rid].block_ids += blocks
 
@@ -182,7 +203,11 @@ class ModelRunner:
             r.num_computed_tokens += n
         steps = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs])
         values = self.rows.sampling[:, step.rows]
+        for p in self.processors:
+            logits = p.apply(logits, step, steps)
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
+        for p in self.processors:
+            p.accept(step, tokens)
         self.last_token[step.rows_on_device] = tokens.to(self.last_token.dtype)
         at = [len(reqs[i].token_ids) for i in step.ends]
         for i in step.ends:
@@ -247,6 +272,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
                        if use_graphs else None)
         self.rows = BatchRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+        self.processors = [make(self) for make in LOGITS_PROCESSORS.values()]
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)  # by row
 
 

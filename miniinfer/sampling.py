@@ -13,6 +13,14 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     seed: int | None = None
+    # Penalties and filters, served by the engine's sampler (chapter 12): the defaults change nothing.
+    presence_penalty: float = 0.0  # OpenAI's: minus this for a token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the times a token was generated
+    repetition_penalty: float = 1.0  # transformers': a seen token's logit divided (if > 0) or multiplied
+    min_p: float = 0.0  # keep tokens with at least min_p times the top token's probability
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens
+    stop_token_ids: list[int] | None = None  # tokens that end the request, besides end-of-sequence
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -25,6 +33,31 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
         if self.seed is not None and not (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64):
             raise ValueError(f"seed must be an int in [-2^63, 2^64) (what torch.Generator takes), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens}")
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict) and all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
+                                                          and -100 <= b <= 100
+                                                          for t, b in self.logit_bias.items())):
+            raise ValueError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
+                             f"{self.logit_bias!r:.100}")
+        stops = self.stop_token_ids
+        if stops is not None and not (isinstance(stops, list) and all(isinstance(t, int) and t >= 0 for t in stops)):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stops!r:.100}")
+
+    def engine_only(self) -> list[str]:
+        """The fields set here that only the engine's sampler serves (chapter 12)."""
+        neutral = SamplingParams()
+        return [name for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                  "logit_bias", "min_tokens", "stop_token_ids")
+                if getattr(self, name) not in (getattr(neutral, name), {}, [])]
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
         """A generator seeded with `seed`, or None for torch's global one."""

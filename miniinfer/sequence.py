@@ -52,10 +52,12 @@ class Sequence:
     def append(self, token: int, eos_ids: list[int]) -> None:
         """Add a sampled token; decide whether the request is done."""
         self.output_token_ids.append(token)
-        p = self.params
-        if not p.ignore_eos and token in eos_ids:
+        p, n = self.params, len(self.output_token_ids)
+        # Chapter 12's stop tokens, and its min_tokens: no stop before that many tokens.
+        stops = (token in eos_ids and not p.ignore_eos) or token in (p.stop_token_ids or ())
+        if stops and n > p.min_tokens:
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= p.max_tokens:
+        elif n >= p.max_tokens:
             self.finish_reason = "length"
 
 

@@ -18,6 +18,7 @@ from miniinfer.model import Registry, Transformer
 from miniinfer.model_runner import DecodeGraphs, Launched, ModelRunner, SpecStats
 from miniinfer.sampler import SamplingBatch, exponential_noise, sampling_probs
 from miniinfer.scheduler import SchedulerOutput
+from miniinfer.sequence import RequestDataError
 from miniinfer.varlen import VarlenBatch, VarlenKVCache, to_device
 
 # Each request's seed XOR one of these gives the noise of the draft's choice and of the acceptance
@@ -302,6 +303,14 @@ class SpeculativeRunner(ModelRunner):
                                            self.max_model_len, k + 1) if self.graphs is not None else None)
 
     def update_states(self, out: SchedulerOutput) -> None:
+        # Chapter 12's logits processors see one row per request; verification has k+1 (stop tokens,
+        # which only the scheduler reads, are fine).
+        refused: dict[str, Exception] = {
+            r.request_id: ValueError(f"{', '.join(names)}: not served with speculative decoding")
+            for r in out.new_requests
+            if (names := [n for n in r.params.engine_only() if n != "stop_token_ids"])}
+        if refused:
+            raise RequestDataError(refused)
         super().update_states(out)
         for rid in out.finished_ids:
             self.proposer.forget(rid)

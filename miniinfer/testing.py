@@ -1134,3 +1134,59 @@ def simulated_ranks(model, size: int, answers: dict[str, Callable], prompt: list
         logits = meet("lm_head", [last[r] @ lm[r * per:(r + 1) * per].T for r in ranks])[0]
         tokens.append(int(logits[:cfg.vocab_size].argmax()))
     return tokens[len(prompt):]
+
+
+def _histories(gen, case):
+    """Random logits [B, V], each row's output-token counts and prompt tokens (as a mask)."""
+    B, V = _randint(gen, 1, 6), _randint(gen, 5, 40)
+    logits = torch.randn(B, V, generator=gen) * 3
+    counts = torch.randint(0, 4, (B, V), generator=gen, dtype=torch.int32) * (torch.rand(B, V, generator=gen) < 0.3)
+    in_prompt = torch.rand(B, V, generator=gen) < 0.2
+    return logits, counts.int(), in_prompt
+
+
+@exercise("12", 1, "openai_penalties")
+def check_openai_penalties(fn: Callable) -> None:
+    """fn(logits [B, V], counts [B, V] int32, presence [B], frequency [B]) -> logits after OpenAI's
+    presence and frequency penalties, each row with its own: l - frequency x count - presence x (count > 0)."""
+    from miniinfer.processors import penalize
+
+    def inputs(gen, case):
+        logits, counts, in_prompt = _histories(gen, case)
+        B = logits.shape[0]
+        return logits, counts, torch.rand(B, generator=gen) * 4 - 2, torch.rand(B, generator=gen) * 4 - 2
+
+    def ref(logits, counts, presence, frequency):
+        none = torch.zeros_like(counts, dtype=torch.bool)
+        return penalize(logits, counts, none, presence, frequency, torch.ones_like(presence))
+    check("openai_penalties", fn, ref, inputs, cases=12)
+
+
+@exercise("12", 2, "repetition_penalty")
+def check_repetition_penalty(fn: Callable) -> None:
+    """fn(logits [B, V], counts [B, V], in_prompt [B, V] bool, penalty [B]) -> logits after transformers'
+    repetition penalty: a token seen in the prompt or the output has its logit divided by the row's
+    penalty if positive, multiplied if not."""
+    from miniinfer.processors import penalize
+
+    def inputs(gen, case):
+        logits, counts, in_prompt = _histories(gen, case)
+        return logits, counts, in_prompt, torch.rand(logits.shape[0], generator=gen) * 1.8 + 0.1
+
+    def ref(logits, counts, in_prompt, penalty):
+        zero = torch.zeros_like(penalty)
+        return penalize(logits, counts, in_prompt, zero, zero, penalty)
+    check("repetition_penalty", fn, ref, inputs, cases=12)
+
+
+@exercise("12", 3, "min_p_filter")
+def check_min_p_filter(fn: Callable) -> None:
+    """fn(logits [B, V], min_p [B], temperature [B]) -> logits with -inf for each token whose probability
+    at the row's temperature is below min_p times the row's top token's (the others unchanged)."""
+    from miniinfer.processors import min_p_mask
+
+    def inputs(gen, case):
+        logits = torch.randn(_randint(gen, 1, 6), _randint(gen, 5, 40), generator=gen) * 3
+        B = logits.shape[0]
+        return logits, torch.rand(B, generator=gen), torch.rand(B, generator=gen) * 2 + 0.1
+    check("min_p_filter", fn, min_p_mask, inputs, cases=12)

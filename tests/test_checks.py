@@ -881,6 +881,47 @@ def test_chapter_11_checks_reject_wrong_answers(check, wrong):
     rejected(check, wrong)
 
 
+# Chapter 12 ------------------------------------------------------------------------------------
+
+def penalties_swapped(logits, counts, presence, frequency):
+    return logits - counts * presence[:, None] - (counts > 0) * frequency[:, None]
+
+
+def penalties_of_the_first_row(logits, counts, presence, frequency):
+    return logits - counts * frequency[0] - (counts > 0) * presence[0]
+
+
+def repetition_always_divides(logits, counts, in_prompt, penalty):
+    return torch.where(in_prompt | (counts > 0), logits / penalty[:, None], logits)
+
+
+def repetition_output_only(logits, counts, in_prompt, penalty):
+    p = penalty[:, None]
+    return torch.where(counts > 0, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+def min_p_without_temperature(logits, min_p, temperature):
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+def min_p_of_the_total(logits, min_p, temperature):  # an absolute floor, not relative to the top token
+    probs = (logits / temperature[:, None]).softmax(-1)
+    return logits.masked_fill(probs < min_p[:, None], float("-inf"))
+
+
+@pytest.mark.parametrize("check, wrong", [
+    (testing.check_openai_penalties, penalties_swapped),
+    (testing.check_openai_penalties, penalties_of_the_first_row),
+    (testing.check_repetition_penalty, repetition_always_divides),
+    (testing.check_repetition_penalty, repetition_output_only),
+    (testing.check_min_p_filter, min_p_without_temperature),
+    (testing.check_min_p_filter, min_p_of_the_total),
+])
+def test_chapter_12_checks_reject_wrong_answers(check, wrong):
+    rejected(check, wrong)
+
+
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():
     def shape_error(x, weight, eps):
         return x @ weight[:-1]

@@ -1,0 +1,149 @@
+"""Chapter 12: penalties and filters per request, vectorized over a mixed batch, equal transformers'
+logits processors and OpenAI's formulas; in the engine, greedy decoding with them equals
+transformers' (or a plain loop's) under continuous batching; bad values are refused."""
+
+import random
+
+import pytest
+import torch
+from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+import miniinfer as mi
+from miniinfer.processors import min_p_mask, penalize
+from conftest import eos_is
+from test_engine import run_steps
+
+
+def random_history(gen, B, V):
+    logits = torch.randn(B, V, generator=gen) * 3
+    prompts = [torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen) for _ in range(B)]
+    outputs = [torch.randint(0, V, (int(torch.randint(0, 30, (1,), generator=gen)),), generator=gen) for _ in range(B)]
+    counts = torch.stack([torch.bincount(o, minlength=V) for o in outputs]).int()
+    in_prompt = torch.zeros(B, V, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        in_prompt[b, p] = True
+    return logits, prompts, outputs, counts, in_prompt
+
+
+def test_penalties_equal_transformers_and_openai_row_by_row():
+    """One batch, each row with its own penalties: repetition as transformers' processor (over
+    prompt and output), presence and frequency as OpenAI documents them."""
+    gen = torch.Generator().manual_seed(0)
+    B, V = 9, 50
+    logits, prompts, outputs, counts, in_prompt = random_history(gen, B, V)
+    presence, frequency = torch.rand(B, generator=gen) * 4 - 2, torch.rand(B, generator=gen) * 4 - 2
+    repetition = torch.rand(B, generator=gen) * 1.8 + 0.1
+    presence[0], frequency[0], repetition[0] = 0.0, 0.0, 1.0  # a row without penalties is unchanged
+    ours = penalize(logits, counts, in_prompt, presence, frequency, repetition)
+    assert torch.equal(ours[0], logits[0])
+    for b in range(B):
+        history = torch.cat([prompts[b], outputs[b]])[None]
+        theirs = RepetitionPenaltyLogitsProcessor(float(repetition[b]))(history, logits[b:b + 1].clone())[0]
+        c = counts[b].float()
+        theirs = theirs - c * frequency[b] - (c > 0).float() * presence[b]  # OpenAI's formula
+        torch.testing.assert_close(ours[b], theirs)
+
+
+def test_min_p_equals_transformers_at_each_rows_temperature():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 40, generator=gen) * 4
+    min_p, temperature = torch.rand(7, generator=gen), torch.rand(7, generator=gen) * 2 + 0.1
+    ours = min_p_mask(logits, min_p, temperature)
+    for b in range(7):
+        theirs = MinPLogitsWarper(float(min_p[b]))(None, logits[b:b + 1] / temperature[b])[0]
+        assert torch.equal(ours[b].isfinite(), theirs.isfinite())
+
+
+def mixed_workload(seed: int = 0, vocab: int = 301, n: int = 10):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+    params = [mi.SamplingParams(temperature=0, max_tokens=rng.randint(4, 16), ignore_eos=True,
+                                repetition_penalty=(1.0, 1.5, 0.7)[i % 3]) for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_repetition_penalty_in_a_mixed_batch_equals_transformers(hf_checkpoint, mode):
+    """Requests with and without penalties in one continuous batch, 4 at a time, in a pool small
+    enough that requests are preempted: a row's counts are rebuilt when its request comes back."""
+    kind, folder, hf = hf_checkpoint
+    prompts, params = mixed_workload()
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, block_size=4, num_blocks=14, max_num_seqs=4,
+                                          preemption_mode=mode))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final, preempted = run_steps(engine)
+    assert preempted > 0
+    for rid, p, sp in zip(ids, prompts, params):
+        theirs = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=sp.max_tokens, min_new_tokens=sp.max_tokens, do_sample=False,
+                             repetition_penalty=sp.repetition_penalty)[0, len(p):].tolist()
+        assert final[rid].token_ids == theirs, (rid, sp.repetition_penalty)
+    assert engine.block_manager.num_free_blocks == 14
+
+
+def penalized_greedy(model, prompt, params):
+    """The oracle for OpenAI's penalties: a whole forward per token, the formula applied by hand."""
+    tokens, out = list(prompt), []
+    for _ in range(params.max_tokens):
+        logits = model(torch.tensor([tokens]))[0, -1]
+        c = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+        logits = logits - c * params.frequency_penalty - (c > 0).float() * params.presence_penalty
+        out.append(int(logits.argmax()))
+        tokens.append(out[-1])
+    return out
+
+
+def test_presence_and_frequency_penalties_in_the_engine(course_model):
+    prompt = mi.load_tokenizer()("def add(a, b):\n    return a + b\n\n\ndef").input_ids
+    params = [mi.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, presence_penalty=pp,
+                                frequency_penalty=fp) for pp, fp in ((0.0, 0.0), (1.5, 0.0), (0.0, 2.0), (-1.0, 0.5))]
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model)
+    outs = engine.generate([prompt] * len(params), params, use_tqdm=False)
+    with torch.no_grad():
+        expected = [penalized_greedy(course_model, prompt, sp) for sp in params]
+    assert [o.token_ids for o in outs] == expected
+    assert len({tuple(e) for e in expected}) == len(expected)  # each penalty changed the tokens
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids(course_model):
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model)
+    prompt = [5, 6, 7, 8]
+    plain = engine.generate([prompt], mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+    forced = mi.SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logit_bias={42: 100})
+    banned = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={plain[0]: -100})
+    stop_at = mi.SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[plain[3]])
+    outs = engine.generate([prompt] * 3, [forced, banned, stop_at], use_tqdm=False)
+    assert outs[0].token_ids == [42] * 6
+    assert outs[1].token_ids[0] != plain[0]
+    stop = plain.index(plain[3])  # its first time
+    assert outs[2].token_ids == plain[:stop + 1] and outs[2].finish_reason == "stop"
+    with eos_is(course_model, plain[1], engine):  # the model "ends" at its second token...
+        early = mi.SamplingParams(temperature=0, max_tokens=8)
+        late = mi.SamplingParams(temperature=0, max_tokens=8, min_tokens=5)
+        a, b = engine.generate([prompt] * 2, [early, late], use_tqdm=False)
+    assert a.token_ids == plain[:2] and a.finish_reason == "stop"
+    assert len(b.token_ids) >= 5 and plain[1] not in b.token_ids[:5]  # ...but not before min_tokens
+    assert engine.block_manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=17), "min_tokens"), (dict(logit_bias={3: 101}), "logit_bias"),
+    (dict(logit_bias={"3": 1.0}), "logit_bias"), (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
+])
+def test_bad_values_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mi.SamplingParams(max_tokens=16, **kwargs)
+
+
+def test_the_engine_refuses_token_ids_outside_the_vocabulary_and_the_plain_paths_refuse_penalties(course_model):
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=16), model=course_model)
+    for params in (mi.SamplingParams(logit_bias={4096: 1.0}), mi.SamplingParams(stop_token_ids=[99999])):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            engine.add_request([1, 2], params)
+    assert not engine.requests
+    for generate in (mi.generate_naive, mi.generate_cached):
+        with pytest.raises(ValueError, match="presence_penalty: only the engine"):
+            generate(course_model, [1, 2], mi.SamplingParams(presence_penalty=1.0))
