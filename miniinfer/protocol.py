@@ -49,6 +49,15 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Penalties and filters (chapter 12): OpenAI's, and vLLM's extensions
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, description="transformers': a seen token's logit divided by it")
+    min_p: float = Field(0.0, ge=0, le=1)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (a string of digits) -> added to its logit")
+    min_tokens: int = Field(0, ge=0, description="no end-of-sequence or stop token before this many")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOPS)] | None = None
 
 
 class CompletionRequest(SamplingFields):

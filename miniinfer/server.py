@@ -112,8 +112,7 @@ def check_body(body: dict) -> None:
 
 
 # Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "functions", "response_format")
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format")
 
 
 class StopStrings:
@@ -191,9 +190,17 @@ class Server:
         if req.n > self.engine.max_num_seqs:
             raise APIError(f"'n' must be at most {self.engine.max_num_seqs} (max_num_seqs), got {req.n}", param="n")
         max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None) or default_max_tokens
+        bias = None
+        if req.logit_bias:
+            if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
+                raise APIError("logit_bias keys must be token ids (strings of digits)", param="logit_bias")
+            bias = {int(k): v for k, v in req.logit_bias.items()}
         try:
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                                    max_tokens=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed)
+                                    max_tokens=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
+                                    min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids)
         except ValueError as err:
             raise APIError(str(err)) from None
         return params, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -228,8 +235,9 @@ class Server:
             try:
                 self.engine.check_request(ids, params)
             except ValueError as err:  # a max_tokens the context cannot hold even with no prompt is its own fault
-                raise APIError(str(err), param="max_tokens" if params.max_tokens >= self.max_model_len else "prompt") \
-                    from None
+                field = next((f for f in ("logit_bias", "stop_token_ids") if str(err).startswith(f)), None)
+                raise APIError(str(err), param=field or ("max_tokens" if params.max_tokens >= self.max_model_len
+                                                         else "prompt")) from None
         self.prompt_tokens += sum(map(len, prompts))
         streams = []
         for i, ids in enumerate(prompts):

@@ -213,6 +213,10 @@ BAD = [
     ({"prompt": "x", "top_p": "high"}, 400), ({"prompt": "x", "max_tokens": 0}, 400),
     ({"prompt": "x", "max_tokens": True}, 400), ({"prompt": "x", "n": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
     ({"prompt": "x", "stop": [""]}, 400), ({"prompt": "x", "seed": 1.5}, 400), ({"prompt": "x", "logprobs": 3}, 400),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400), ({"prompt": "x", "repetition_penalty": 0}, 400),
+    ({"prompt": "x", "logit_bias": {"x1": 1}}, 400), ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, 400), ({"prompt": "x", "stop_token_ids": [99999]}, 400),
+    ({"prompt": "x", "min_p": 1.5}, 400), ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
     ({"prompt": ""}, 400), ({"prompt": []}, 400), ({"prompt": [5, 99999]}, 400), ({"prompt": [[1], "a", 3]}, 400),
     ({"prompt": "x", "max_tokens": 5000}, 400), ({"prompt": "x " * 3000, "max_tokens": 1}, 400),
     ({"prompt": "x", "model": "gpt-4"}, 404), ({}, 400),
@@ -225,13 +229,32 @@ BAD_CHAT = [({"messages": []}, 400), ({"messages": "hi"}, 400), ({"messages": [{
             ({"messages": [{"role": "user", "content": "a lone \ud83d surrogate"}]}, 400)]
 # Where the server must say the fault is (OpenAI's `param`).
 PARAMS = {'{"prompt": "ok \\ud800"}': "prompt", '{"prompt": ["fine", "\\udfff"]}': "prompt[1]",
-          '{"messages": [{"role": "user", "content": "a lone \\ud83d surrogate"}]}': "messages[0].content"}
+          '{"messages": [{"role": "user", "content": "a lone \\ud83d surrogate"}]}': "messages[0].content",
+          '{"prompt": "x", "logit_bias": {"99999": 1}}': "logit_bias", '{"prompt": "x", "stop_token_ids": [99999]}':
+          "stop_token_ids"}
 
 
 def stream_text(url: str, body: dict) -> str:
     """The text of a streamed completion."""
     r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=120)
     return "".join(json.loads(d)["choices"][0]["text"] for d in sse_lines(r))
+
+
+def test_penalties_and_filters_are_the_engines(client, course_model):
+    """Chapter 12's fields through the OpenAI client: the engine's tokens for the same values."""
+    tok = mi.load_tokenizer()
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef"
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.1, min_tokens=3)
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model, tokenizer=tok)
+    bias = {tok(" add").input_ids[0]: -100.0}
+    expected = engine.generate([prompt], mi.SamplingParams(temperature=0.8, seed=5, max_tokens=16, logit_bias=bias,
+                                                           stop_token_ids=[0], **fields), use_tqdm=False)[0].text
+    got = client.completions.create(model="pycoder", prompt=prompt, max_tokens=16, temperature=0.8, seed=5,
+                                    presence_penalty=1.5, frequency_penalty=0.5,
+                                    logit_bias={str(k): v for k, v in bias.items()},
+                                    extra_body=dict(repetition_penalty=1.3, min_p=0.1, min_tokens=3,
+                                                    stop_token_ids=[0]))
+    assert got.choices[0].text == expected
 
 
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
