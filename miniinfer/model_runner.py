@@ -77,14 +77,27 @@ def sampling_rows(out: SchedulerOutput, vocab: int) -> dict[str, tuple]:
 
 class LogitsProcessor(Protocol):
     """A change to the logits before sampling, by each request's own parameters, with state by batch
-    row (chapter 12's penalties and filters): `add` when a request takes a row, `apply` before each
-    sampling, `accept` with the tokens sampled for the rows that end."""
+    row (chapter 12's penalties, filters and log-probabilities): `add` when a request takes a row,
+    `apply` before each sampling, `accept` with the tokens sampled. What `accept` returns (a tensor
+    on the device, or None) is copied to the host with the tokens, and `report` turns it into values
+    by request id."""
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None: ...
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor: ...
 
-    def accept(self, step: StepBatch, tokens: torch.Tensor) -> None: ...
+    def accept(self, step: StepBatch, tokens: torch.Tensor) -> torch.Tensor | None: ...
+
+    def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]: ...
+
+
+class Sampled(dict):
+    """A step's sampled token ids by request id, and what the logits processors report of them by
+    request id (chapter 12's log-probabilities: one entry per token)."""
+
+    def __init__(self, tokens: dict[str, list[int]], reports: dict[str, list] | None = None):
+        super().__init__(tokens)
+        self.reports = reports or {}
 
 
 # The logits processors every runner applies, each made for the runner by its factory (chapter 12's).
@@ -165,7 +178,11 @@ class ModelRunner:
         for i, at in zip(step.ends, launched.at):
             step.requests[i].token_ids[at] = tokens[i]
             sampled[step.request_ids[i]] = [tokens[i]]
-        return sampled
+        reports: dict[str, list] = {}
+        for p, data in launched.reports:
+            for rid, values in p.report(data, step).items():
+                reports.setdefault(rid, []).extend(values)
+        return Sampled(sampled, reports)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         """The varlen batch of the step's tokens, from the runner's own copies of the requests."""
@@ -206,19 +223,17 @@ class ModelRunner:
         for p in self.processors:
             logits = p.apply(logits, step, steps)
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
-        for p in self.processors:
-            p.accept(step, tokens)
+        reports = [(p, data) for p in self.processors if (data := p.accept(step, tokens)) is not None]
         self.last_token[step.rows_on_device] = tokens.to(self.last_token.dtype)
         at = [len(reqs[i].token_ids) for i in step.ends]
         for i in step.ends:
             reqs[i].token_ids.append(-1)  # until collect reads it
         if self.device.type != "cuda":
-            return Launched(step, at, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return Launched(step, at, tokens, None, reports)
+        host, reports = to_host(tokens), [(p, to_host(data)) for p, data in reports]
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(step, at, host, ready)
+        return Launched(step, at, host, ready, reports)
 
     def close(self) -> None:
         """Nothing to release: this runner lives in the engine's process (chapter 11's does not)."""
@@ -328,6 +343,15 @@ class Launched:
     at: list[int]  # where each request that samples keeps its token, in its token_ids
     tokens: torch.Tensor  # [B] on the host, once `ready` has fired
     ready: torch.cuda.Event | None  # None: the step ran on the CPU, it is done
+    reports: list[tuple[LogitsProcessor, torch.Tensor]]  # what processors report, on the host with the tokens
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued without waiting (read it once the
+    step's event has fired)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:

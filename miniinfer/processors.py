@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -28,6 +30,22 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Ten
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
+class Processor:
+    """A logits processor that does nothing until told: the four moments of chapter 06's protocol."""
+
+    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
+        return logits
+
+    def accept(self, step: StepBatch, tokens: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
+        return {}
+
+
 class RowValues:
     """Per-row parameters of one processor, as NumPy columns, and which rows use it."""
 
@@ -43,7 +61,7 @@ class RowValues:
         return np.flatnonzero(self.on[step.rows])
 
 
-class Penalties:
+class Penalties(Processor):
     """presence, frequency and repetition penalties. Each row's output-token counts and the tokens
     of its prompt live on the device, made when a request takes the row and advanced by every step's
     tokens on the device: never rebuilt from token lists."""
@@ -88,9 +106,10 @@ class Penalties:
             at_dev = to_device(at, tokens.device)
             self.counts.index_put_((step.rows_on_device[at_dev], tokens[at_dev]),
                                    torch.ones(len(at), dtype=torch.int32, device=tokens.device), accumulate=True)
+        return None
 
 
-class LogitBias:
+class LogitBias(Processor):
     """Each request's logit_bias added to its row's logits."""
 
     def __init__(self, runner: ModelRunner):
@@ -110,11 +129,8 @@ class LogitBias:
         index = (to_device(at, logits.device), to_device(ids, logits.device))
         return logits.float().index_put(index, to_device(biases, logits.device), accumulate=True)
 
-    def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        pass
 
-
-class MinTokens:
+class MinTokens(Processor):
     """No end of sequence before min_tokens: a row's stop tokens (EOS unless ignore_eos, and its
     stop_token_ids) are masked while it has fewer outputs."""
 
@@ -138,11 +154,8 @@ class MinTokens:
         return logits.index_put((to_device(at, logits.device), to_device(ids, logits.device)),
                                 torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
-    def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        pass
 
-
-class MinP:
+class MinP(Processor):
     """min_p, at each row's temperature (a greedy row is unchanged: its top token is always kept)."""
     mask = staticmethod(min_p_mask)
 
@@ -160,9 +173,58 @@ class MinP:
         min_p, temperature = to_device(self.rows.values[:, np.array(step.rows)[at]], logits.device)
         return logits.float().index_copy(0, at_dev, self.mask(logits[at_dev].float(), min_p, temperature))
 
-    def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        pass
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability under the model, its rank among all tokens (1: the most
+    likely), and the top n tokens with theirs."""
+    token: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
-# In this order: penalties on the model's logits, then the bias, then the masks.
-LOGITS_PROCESSORS.update(penalties=Penalties, logit_bias=LogitBias, min_tokens=MinTokens, min_p=MinP)
+class Logprobs(Processor):
+    """For the requests that ask (SamplingParams.logprobs = n): each sampled token's log-probability
+    in the model's own distribution (the log-softmax of its logits before any processor or
+    temperature, as OpenAI reports them), its rank, and the n most likely tokens. Computed on the device
+    for those rows only, as one [rows, 5 + 2n] tensor that travels to the host with the tokens."""
+
+    def __init__(self, runner: ModelRunner):
+        self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
+        self.logits: torch.Tensor | None = None
+
+    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
+        self.n[row] = -1 if params.logprobs is None else params.logprobs
+
+    def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
+        self.logits = logits if (self.n[step.rows] >= 0).any() else None  # the model's, before the others
+        return logits
+
+    def accept(self, step: StepBatch, tokens: torch.Tensor) -> torch.Tensor | None:
+        at = np.array([i for i in step.ends if self.n[step.rows[i]] >= 0], dtype=np.int64)
+        if self.logits is None or not len(at):
+            return None
+        n = self.n[np.array(step.rows)[at]]
+        at_dev = to_device(at, tokens.device)
+        logprobs = self.logits[at_dev].float().log_softmax(-1)
+        chosen = tokens[at_dev].long()
+        own = logprobs.gather(-1, chosen[:, None])
+        rank = (logprobs > own).sum(-1, keepdim=True) + 1
+        top, ids = logprobs.topk(max(int(n.max()), 1), dim=-1)
+        head = torch.stack([at_dev, to_device(n, tokens.device), chosen], 1).double()
+        # float64 holds token ids and ranks exactly, and every float32 log-probability
+        return torch.cat([head, own.double(), rank.double(), ids.double(), top.double()], 1)
+
+    def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
+        k = (data.shape[1] - 5) // 2
+        out = {}
+        for b, n, token, own, rank, *rest in data.tolist():
+            ids, top = rest[:k], rest[k:]
+            out[step.request_ids[int(b)]] = [TokenLogprobs(int(token), own, int(rank),
+                                                           [(int(t), p) for t, p in zip(ids[:int(n)], top[:int(n)])])]
+        return out
+
+
+# In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks.
+LOGITS_PROCESSORS.update(logprobs=Logprobs, penalties=Penalties, logit_bias=LogitBias, min_tokens=MinTokens,
+                         min_p=MinP)

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a token may report (OpenAI's limit)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -21,6 +24,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens
     stop_token_ids: list[int] | None = None  # tokens that end the request, besides end-of-sequence
+    logprobs: int | None = None  # each generated token's log-probability and the top n others'
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -48,6 +52,8 @@ class SamplingParams:
                                                           for t, b in self.logit_bias.items())):
             raise ValueError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
                              f"{self.logit_bias!r:.100}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         stops = self.stop_token_ids
         if stops is not None and not (isinstance(stops, list) and all(isinstance(t, int) and t >= 0 for t in stops)):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stops!r:.100}")
@@ -56,7 +62,7 @@ class SamplingParams:
         """The fields set here that only the engine's sampler serves (chapter 12)."""
         neutral = SamplingParams()
         return [name for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                                  "logit_bias", "min_tokens", "stop_token_ids")
+                                  "logit_bias", "min_tokens", "stop_token_ids", "logprobs")
                 if getattr(self, name) not in (getattr(neutral, name), {}, [])]
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:

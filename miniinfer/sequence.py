@@ -33,6 +33,7 @@ class Sequence:
     num_reported: int = 0  # output tokens already handed out in a RequestOutput
     block_hashes: list = field(default_factory=list)  # chapter 07's cache keeps its blocks' hashes here
     num_pending: int = 0  # steps under way that sample it, their tokens not read yet (overlap)
+    logprobs: list = field(default_factory=list)  # each output token's log-probabilities, if asked (chapter 12)
 
     def __repr__(self) -> str:
         computed = f"{self.num_computed_tokens}/{self.num_tokens} computed"
@@ -66,7 +67,7 @@ class RequestOutput:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                  new_token_ids: list[int], finish_reason: str | None = None, num_cached_tokens: int = 0,
-                 error: str | None = None, detokenize=None):
+                 error: str | None = None, detokenize=None, logprobs: list | None = None):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.new_token_ids = new_token_ids  # generated since the previous output of this request
         self.finished, self.finish_reason, self.error = finish_reason is not None, finish_reason, error
@@ -74,11 +75,17 @@ class RequestOutput:
         # output_token_ids only ever grows: its first n tokens are this snapshot's, and copying them
         # is left to whoever reads token_ids (an engine step makes 256 outputs).
         self._outputs, self._n, self._detokenize = output_token_ids, len(output_token_ids), detokenize
+        self._logprobs = logprobs  # grows like output_token_ids (chapter 12)
 
     @property
     def token_ids(self) -> list[int]:
         """All tokens generated so far."""
         return self._outputs[:self._n]
+
+    @property
+    def logprobs(self) -> list | None:
+        """Each generated token's log-probabilities (chapter 12), if the request asked for them."""
+        return None if self._logprobs is None else self._logprobs[:self._n]
 
     @property
     def text(self) -> str:
@@ -95,7 +102,8 @@ class RequestOutput:
         new = seq.output_token_ids[seq.num_reported:]
         seq.num_reported = len(seq.output_token_ids)
         return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new, seq.finish_reason,
-                   seq.num_cached_tokens or 0, seq.error, detokenize)
+                   seq.num_cached_tokens or 0, seq.error, detokenize,
+                   seq.logprobs if seq.params.logprobs is not None else None)
 
 
 class RequestDataError(Exception):

@@ -380,7 +380,7 @@ class SpeculativeRunner(ModelRunner):
                 if computed[i] + n == known[i]:  # it reached the end of its tokens: it samples
                     r.token_ids.append(tok[f])
                     sampled[rid] = [tok[f]]
-        return Verified(step, [], tokens, None, sampled)
+        return Verified(step, [], tokens, None, [], sampled)
 
     def collect(self, launched: Launched | None) -> dict[str, list[int]]:
         if isinstance(launched, Verified):

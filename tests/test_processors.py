@@ -147,3 +147,39 @@ def test_the_engine_refuses_token_ids_outside_the_vocabulary_and_the_plain_paths
     for generate in (mi.generate_naive, mi.generate_cached):
         with pytest.raises(ValueError, match="presence_penalty: only the engine"):
             generate(course_model, [1, 2], mi.SamplingParams(presence_penalty=1.0))
+
+
+def test_logprobs_equal_the_log_softmax_of_transformers_logits(hf_checkpoint):
+    """Greedy and sampled requests, some with logprobs (n = 0, 1, 5) and some without, in one batch:
+    each reported token's log-probability, rank and top n are those of transformers' logits."""
+    kind, folder, hf = hf_checkpoint
+    rng = random.Random(1)
+    prompts = [[rng.randrange(301) for _ in range(rng.randint(2, 20))] for _ in range(6)]
+    params = [mi.SamplingParams(temperature=(0, 0.9)[i % 2], seed=i, max_tokens=6, ignore_eos=True,
+                                logprobs=(None, 0, 1, 5)[i % 4], repetition_penalty=(1.0, 1.3)[i % 2])
+              for i in range(6)]
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, num_blocks=64, max_num_seqs=4))
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    for p, sp, out in zip(prompts, params, outs):
+        if sp.logprobs is None:
+            assert out.logprobs is None
+            continue
+        assert [lp.token for lp in out.logprobs] == out.token_ids
+        with torch.no_grad():
+            theirs = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for lp, row, token in zip(out.logprobs, theirs, out.token_ids):
+            assert abs(lp.logprob - row[token].item()) < 1e-4
+            assert lp.rank == int((row > row[token]).sum()) + 1
+            top = row.topk(sp.logprobs)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(lp.top, top.values.tolist()))
+
+
+def test_logprobs_out_of_range_and_with_speculation_are_refused(course_model):
+    with pytest.raises(ValueError, match="logprobs"):
+        mi.SamplingParams(logprobs=21)
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64, speculative_method="ngram"), model=course_model)
+    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, logprobs=2))
+    failed = [o for o in engine.step() if o.request_id == rid]
+    assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
+    assert engine.block_manager.num_free_blocks == 64
