@@ -49,6 +49,7 @@ class EngineOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed: its stream raises RuntimeError(error)
+    new_logprobs: list | None = None  # the new tokens' log-probabilities, if asked (chapter 12)
 
 
 @dataclass
@@ -114,7 +115,9 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
             done = []
         # A request that failed on its own data (the others of its step ran): its client gets the error.
         outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
-                                 o.error and f"the request failed: {o.error}") for o in done]
+                                 o.error and f"the request failed: {o.error}",
+                                 None if o.logprobs is None else o.logprobs[len(o.token_ids) - len(o.new_token_ids):])
+                    for o in done]
         emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
 
 
@@ -284,10 +287,13 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
         for o in outputs:
             m = merged.get(o.request_id)
             if m is None:
-                merged[o.request_id] = dataclasses.replace(o, new_token_ids=list(o.new_token_ids))
+                m = dataclasses.replace(o, new_token_ids=list(o.new_token_ids), new_logprobs=None)
+                merged[o.request_id] = m
             else:
                 m.new_token_ids += o.new_token_ids
                 m.finish_reason, m.num_cached_tokens, m.error = o.finish_reason, o.num_cached_tokens, o.error
+            if o.new_logprobs is not None:
+                m.new_logprobs = (m.new_logprobs or []) + o.new_logprobs
     stats = [s for _, s in batches]
     return list(merged.values()), dataclasses.replace(stats[-1], new_tokens=sum(s.new_tokens for s in stats),
                                        step_seconds=sum(s.step_seconds for s in stats),
@@ -297,8 +303,9 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
 def pack(outputs: list[EngineOutput]) -> tuple:
     """A step's outputs as four flat containers for the pipe: pickling 256 EngineOutput objects takes
     about six times as long, and the engine process's lock is held meanwhile."""
-    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error) for i, o in enumerate(outputs)
-            if o.finish_reason is not None or o.num_cached_tokens or o.error is not None}  # most have none
+    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error, o.new_logprobs) for i, o in enumerate(outputs)
+            if o.finish_reason is not None or o.num_cached_tokens or o.error is not None
+            or o.new_logprobs is not None}  # most have none
     return ([o.request_id for o in outputs], [len(o.new_token_ids) for o in outputs],
             [t for o in outputs for t in o.new_token_ids], rest)
 
@@ -307,7 +314,7 @@ def unpack(packed: tuple) -> list[EngineOutput]:
     request_ids, counts, tokens, rest = packed
     outputs, start = [], 0
     for i, (request_id, n) in enumerate(zip(request_ids, counts)):
-        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, (None, 0, None))))
+        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, (None, 0, None, None))))
         start += n
     return outputs
 
@@ -319,6 +326,7 @@ class Stream:
     outputs: asyncio.Queue
     prompt_token_ids: list[int]
     token_ids: list[int]
+    logprobs: list | None = None  # the tokens' log-probabilities, if asked (chapter 12)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
@@ -435,9 +443,11 @@ class AsyncLLMEngine:
             if stream is None:  # its client has left
                 continue
             stream.token_ids += o.new_token_ids
+            if o.new_logprobs is not None:
+                stream.logprobs = (stream.logprobs or []) + o.new_logprobs
             item = RuntimeError(o.error) if o.error else RequestOutput(
                 o.request_id, stream.prompt_token_ids, stream.token_ids, o.new_token_ids, o.finish_reason,
-                o.num_cached_tokens, detokenize=self.detokenize)
+                o.num_cached_tokens, detokenize=self.detokenize, logprobs=stream.logprobs)
             by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)

@@ -61,6 +61,7 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
+    logprobs: int | None = Field(None, ge=0, le=20, description="each token's log-probability and the top n")
     prompt: Annotated[str, Field(min_length=1)] | TokenIds | \
         Annotated[list[Annotated[str, Field(min_length=1)] | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 
@@ -81,6 +82,8 @@ class ChatMessage(Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: the top n of each token")
 
 
 # ----- responses -----
@@ -94,10 +97,18 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort"] | None
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's (legacy) completions form: per token, its text, log-probability, top n and offset."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -116,10 +127,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 

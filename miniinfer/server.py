@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -112,7 +113,7 @@ def check_body(body: dict) -> None:
 
 
 # Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format")
+UNSUPPORTED = ("echo", "suffix", "tools", "functions", "response_format")
 
 
 class StopStrings:
@@ -190,6 +191,12 @@ class Server:
         if req.n > self.engine.max_num_seqs:
             raise APIError(f"'n' must be at most {self.engine.max_num_seqs} (max_num_seqs), got {req.n}", param="n")
         max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None) or default_max_tokens
+        if isinstance(req, ChatCompletionRequest):
+            if req.top_logprobs is not None and not req.logprobs:
+                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs if isinstance(req, CompletionRequest) else None
         bias = None
         if req.logit_bias:
             if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
@@ -200,7 +207,7 @@ class Server:
                                     max_tokens=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                     repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
-                                    min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids)
+                                    min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids, logprobs=logprobs)
         except ValueError as err:
             raise APIError(str(err)) from None
         return params, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -254,12 +261,31 @@ class Server:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 count += len(out.new_token_ids)  # (out.token_ids would copy every token so far)
+                logprobs = None if out.logprobs is None else out.logprobs[count - len(out.new_token_ids):count]
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if stopped:
-                    yield index, piece, "stop", count
+                    yield index, piece, "stop", count, logprobs
                     return
-                yield index, piece, out.finish_reason, count
+                yield index, piece, out.finish_reason, count, logprobs
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+    def logprobs_json(self, items: list, chat: bool, offset: int = 0) -> dict:
+        """Chapter 12's TokenLogprobs in OpenAI's form: chat's `content` list, or the completions
+        endpoint's parallel lists (offset: where the first token's text starts in the choice's text)."""
+        def entry(token: int, logprob: float) -> dict:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        if chat:
+            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                                for lp in items]}
+        texts = [self.token_text(lp.token) for lp in items]
+        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset))
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in items],
+                "top_logprobs": [{self.token_text(t): p for t, p in lp.top} for lp in items], "text_offset": offsets}
 
     async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:
         """A request's response: a JSON body, or (stream=true) an iterator of SSE events."""
@@ -277,15 +303,20 @@ class Server:
         texts: dict[int, str] = {}
         reasons: dict[int, str | None] = {}
         tokens: dict[int, int] = {}
-        async for index, piece, reason, count in choices:
+        logprobs: dict[int, list] = {}
+        async for index, piece, reason, count, lps in choices:
             texts[index] = texts.get(index, "") + piece
             reasons[index], tokens[index] = reason, count
+            if lps is not None:
+                logprobs.setdefault(index, []).extend(lps)
         usage = _usage(prompt_tokens, tokens)
+        lp = {i: self.logprobs_json(items, chat) for i, items in logprobs.items()}
         if chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+            out = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp.get(i),
                     "finish_reason": reasons[i]} for i in sorted(texts)]
             return {**head, "object": "chat.completion", "choices": out, "usage": usage}
-        out = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]} for i in sorted(texts)]
+        out = [{"index": i, "text": texts[i], "logprobs": lp.get(i), "finish_reason": reasons[i]}
+               for i in sorted(texts)]
         return {**head, "object": "text_completion", "choices": out, "usage": usage}
 
     async def events(self, choices, head: dict, prompt_tokens: int, chat: bool, num_choices: int,
@@ -295,23 +326,28 @@ class Server:
         # Every chunk of this response starts the same: its JSON is written once, the choice per chunk.
         start = f"data: {_json({**head, 'object': obj})[:-1]},\"choices\":["
 
-        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> str:
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-                c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+                c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             else:
-                c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+                c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
             return f"{start}{_json(c)}]}}\n\n"  # one SSE line: JSON escapes its newlines
 
-        tokens = {}
+        tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # each choice's text so far, where its next token's text starts
         try:
             if chat:
                 for i in range(num_choices):
                     yield chunk(i, None, None, role=True)
-            async for index, piece, reason, count in choices:
+            async for index, piece, reason, count, lps in choices:
                 tokens[index] = count
-                if piece or reason:
-                    yield chunk(index, piece, reason)
+                lp = None
+                if lps:
+                    lp = self.logprobs_json(lps, chat, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(self.token_text(x.token)) for x in lps)
+                if piece or reason or lp:
+                    yield chunk(index, piece, reason, logprobs=lp)
         except Exception as err:  # the engine failed mid-stream: the status line is long gone
             yield sse_event(_json(APIError(f"generation failed: {err}", 500, type="server_error").body()))
             return

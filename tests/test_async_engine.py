@@ -212,7 +212,9 @@ def test_outputs_of_several_steps_go_as_one():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.text(min_size=1, max_size=4), st.lists(st.integers(0, 2 ** 31), max_size=3),
                           st.sampled_from([None, "stop", "length", "abort", "error"]), st.integers(0, 64),
-                          st.one_of(st.none(), st.text(max_size=8))), max_size=8))
+                          st.one_of(st.none(), st.text(max_size=8)),
+                          st.one_of(st.none(), st.lists(st.tuples(st.integers(0, 9), st.floats(-9, 0)), max_size=3))),
+                max_size=8))
 def test_outputs_cross_the_pipe_packed_unchanged(rows):
     outputs = [mi.async_engine.EngineOutput(*row) for row in rows]
     assert mi.async_engine.unpack(pickle.loads(pickle.dumps(mi.async_engine.pack(outputs)))) == outputs

@@ -4,6 +4,7 @@ usage, stop strings, 1,000 concurrent streams, clients that disconnect, and bad 
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import os
 import shutil
@@ -212,7 +213,7 @@ BAD = [
     ({"prompt": "x", "temperature": -1}, 400), ({"prompt": "x", "top_p": 0}, 400),
     ({"prompt": "x", "top_p": "high"}, 400), ({"prompt": "x", "max_tokens": 0}, 400),
     ({"prompt": "x", "max_tokens": True}, 400), ({"prompt": "x", "n": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
-    ({"prompt": "x", "stop": [""]}, 400), ({"prompt": "x", "seed": 1.5}, 400), ({"prompt": "x", "logprobs": 3}, 400),
+    ({"prompt": "x", "stop": [""]}, 400), ({"prompt": "x", "seed": 1.5}, 400), ({"prompt": "x", "logprobs": 21}, 400),
     ({"prompt": "x", "presence_penalty": 2.5}, 400), ({"prompt": "x", "repetition_penalty": 0}, 400),
     ({"prompt": "x", "logit_bias": {"x1": 1}}, 400), ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, 400), ({"prompt": "x", "stop_token_ids": [99999]}, 400),
@@ -255,6 +256,35 @@ def test_penalties_and_filters_are_the_engines(client, course_model):
                                     extra_body=dict(repetition_penalty=1.3, min_p=0.1, min_tokens=3,
                                                     stop_token_ids=[0]))
     assert got.choices[0].text == expected
+
+
+def test_logprobs_are_the_engines_whole_and_streamed(client, url, course_model):
+    tok = mi.load_tokenizer()
+    prompt = "def fibonacci(n):"
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model, tokenizer=tok)
+    ref = engine.generate([prompt], mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3),
+                          use_tqdm=False)[0].logprobs
+    whole = client.completions.create(model="pycoder", prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    lp = whole.logprobs
+    assert lp.tokens == [tok.decode([r.token]) for r in ref]
+    assert all(abs(a - r.logprob) < 1e-5 for a, r in zip(lp.token_logprobs, ref))
+    assert [list(d) for d in lp.top_logprobs] == [[tok.decode([t]) for t, _ in r.top] for r in ref]
+    assert lp.text_offset == list(itertools.accumulate(map(len, lp.tokens[:-1]), initial=0))
+    streamed = list(client.completions.create(model="pycoder", prompt=prompt, max_tokens=8, temperature=0, logprobs=3,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+    chat = client.chat.completions.create(model="pycoder", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2).choices[0]
+    content = chat.logprobs.content
+    assert len(content) >= 1 and all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6
+                                     for c in content)
+    assert "".join(c.token for c in content).startswith(chat.message.content[:1])
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
