@@ -192,14 +192,15 @@ class ModelRunner:
         tokens = [r.token_ids[c:c + n] for r, c, n in zip(reqs, starts, counts)]
         tables, widths = self.rows.gather(rows, [r.block_ids for r in reqs])
         batch = VarlenBatch.from_arrays(tokens, tables, widths, starts, self.config.block_size, self.device)
-        rows_on_device = to_device(np.array(rows), self.device)
+        row_array = np.array(rows)
+        rows_on_device = to_device(row_array, self.device)
         if any(t[-1] < 0 for t in tokens):  # sampled by the step still running: the device has it
             last = batch.query_start_loc[1:] - 1
             known = batch.input_ids[last]
             batch.input_ids[last] = torch.where(known < 0, self.last_token[rows_on_device], known)
         # A request samples where its known tokens end; a piece that stops inside a prompt does not.
         ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
-        return StepBatch(ids, reqs, counts, batch, ends, rows, rows_on_device)
+        return StepBatch(ids, reqs, counts, batch, ends, row_array, rows_on_device)
 
     def forward(self, step: StepBatch) -> torch.Tensor:
         """Logits [B, vocab] at each request's last new token: a decode batch replays a CUDA graph,
@@ -332,7 +333,7 @@ class StepBatch:
     num_new_tokens: list[int]
     batch: VarlenBatch
     ends: list[int]  # indices of the requests that sample
-    rows: list[int]  # each request's row in BatchRows
+    rows: np.ndarray  # each request's row in BatchRows
     rows_on_device: torch.Tensor
 
 

@@ -95,7 +95,7 @@ class Penalties(Processor):
         assert self.counts is not None and self.in_prompt is not None  # made when its first row was added
         at_dev = to_device(at, logits.device)
         rows = step.rows_on_device[at_dev]
-        presence, frequency, repetition = to_device(self.rows.values[:, np.array(step.rows)[at]], logits.device)
+        presence, frequency, repetition = to_device(self.rows.values[:, step.rows[at]], logits.device)
         new = self.penalize(logits[at_dev].float(), self.counts[rows], self.in_prompt[rows], presence, frequency,
                             repetition)
         return logits.float().index_copy(0, at_dev, new)
@@ -107,6 +107,12 @@ class Penalties(Processor):
             self.counts.index_put_((step.rows_on_device[at_dev], tokens[at_dev]),
                                    torch.ones(len(at), dtype=torch.int32, device=tokens.device), accumulate=True)
         return None
+
+
+def token_pairs(hits: list[tuple[int, np.ndarray]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(batch index, token ids)] -> (batch indices, token ids) on the device: an index for index_put."""
+    at = np.concatenate([np.full(len(ids), i) for i, ids in hits])
+    return to_device(at, device), to_device(np.concatenate([ids for _, ids in hits]), device)
 
 
 class LogitBias(Processor):
@@ -124,10 +130,9 @@ class LogitBias(Processor):
         hits = [(i, self.bias[r]) for i, r in enumerate(step.rows) if r in self.bias] if self.bias else []
         if not hits:
             return logits
-        at = np.concatenate([np.full(len(ids), i) for i, (ids, _) in hits])
-        ids, biases = (np.concatenate(parts) for parts in zip(*(b for _, b in hits)))
-        index = (to_device(at, logits.device), to_device(ids, logits.device))
-        return logits.float().index_put(index, to_device(biases, logits.device), accumulate=True)
+        index = token_pairs([(i, ids) for i, (ids, _) in hits], logits.device)
+        biases = to_device(np.concatenate([b for _, (_, b) in hits]), logits.device)
+        return logits.float().index_put(index, biases, accumulate=True)
 
 
 class MinTokens(Processor):
@@ -149,9 +154,7 @@ class MinTokens(Processor):
                 if r in self.rows and steps[i] < self.rows[r][0]] if self.rows else []
         if not hits:
             return logits
-        at = np.concatenate([np.full(len(ids), i) for i, ids in hits])
-        ids = np.concatenate([ids for _, ids in hits])
-        return logits.index_put((to_device(at, logits.device), to_device(ids, logits.device)),
+        return logits.index_put(token_pairs(hits, logits.device),
                                 torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
@@ -170,7 +173,7 @@ class MinP(Processor):
         if not len(at):
             return logits
         at_dev = to_device(at, logits.device)
-        min_p, temperature = to_device(self.rows.values[:, np.array(step.rows)[at]], logits.device)
+        min_p, temperature = to_device(self.rows.values[:, step.rows[at]], logits.device)
         return logits.float().index_copy(0, at_dev, self.mask(logits[at_dev].float(), min_p, temperature))
 
 
@@ -201,10 +204,13 @@ class Logprobs(Processor):
         return logits
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> torch.Tensor | None:
-        at = np.array([i for i in step.ends if self.n[step.rows[i]] >= 0], dtype=np.int64)
-        if self.logits is None or not len(at):
+        if self.logits is None:  # no row of this step asked
             return None
-        n = self.n[np.array(step.rows)[at]]
+        ends = np.array(step.ends, dtype=np.int64)
+        at = ends[self.n[step.rows[ends]] >= 0]
+        if not len(at):
+            return None
+        n = self.n[step.rows[at]]
         at_dev = to_device(at, tokens.device)
         logprobs = self.logits[at_dev].float().log_softmax(-1)
         chosen = tokens[at_dev].long()

@@ -346,7 +346,7 @@ class SpeculativeRunner(ModelRunner):
         guess_rows[has] = [reqs[i].token_ids[known[i] + jj] for i, jj in zip(owner[has], j[has])]
         steps = np.array([k - r.num_prompt_tokens for k, r in zip(known, reqs)])[owner] + j
         vocab = self.model.cfg.vocab_size
-        s = SamplingBatch.build(self.rows.sampling[:, np.array(step.rows)[owner]], steps, vocab, self.device)
+        s = SamplingBatch.build(self.rows.sampling[:, step.rows[owner]], steps, vocab, self.device)
         logits = run_forward(self.model, self.cache, graphs if replay else None, step.batch,
                              to_device(rows, self.device))
         q_rows = None
