@@ -95,16 +95,22 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() and t.element_size() > 1 else t
 
 
+def checkpoint_config(path: str | Path | None = None) -> tuple[Path, dict]:
+    """A checkpoint folder (None: the embedded course model) and its config.json, read: a model's shape
+    without loading it. CheckpointError if there is none."""
+    folder = Path(path) if path is not None else course_model_path()
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
+    return folder, json.loads((folder / "config.json").read_text())
+
+
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str | None = None,
                prepare: Callable[[Transformer], None] | None = None) -> Transformer:
     """Load a Llama/Qwen2/Qwen3 checkpoint folder (None: the embedded course model), its linear layers
     quantized on load when `quantization` names a method (chapter 10). `prepare` changes the empty
     model before its tensors are read: chapter 11 makes it one rank's part of the model."""
-    folder = Path(path) if path is not None else course_model_path()
-    if not (folder / "config.json").exists():
-        raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
-    hf = json.loads((folder / "config.json").read_text())
+    folder, hf = checkpoint_config(path)
     cfg = ModelConfig.from_hf(hf)
     quant = _quantization(folder, hf, quantization)
     with _skeleton():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -21,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.config import EngineConfig
-from miniinfer.course_model import course_model_path
 from miniinfer.engine import RUNNERS
-from miniinfer.loader import CheckpointError, load_model
+from miniinfer.loader import checkpoint_config, load_model
 from miniinfer.model import DecoderLayer, Linear, ModelConfig, Transformer
 from miniinfer.model_runner import ModelRunner, context_limits, sampling_rows
 from miniinfer.scheduler import SchedulerOutput
@@ -109,6 +107,13 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
+def share_lookup(ids: torch.Tensor, share: torch.Tensor, start: int) -> torch.Tensor:
+    """The embeddings of the ids in a share's rows start .. start + len(share) - 1, zeros for the others."""
+    local = ids - start
+    mine = (local >= 0) & (local < share.shape[0])
+    return F.embedding(local.clamp(0, share.shape[0] - 1), share) * mine[..., None]
+
+
 class VocabParallelEmbedding(nn.Module):
     """The embedding split by vocabulary rows, rounded up to whole shares (the last padded with zeros):
     each rank looks up the ids in its rows, zeros for the others, and an all-reduce adds them up."""
@@ -125,9 +130,7 @@ class VocabParallelEmbedding(nn.Module):
         return F.pad(rows, (0, 0, 0, self.per_rank - rows.shape[0]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        mine = (local >= 0) & (local < self.per_rank)
-        out = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mine[..., None]
+        out = share_lookup(ids, self.weight, self.start)
         dist.all_reduce(out)
         return out
 
@@ -235,10 +238,7 @@ class ParallelRunner:
         for name in ("quantization", "speculative_method"):
             if getattr(config, name) is not None:
                 raise ValueError(f"tensor_parallel_size > 1 does not combine with {name} yet")
-        folder = Path(config.model) if config.model is not None else course_model_path()
-        if not (folder / "config.json").exists():
-            raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
-        cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        cfg = ModelConfig.from_hf(checkpoint_config(config.model)[1])
         size = config.tensor_parallel_size
         check_parallel(cfg, size)
         if torch.device(config.device).type == "cuda" and size > torch.cuda.device_count():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from miniinfer.block_manager import blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.course_model import course_model_path
 from miniinfer.engine import RUNNERS
-from miniinfer.loader import CheckpointError, load_model, load_tokenizer
+from miniinfer.loader import checkpoint_config, load_model, load_tokenizer
 from miniinfer.model import Registry, Transformer
 from miniinfer.model_runner import DecodeGraphs, Launched, ModelRunner, SpecStats
 from miniinfer.sampler import SamplingBatch, exponential_noise, sampling_probs
@@ -145,9 +144,7 @@ def check_draft(target: Path, draft: Path) -> None:
     ship a tokenizer, the same tokenizer. Reads config and tokenizer files only."""
     sizes = []
     for folder in (target, draft):
-        if not (folder / "config.json").is_file():
-            raise CheckpointError(f"{folder}: no config.json (is this a Hugging Face checkpoint folder?)")
-        sizes.append(json.loads((folder / "config.json").read_text()).get("vocab_size"))
+        sizes.append(checkpoint_config(folder)[1].get("vocab_size"))
     if sizes[0] != sizes[1]:
         raise ValueError(f"the draft {draft} has a vocabulary of {sizes[1]} tokens, the model {sizes[0]}: "
                          "speculation needs a draft with the model's tokenizer")
@@ -173,7 +170,7 @@ class DraftProposer(Proposer):
         self.computed: dict[str, int] = {}  # request -> its tokens whose draft K/V are in the pool
 
     def load(self, runner: ModelRunner) -> None:
-        cfg = json.loads((self.folder / "config.json").read_text())
+        _, cfg = checkpoint_config(self.folder)
         if cfg.get("vocab_size") != runner.model.cfg.vocab_size:
             raise ValueError(f"the draft {self.folder} has a vocabulary of {cfg.get('vocab_size')} tokens, "
                              f"the model {runner.model.cfg.vocab_size}")

@@ -996,11 +996,10 @@ def check_fp8_quantize(fn: Callable) -> None:
 
 
 def _shard_linear_ref(w, rank, size, by):
-    if by == "output":
-        n = w.shape[0] // size
-        return w[rank * n:(rank + 1) * n]
-    n = w.shape[1] // size
-    return w[:, rank * n:(rank + 1) * n]
+    from miniinfer.parallel import Shard
+
+    share = Shard(rank, size).part(w.shape[0 if by == "output" else 1])
+    return w[share] if by == "output" else w[:, share]
 
 
 @exercise("11", 1, "shard_linear")
@@ -1014,17 +1013,13 @@ def check_shard_linear(fn: Callable) -> None:
     check("shard_linear", fn, _shard_linear_ref, inputs, cases=12, rtol=0, atol=0)
 
 
-def _vocab_lookup_ref(ids, share, start):
-    local = ids - start
-    mine = (local >= 0) & (local < share.shape[0])
-    return share[local.clamp(0, share.shape[0] - 1)] * mine[..., None]
-
-
 @exercise("11", 2, "vocab_lookup")
 def check_vocab_lookup(fn: Callable) -> None:
     """fn(ids [B, T], share [V/size, H], start) -> [B, T, H]: the embedding of each id that falls in
     this rank's rows start .. start + len(share) - 1, and zeros for every other id (the ranks' results
     are then added up)."""
+    from miniinfer.parallel import share_lookup
+
     def inputs(gen, case):
         size, per = _randint(gen, 2, 4), _randint(gen, 1, 9)
         rank = _randint(gen, 0, size - 1)
@@ -1033,7 +1028,7 @@ def check_vocab_lookup(fn: Callable) -> None:
         # the share's first and last rows, and the ids just outside it
         ids[0, :4] = torch.tensor([max(start - 1, 0), start, start + per - 1, min(start + per, vocab - 1)])
         return ids, torch.randn(per, _randint(gen, 1, 6), generator=gen), start
-    check("vocab_lookup", fn, _vocab_lookup_ref, inputs, cases=12, rtol=0, atol=0)
+    check("vocab_lookup", fn, share_lookup, inputs, cases=12, rtol=0, atol=0)
 
 
 # What follows each module when its layer is split over ranks (None: its output stays split).
