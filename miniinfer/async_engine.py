@@ -115,9 +115,7 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
             done = []
         # A request that failed on its own data (the others of its step ran): its client gets the error.
         outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
-                                 o.error and f"the request failed: {o.error}",
-                                 None if o.logprobs is None else o.logprobs[len(o.token_ids) - len(o.new_token_ids):])
-                    for o in done]
+                                 o.error and f"the request failed: {o.error}", o.new_logprobs) for o in done]
         emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
 
 

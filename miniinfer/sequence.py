@@ -88,6 +88,11 @@ class RequestOutput:
         return None if self._logprobs is None else self._logprobs[:self._n]
 
     @property
+    def new_logprobs(self) -> list | None:
+        """Those of new_token_ids only: a stream reads these, not all of them each time."""
+        return None if self._logprobs is None else self._logprobs[self._n - len(self.new_token_ids):self._n]
+
+    @property
     def text(self) -> str:
         """The generated text, decoded when asked for."""
         return self._detokenize(self.token_ids) if self._detokenize else ""

@@ -261,7 +261,7 @@ class Server:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 count += len(out.new_token_ids)  # (out.token_ids would copy every token so far)
-                logprobs = None if out.logprobs is None else out.logprobs[count - len(out.new_token_ids):count]
+                logprobs = out.new_logprobs
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if stopped:
@@ -335,7 +335,7 @@ class Server:
             return f"{start}{_json(c)}]}}\n\n"  # one SSE line: JSON escapes its newlines
 
         tokens: dict[int, int] = {}
-        offsets: dict[int, int] = {}  # each choice's text so far, where its next token's text starts
+        offsets: dict[int, int] = {}  # completions: where each choice's next token's text starts
         try:
             if chat:
                 for i in range(num_choices):
@@ -345,7 +345,8 @@ class Server:
                 lp = None
                 if lps:
                     lp = self.logprobs_json(lps, chat, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(self.token_text(x.token)) for x in lps)
+                    if not chat:
+                        offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 if piece or reason or lp:
                     yield chunk(index, piece, reason, logprobs=lp)
         except Exception as err:  # the engine failed mid-stream: the status line is long gone
