@@ -8,6 +8,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import tempfile
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -282,6 +283,10 @@ class ParallelRunner:
 
     def _fail(self, rank: int, error: str):
         # A rank that died outright is the cause: the others' errors are its echo in their collectives.
+        # Its peers can see its sockets close before its exit is reaped, so give it a moment.
+        deadline = time.monotonic() + 2
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
         died = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs)
                 if p.exitcode not in (None, 0, 1)]
         self.failure = "tensor parallelism failed: " + "; ".join(died + [f"rank {rank}: {error}"])
