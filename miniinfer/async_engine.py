@@ -50,6 +50,7 @@ class EngineOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed: its stream raises RuntimeError(error)
     new_logprobs: list | None = None  # the new tokens' log-probabilities, if asked (chapter 12)
+    prompt_logprobs: list | None = None  # the prompt's, if asked: with the request's first tokens only
 
 
 @dataclass
@@ -115,8 +116,14 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
             done = []
         # A request that failed on its own data (the others of its step ran): its client gets the error.
         outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
-                                 o.error and f"the request failed: {o.error}", o.new_logprobs) for o in done]
+                                 o.error and f"the request failed: {o.error}", o.new_logprobs,
+                                 o.prompt_logprobs if o.prompt_logprobs and first_output(o) else None) for o in done]
         emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
+
+
+def first_output(o: RequestOutput) -> bool:
+    """Whether o is its request's first output with tokens."""
+    return len(o.new_token_ids) == len(o.token_ids)
 
 
 Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], None]
@@ -290,6 +297,7 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
             else:
                 m.new_token_ids += o.new_token_ids
                 m.finish_reason, m.num_cached_tokens, m.error = o.finish_reason, o.num_cached_tokens, o.error
+                m.prompt_logprobs = m.prompt_logprobs or o.prompt_logprobs
             if o.new_logprobs is not None:
                 m.new_logprobs = (m.new_logprobs or []) + o.new_logprobs
     stats = [s for _, s in batches]
@@ -301,9 +309,9 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
 def pack(outputs: list[EngineOutput]) -> tuple:
     """A step's outputs as four flat containers for the pipe: pickling 256 EngineOutput objects takes
     about six times as long, and the engine process's lock is held meanwhile."""
-    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error, o.new_logprobs) for i, o in enumerate(outputs)
-            if o.finish_reason is not None or o.num_cached_tokens or o.error is not None
-            or o.new_logprobs is not None}  # most have none
+    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error, o.new_logprobs, o.prompt_logprobs)
+            for i, o in enumerate(outputs) if o.finish_reason is not None or o.num_cached_tokens
+            or o.error is not None or o.new_logprobs is not None or o.prompt_logprobs is not None}  # most have none
     return ([o.request_id for o in outputs], [len(o.new_token_ids) for o in outputs],
             [t for o in outputs for t in o.new_token_ids], rest)
 
@@ -312,7 +320,7 @@ def unpack(packed: tuple) -> list[EngineOutput]:
     request_ids, counts, tokens, rest = packed
     outputs, start = [], 0
     for i, (request_id, n) in enumerate(zip(request_ids, counts)):
-        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, (None, 0, None, None))))
+        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, (None, 0, None, None, None))))
         start += n
     return outputs
 
@@ -325,6 +333,7 @@ class Stream:
     prompt_token_ids: list[int]
     token_ids: list[int]
     logprobs: list | None = None  # the tokens' log-probabilities, if asked (chapter 12)
+    prompt_logprobs: list | None = None  # the prompt's, if asked
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
@@ -441,11 +450,15 @@ class AsyncLLMEngine:
             if stream is None:  # its client has left
                 continue
             stream.token_ids += o.new_token_ids
-            if o.new_logprobs is not None:
-                stream.logprobs = (stream.logprobs or []) + o.new_logprobs
+            if o.new_logprobs is not None:  # grown in place, like token_ids: each output reads its share
+                if stream.logprobs is None:
+                    stream.logprobs = []
+                stream.logprobs += o.new_logprobs
+            stream.prompt_logprobs = stream.prompt_logprobs or o.prompt_logprobs
             item = RuntimeError(o.error) if o.error else RequestOutput(
                 o.request_id, stream.prompt_token_ids, stream.token_ids, o.new_token_ids, o.finish_reason,
-                o.num_cached_tokens, detokenize=self.detokenize, logprobs=stream.logprobs)
+                o.num_cached_tokens, detokenize=self.detokenize, logprobs=stream.logprobs,
+                prompt_logprobs=stream.prompt_logprobs)
             by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)

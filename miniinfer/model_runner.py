@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
@@ -80,9 +80,16 @@ class LogitsProcessor(Protocol):
     row (chapter 12's penalties, filters and log-probabilities): `add` when a request takes a row,
     `apply` before each sampling, `accept` with the tokens sampled. What `accept` returns (a tensor
     on the device, or None) is copied to the host with the tokens, and `report` turns it into values
-    by request id."""
+    by request id, filed under the processor's `kind`. A processor that needs the logits of other
+    tokens of the step (chapter 12's prompt log-probabilities) names them by `wants`: the forward
+    computes those rows as well, and `read` gets them; what it returns is reported like `accept`'s."""
+    kind: str
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None: ...
+
+    def wants(self, step: StepBatch) -> np.ndarray: ...
+
+    def read(self, logits: torch.Tensor, step: StepBatch) -> torch.Tensor | None: ...
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor: ...
 
@@ -92,10 +99,10 @@ class LogitsProcessor(Protocol):
 
 
 class Sampled(dict):
-    """A step's sampled token ids by request id, and what the logits processors report of them by
-    request id (chapter 12's log-probabilities: one entry per token)."""
+    """A step's sampled token ids by request id, and what the logits processors report by request
+    id, then by kind (chapter 12's log-probabilities: {"logprobs": one per token})."""
 
-    def __init__(self, tokens: dict[str, list[int]], reports: dict[str, list] | None = None):
+    def __init__(self, tokens: dict[str, list[int]], reports: dict[str, dict[str, list]] | None = None):
         super().__init__(tokens)
         self.reports = reports or {}
 
@@ -178,10 +185,10 @@ class ModelRunner:
         for i, at in zip(step.ends, launched.at):
             step.requests[i].token_ids[at] = tokens[i]
             sampled[step.request_ids[i]] = [tokens[i]]
-        reports: dict[str, list] = {}
+        reports: dict[str, dict[str, list]] = {}
         for p, data in launched.reports:
             for rid, values in p.report(data, step).items():
-                reports.setdefault(rid, []).extend(values)
+                reports.setdefault(rid, {}).setdefault(p.kind, []).extend(values)
         return Sampled(sampled, reports)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
@@ -200,18 +207,22 @@ class ModelRunner:
             batch.input_ids[last] = torch.where(known < 0, self.last_token[rows_on_device], known)
         # A request samples where its known tokens end; a piece that stops inside a prompt does not.
         ends = [i for i, (r, c, n) in enumerate(zip(reqs, starts, counts)) if c + n == len(r.token_ids)]
-        return StepBatch(ids, reqs, counts, batch, ends, row_array, rows_on_device)
+        step = StepBatch(ids, reqs, counts, batch, ends, row_array, rows_on_device)
+        step.extra = [(p, want) for p in self.processors if len(want := p.wants(step))]
+        return step
 
     def forward(self, step: StepBatch) -> torch.Tensor:
         """Logits [B, vocab] at each request's last new token: a decode batch replays a CUDA graph,
         any other runs eagerly. Every row, those that sample nothing too: picking the others would
         send their indices to the device, and the copy would wait for the step before."""
         batch = step.batch
-        if self.graphs is not None and batch.max_query_len == 1:
+        if self.graphs is not None and batch.max_query_len == 1 and not step.extra:
             return self.graphs(batch)
         self.cache.step(batch)
-        return self.model(batch.input_ids[None], batch.positions[None], attn=self.cache,
-                          logits_at=batch.query_start_loc[1:] - 1)
+        at = batch.query_start_loc[1:] - 1
+        if step.extra:  # the rows processors want besides, after those
+            at = torch.cat([at, to_device(np.concatenate([w for _, w in step.extra]), self.device).to(at.dtype)])
+        return self.model(batch.input_ids[None], batch.positions[None], attn=self.cache, logits_at=at)
 
     def sample(self, step: StepBatch, logits: torch.Tensor) -> Launched:
         """A token for every row, each by its request's parameters (those of the rows that do not
@@ -221,10 +232,16 @@ class ModelRunner:
             r.num_computed_tokens += n
         steps = np.array([len(r.token_ids) - r.num_prompt_tokens for r in reqs])
         values = self.rows.sampling[:, step.rows]
+        reports = []
+        logits, rest = logits[:len(reqs)], logits[len(reqs):]
+        for p, want in step.extra:
+            if (data := p.read(rest[:len(want)], step)) is not None:
+                reports.append((p, data))
+            rest = rest[len(want):]
         for p in self.processors:
             logits = p.apply(logits, step, steps)
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
-        reports = [(p, data) for p in self.processors if (data := p.accept(step, tokens)) is not None]
+        reports += [(p, data) for p in self.processors if (data := p.accept(step, tokens)) is not None]
         self.last_token[step.rows_on_device] = tokens.to(self.last_token.dtype)
         at = [len(reqs[i].token_ids) for i in step.ends]
         for i in step.ends:
@@ -335,6 +352,8 @@ class StepBatch:
     ends: list[int]  # indices of the requests that sample
     rows: np.ndarray  # each request's row in BatchRows
     rows_on_device: torch.Tensor
+    # Processors that want the logits of other tokens of the step, and those tokens' indices in the batch
+    extra: list[tuple[LogitsProcessor, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass

@@ -66,8 +66,12 @@ class PrefixCachingBlockManager(BlockManager):
 
     def match(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the longest prefix of seq's tokens, in order. The block of
-        its last token is never matched: its logits are needed, so at least that token is computed."""
-        blocks = []
+        its last token is never matched: its logits are needed, so at least that token is computed.
+        Nor is any block of a request that wants its prompt's log-probabilities (chapter 12): a
+        cached position has no logits."""
+        blocks: list[int] = []
+        if seq.params.prompt_logprobs is not None:
+            return blocks
         for h, key in self.keys(seq, (seq.num_tokens - 1) // self.block_size):
             b = self.cached.get(h)
             if b is None or self.key[b] != key:  # a miss, or a hash collision

@@ -31,10 +31,17 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Ten
 
 
 class Processor:
-    """A logits processor that does nothing until told: the four moments of chapter 06's protocol."""
+    """A logits processor that does nothing until told: the moments of chapter 06's protocol."""
+    kind = ""  # what its reports are filed under
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
         pass
+
+    def wants(self, step: StepBatch) -> np.ndarray:
+        return np.zeros(0, np.int64)
+
+    def read(self, logits: torch.Tensor, step: StepBatch) -> torch.Tensor | None:
+        return None
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         return logits
@@ -178,19 +185,51 @@ class MinP(Processor):
 
 
 class TokenLogprobs(NamedTuple):
-    """A generated token's log-probability under the model, its rank among all tokens (1: the most
-    likely), and the top n tokens with theirs."""
+    """A token's log-probability under the model, its rank among all tokens (1: the most likely),
+    and the top n tokens with theirs."""
     token: int
     logprob: float
     rank: int
     top: list[tuple[int, float]]
 
 
-class Logprobs(Processor):
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of logits [R, V] and a token of each [R] -> the token's log-probability [R] and rank [R]
+    (1: the most likely), the k most likely tokens' log-probabilities [R, k] and their ids [R, k]."""
+    logprobs = logits.float().log_softmax(-1)
+    own = logprobs.gather(-1, tokens[:, None].long())
+    rank = (logprobs > own).sum(-1) + 1
+    top, ids = logprobs.topk(k, dim=-1)
+    return own[:, 0], rank, top, ids
+
+
+class Scores(Processor):
+    """What the two log-probability processors share: the scoring, and its packing for the host."""
+    scorer = staticmethod(top_logprobs)  # the scoring: any function with its arguments
+
+    def score(self, head: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, n: np.ndarray) -> torch.Tensor:
+        """[R, h + 4 + 2k] float64: head's h columns (where each row belongs), n, the token, its
+        log-probability and rank, then the k = max(n) top token ids and their log-probabilities.
+        float64 holds ids and ranks exactly, and every float32 log-probability: one tensor to copy."""
+        own, rank, top, ids = self.scorer(logits, tokens, max(int(n.max()), 1))  # n is on the host: no wait
+        columns = [head, to_device(n.astype(np.float64), logits.device), tokens, own, rank]
+        return torch.cat([c.double().reshape(len(tokens), -1) for c in columns] + [ids.double(), top.double()], 1)
+
+
+def unscore(row: list[float]) -> TokenLogprobs:
+    """One row of score's tensor, on the host, its head taken off."""
+    n, token, own, rank, *rest = row
+    k, n = len(rest) // 2, int(n)
+    return TokenLogprobs(int(token), own, int(rank), [(int(t), p) for t, p in zip(rest[:n], rest[k:k + n])])
+
+
+class Logprobs(Scores):
     """For the requests that ask (SamplingParams.logprobs = n): each sampled token's log-probability
     in the model's own distribution (the log-softmax of its logits before any processor or
     temperature, as OpenAI reports them), its rank, and the n most likely tokens. Computed on the device
-    for those rows only, as one [rows, 5 + 2n] tensor that travels to the host with the tokens."""
+    for those rows only, as one small tensor that travels to the host with the tokens."""
+    kind = "logprobs"
 
     def __init__(self, runner: ModelRunner):
         self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
@@ -210,27 +249,51 @@ class Logprobs(Processor):
         at = ends[self.n[step.rows[ends]] >= 0]
         if not len(at):
             return None
-        n = self.n[step.rows[at]]
-        at_dev = to_device(at, tokens.device)
-        logprobs = self.logits[at_dev].float().log_softmax(-1)
-        chosen = tokens[at_dev].long()
-        own = logprobs.gather(-1, chosen[:, None])
-        rank = (logprobs > own).sum(-1, keepdim=True) + 1
-        top, ids = logprobs.topk(max(int(n.max()), 1), dim=-1)
-        head = torch.stack([at_dev, to_device(n, tokens.device), chosen], 1).double()
-        # float64 holds token ids and ranks exactly, and every float32 log-probability
-        return torch.cat([head, own.double(), rank.double(), ids.double(), top.double()], 1)
+        at_dev = to_device(at, tokens.device)  # each row's batch index heads it
+        return self.score(at_dev, self.logits[at_dev], tokens[at_dev], self.n[step.rows[at]])
 
     def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
-        k = (data.shape[1] - 5) // 2
-        out = {}
-        for b, n, token, own, rank, *rest in data.tolist():
-            ids, top = rest[:k], rest[k:]
-            out[step.request_ids[int(b)]] = [TokenLogprobs(int(token), own, int(rank),
-                                                           [(int(t), p) for t, p in zip(ids[:int(n)], top[:int(n)])])]
+        return {step.request_ids[int(b)]: [unscore(rest)] for b, *rest in data.tolist()}
+
+
+class PromptLogprobs(Scores):
+    """For the requests that ask (SamplingParams.prompt_logprobs = n): each prompt token after the
+    first, scored by the logits of the position before it, with the n most likely tokens there."""
+    kind = "prompt_logprobs"
+
+    def __init__(self, runner: ModelRunner):
+        self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
+        self.rows = np.zeros((4, 0), np.int64)  # this step's: batch index, prompt position, its token, n
+
+    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
+        self.n[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+
+    def wants(self, step: StepBatch) -> np.ndarray:
+        asks = np.flatnonzero(self.n[step.rows] >= 0)
+        if not len(asks):
+            return np.zeros(0, np.int64)
+        starts = np.cumsum([0] + step.num_new_tokens)  # each request's first token in the batch
+        rows, index = [], []
+        for i in asks:
+            r, c = step.requests[i], step.requests[i].num_computed_tokens  # not advanced yet
+            t = np.arange(c + 1, min(c + step.num_new_tokens[i], r.num_prompt_tokens - 1) + 1)  # tokens it scores
+            rows.append(np.stack([np.full(len(t), i), t, np.array(r.token_ids[c + 1:c + 1 + len(t)], np.int64),
+                                  np.full(len(t), self.n[step.rows[i]])]))
+            index.append(starts[i] + t - 1 - c)  # the batch rows before them
+        self.rows = np.concatenate(rows, 1).astype(np.int64)
+        return np.concatenate(index)
+
+    def read(self, logits: torch.Tensor, step: StepBatch) -> torch.Tensor | None:
+        b, t, tokens, n = self.rows  # each row's batch index and prompt position head it
+        return self.score(to_device(np.stack([b, t], 1), logits.device), logits, to_device(tokens, logits.device), n)
+
+    def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for b, t, *rest in data.tolist():
+            out.setdefault(step.request_ids[int(b)], []).append((int(t), unscore(rest)))
         return out
 
 
 # In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks.
-LOGITS_PROCESSORS.update(logprobs=Logprobs, penalties=Penalties, logit_bias=LogitBias, min_tokens=MinTokens,
-                         min_p=MinP)
+LOGITS_PROCESSORS.update(logprobs=Logprobs, prompt_logprobs=PromptLogprobs, penalties=Penalties,
+                         logit_bias=LogitBias, min_tokens=MinTokens, min_p=MinP)

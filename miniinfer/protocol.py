@@ -62,6 +62,7 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20, description="each token's log-probability and the top n")
+    echo: bool = Field(False, description="the prompt before the completion, in the text and the logprobs")
     prompt: Annotated[str, Field(min_length=1)] | TokenIds | \
         Annotated[list[Annotated[str, Field(min_length=1)] | TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 
@@ -100,8 +101,8 @@ FinishReason = Literal["stop", "length", "abort"] | None
 class CompletionLogprobs(BaseModel):
     """OpenAI's (legacy) completions form: per token, its text, log-probability, top n and offset."""
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

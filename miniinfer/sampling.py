@@ -25,6 +25,7 @@ class SamplingParams:
     min_tokens: int = 0  # no end-of-sequence or stop token before this many tokens
     stop_token_ids: list[int] | None = None  # tokens that end the request, besides end-of-sequence
     logprobs: int | None = None  # each generated token's log-probability and the top n others'
+    prompt_logprobs: int | None = None  # each prompt token's (after the first), as evaluation harnesses ask
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -52,8 +53,10 @@ class SamplingParams:
                                                           for t, b in self.logit_bias.items())):
             raise ValueError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
                              f"{self.logit_bias!r:.100}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}], got {n!r}")
         stops = self.stop_token_ids
         if stops is not None and not (isinstance(stops, list) and all(isinstance(t, int) and t >= 0 for t in stops)):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stops!r:.100}")
@@ -62,7 +65,7 @@ class SamplingParams:
         """The fields set here that only the engine's sampler serves (chapter 12)."""
         neutral = SamplingParams()
         return [name for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                                  "logit_bias", "min_tokens", "stop_token_ids", "logprobs")
+                                  "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "prompt_logprobs")
                 if getattr(self, name) not in (getattr(neutral, name), {}, [])]
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:

@@ -270,7 +270,7 @@ class Scheduler:
         finished requests; returns the requests with new tokens. A request preempted since the step
         was scheduled (the next one may be, with overlap) keeps its tokens."""
         changed, bm = [], self.block_manager
-        reports = getattr(sampled, "reports", {})  # a runner's Sampled: chapter 12's log-probabilities
+        reports = getattr(sampled, "reports", {})  # a runner's Sampled: chapter 12's log-probabilities, by kind
         for rid in out.num_new_tokens:
             seq, new = self.requests.get(rid), sampled.get(rid)
             if seq is None:  # aborted in the meantime
@@ -289,7 +289,7 @@ class Scheduler:
                 seq.append(token, self.eos_token_ids)
                 if seq.finish_reason:
                     break
-            seq.logprobs += reports.get(rid, ())
+            seq.record(reports.get(rid, {}))
             if seq.status is Status.RUNNING:
                 bm.cache_blocks(seq)
             if seq.finish_reason:

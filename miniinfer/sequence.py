@@ -34,6 +34,7 @@ class Sequence:
     block_hashes: list = field(default_factory=list)  # chapter 07's cache keeps its blocks' hashes here
     num_pending: int = 0  # steps under way that sample it, their tokens not read yet (overlap)
     logprobs: list = field(default_factory=list)  # each output token's log-probabilities, if asked (chapter 12)
+    prompt_logprobs: list | None = None  # each prompt token's, by position, if asked (chapter 12)
 
     def __repr__(self) -> str:
         computed = f"{self.num_computed_tokens}/{self.num_tokens} computed"
@@ -61,13 +62,23 @@ class Sequence:
         elif n >= p.max_tokens:
             self.finish_reason = "length"
 
+    def record(self, reports: dict[str, list]) -> None:
+        """What chapter 12's logits processors reported for it in a step: log-probabilities of its
+        new tokens, and of prompt tokens by position (a recompute after a preemption writes them again)."""
+        self.logprobs += reports.get("logprobs", ())
+        for at, value in reports.get("prompt_logprobs", ()):
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_logprobs[at] = value
+
 
 class RequestOutput:
     """What a request has produced so far, as of one step."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                  new_token_ids: list[int], finish_reason: str | None = None, num_cached_tokens: int = 0,
-                 error: str | None = None, detokenize=None, logprobs: list | None = None):
+                 error: str | None = None, detokenize=None, logprobs: list | None = None,
+                 prompt_logprobs: list | None = None):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self.new_token_ids = new_token_ids  # generated since the previous output of this request
         self.finished, self.finish_reason, self.error = finish_reason is not None, finish_reason, error
@@ -76,6 +87,8 @@ class RequestOutput:
         # is left to whoever reads token_ids (an engine step makes 256 outputs).
         self._outputs, self._n, self._detokenize = output_token_ids, len(output_token_ids), detokenize
         self._logprobs = logprobs  # grows like output_token_ids (chapter 12)
+        # Each prompt token's log-probabilities (the first has none), if the request asked (chapter 12).
+        self.prompt_logprobs = prompt_logprobs
 
     @property
     def token_ids(self) -> list[int]:
@@ -106,9 +119,12 @@ class RequestOutput:
         """A snapshot of seq; it advances what the next snapshot reports as new."""
         new = seq.output_token_ids[seq.num_reported:]
         seq.num_reported = len(seq.output_token_ids)
+        prompt = None
+        if seq.params.prompt_logprobs is not None:  # a one-token prompt has nothing to report
+            prompt = seq.prompt_logprobs or [None] * len(seq.prompt_token_ids)
         return cls(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, new, seq.finish_reason,
                    seq.num_cached_tokens or 0, seq.error, detokenize,
-                   seq.logprobs if seq.params.logprobs is not None else None)
+                   seq.logprobs if seq.params.logprobs is not None else None, prompt)
 
 
 class RequestDataError(Exception):

@@ -113,7 +113,7 @@ def check_body(body: dict) -> None:
 
 
 # Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
-UNSUPPORTED = ("echo", "suffix", "tools", "functions", "response_format")
+UNSUPPORTED = ("suffix", "tools", "functions", "response_format")
 
 
 class StopStrings:
@@ -170,7 +170,7 @@ class Server:
         if not isinstance(body, dict):
             raise APIError("the body must be a JSON object")
         check_body(body)
-        for key in UNSUPPORTED:
+        for key in UNSUPPORTED + (("echo",) if chat else ()):
             if body.get(key) not in (None, False, 0, [], {}):
                 raise APIError(f"'{key}' is not supported by this server", param=key)
         if body.get("best_of") not in (None, 1):
@@ -197,6 +197,8 @@ class Server:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
         else:
             logprobs = req.logprobs if isinstance(req, CompletionRequest) else None
+        # echo with logprobs: the prompt's tokens are scored too, as evaluation harnesses ask
+        prompt_logprobs = logprobs if isinstance(req, CompletionRequest) and req.echo else None
         bias = None
         if req.logit_bias:
             if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
@@ -207,7 +209,8 @@ class Server:
                                     max_tokens=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
                                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                     repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
-                                    min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids, logprobs=logprobs)
+                                    min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
+                                    prompt_logprobs=prompt_logprobs)
         except ValueError as err:
             raise APIError(str(err)) from None
         return params, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -236,8 +239,10 @@ class Server:
 
     # ----- generation: one request's choices as (choice index, text piece, finish reason, tokens) -----
 
-    def requests(self, prompts: list[list[int]], params: SamplingParams, n: int, stops: list[str]):
-        """One stream per choice; every request checked before any starts."""
+    def requests(self, prompts: list[list[int]], params: SamplingParams, n: int, stops: list[str],
+                 echo: bool = False):
+        """One stream per choice; every request checked before any starts. echo: each choice's
+        text starts with its prompt's."""
         for ids in prompts:
             try:
                 self.engine.check_request(ids, params)
@@ -252,10 +257,12 @@ class Server:
                 # The choices of a seeded request differ from each other and are reproducible.
                 seed = None if params.seed is None else (params.seed + j) % 2 ** 64  # stays a 64-bit seed
                 p = dataclasses.replace(params, seed=seed) if j else params
-                streams.append(self.choice(i * n + j, self.engine.stream(ids, p), stops))  # the engine starts it now
+                stream = self.engine.stream(ids, p)  # the engine starts it now
+                streams.append(self.choice(i * n + j, stream, stops, ids if echo else None))
         return streams
 
-    async def choice(self, index: int, outputs: AsyncGenerator[RequestOutput, None], stops: list[str]):
+    async def choice(self, index: int, outputs: AsyncGenerator[RequestOutput, None], stops: list[str],
+                     echo: list[int] | None = None):
         detok, stop, count = IncrementalDetokenizer(self.tokenizer), StopStrings(stops), 0
         # Closed as soon as this choice ends: a stream left early aborts its request at once.
         async with contextlib.aclosing(outputs):
@@ -264,6 +271,11 @@ class Server:
                 logprobs = out.new_logprobs
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
+                if echo is not None:  # the prompt first, and its tokens' log-probabilities if asked
+                    piece = self.tokenizer.decode(echo) + piece
+                    if out.prompt_logprobs is not None:  # its first token has none: the token id stands in
+                        logprobs = [lp or t for t, lp in zip(echo, out.prompt_logprobs)] + (logprobs or [])
+                    echo = None
                 if stopped:
                     yield index, piece, "stop", count, logprobs
                     return
@@ -274,7 +286,8 @@ class Server:
 
     def logprobs_json(self, items: list, chat: bool, offset: int = 0) -> dict:
         """Chapter 12's TokenLogprobs in OpenAI's form: chat's `content` list, or the completions
-        endpoint's parallel lists (offset: where the first token's text starts in the choice's text)."""
+        endpoint's parallel lists (offset: where the first token's text starts in the choice's text;
+        a bare token id: an echoed prompt's first token, which has no log-probability)."""
         def entry(token: int, logprob: float) -> dict:
             text = self.token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
@@ -282,10 +295,12 @@ class Server:
         if chat:
             return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
                                 for lp in items]}
-        texts = [self.token_text(lp.token) for lp in items]
+        texts = [self.token_text(lp if isinstance(lp, int) else lp.token) for lp in items]
         offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset))
-        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in items],
-                "top_logprobs": [{self.token_text(t): p for t, p in lp.top} for lp in items], "text_offset": offsets}
+        scored = [None if isinstance(lp, int) else lp for lp in items]
+        return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+                "top_logprobs": [None if lp is None else {self.token_text(t): p for t, p in lp.top} for lp in scored],
+                "text_offset": offsets}
 
     async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:
         """A request's response: a JSON body, or (stream=true) an iterator of SSE events."""
@@ -293,7 +308,7 @@ class Server:
             await asyncio.to_thread(self.parse, raw, chat)
         default = max(min(self.chat_max_tokens, self.max_model_len - len(prompts[0])), 1) if chat else 16
         params, n, stops = self.params(req, default)
-        choices = merge(self.requests(prompts, params, n, stops))
+        choices = merge(self.requests(prompts, params, n, stops, isinstance(req, CompletionRequest) and req.echo))
         prompt_tokens = sum(map(len, prompts))
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_name}

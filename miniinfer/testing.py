@@ -1185,3 +1185,16 @@ def check_min_p_filter(fn: Callable) -> None:
         B = logits.shape[0]
         return logits, torch.rand(B, generator=gen), torch.rand(B, generator=gen) * 2 + 0.1
     check("min_p_filter", fn, min_p_mask, inputs, cases=12)
+
+
+@exercise("12", 4, "top_logprobs")
+def check_top_logprobs(fn: Callable) -> None:
+    """fn(logits [R, V], tokens [R], k) -> (the token's log-probability [R] float32, its rank [R] int64
+    (1: the most likely), the k best log-probabilities [R, k] float32 and their token ids [R, k] int64)."""
+    from miniinfer.processors import top_logprobs
+
+    def inputs(gen, case):
+        logits = torch.randn(_randint(gen, 1, 6), _randint(gen, 5, 40), generator=gen) * 3
+        tokens = torch.randint(0, logits.shape[1], (logits.shape[0],), generator=gen)
+        return logits, tokens, _randint(gen, 1, min(5, logits.shape[1]))
+    check("top_logprobs", fn, top_logprobs, inputs, cases=12)

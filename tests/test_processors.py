@@ -183,3 +183,51 @@ def test_logprobs_out_of_range_and_with_speculation_are_refused(course_model):
     failed = [o for o in engine.step() if o.request_id == rid]
     assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_prompt_logprobs_equal_transformers_under_chunking_prefix_caching_and_preemption(hf_checkpoint):
+    """Prompts sharing a prefix, some asking for prompt log-probabilities (n = 0, 3) and some not,
+    prefilled in chunks of a small budget, in a pool small enough to preempt (recompute): every prompt
+    token's log-probability, rank and top n are those of transformers' logits, each reported once by
+    position; an asking request skips the prefix cache, the others still use it."""
+    kind, folder, hf = hf_checkpoint
+    rng = random.Random(2)
+    shared = [rng.randrange(301) for _ in range(12)]
+    prompts = [shared + [rng.randrange(301) for _ in range(rng.randint(1, 14))] for _ in range(8)]
+    params = [mi.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=(None, 0, 3)[i % 3],
+                                logprobs=(None, 2)[i % 2]) for i in range(8)]
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, block_size=4, num_blocks=20, max_num_seqs=4,
+                                          enable_prefix_caching=True, enable_chunked_prefill=True,
+                                          max_num_batched_tokens=10))
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final, preempted = run_steps(engine)
+    assert preempted > 0
+    for rid, p, sp in zip(ids, prompts, params):
+        out = final[rid]
+        if sp.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            theirs = hf(torch.tensor([p])).logits[0, :-1].log_softmax(-1)
+        for lp, row, token in zip(out.prompt_logprobs[1:], theirs, p[1:]):
+            assert lp.token == token and abs(lp.logprob - row[token].item()) < 1e-4
+            assert lp.rank == int((row > row[token]).sum()) + 1
+            top = row.topk(sp.prompt_logprobs) if sp.prompt_logprobs else None
+            assert [t for t, _ in lp.top] == (top.indices.tolist() if top is not None else [])
+        assert out.token_ids == hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                            max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+    assert any(final[rid].num_cached_tokens for rid, sp in zip(ids, params) if sp.prompt_logprobs is None)
+    assert engine.block_manager.num_free_blocks == 20
+
+
+def test_prompt_logprobs_out_of_range_and_with_speculation_are_refused(course_model):
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        mi.SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs: only the engine"):
+        mi.generate_naive(course_model, [1, 2], mi.SamplingParams(prompt_logprobs=0))
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64, speculative_method="ngram"), model=course_model)
+    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, prompt_logprobs=0))
+    failed = [o for o in engine.step() if o.request_id == rid]
+    assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
+    assert engine.block_manager.num_free_blocks == 64

@@ -214,6 +214,7 @@ BAD = [
     ({"prompt": "x", "top_p": "high"}, 400), ({"prompt": "x", "max_tokens": 0}, 400),
     ({"prompt": "x", "max_tokens": True}, 400), ({"prompt": "x", "n": 0}, 400), ({"prompt": "x", "top_k": -2}, 400),
     ({"prompt": "x", "stop": [""]}, 400), ({"prompt": "x", "seed": 1.5}, 400), ({"prompt": "x", "logprobs": 21}, 400),
+    ({"prompt": "x", "echo": "yes"}, 400), ({"prompt": "x", "suffix": "y"}, 400),
     ({"prompt": "x", "presence_penalty": 2.5}, 400), ({"prompt": "x", "repetition_penalty": 0}, 400),
     ({"prompt": "x", "logit_bias": {"x1": 1}}, 400), ({"prompt": "x", "logit_bias": {"5": 101}}, 400),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, 400), ({"prompt": "x", "stop_token_ids": [99999]}, 400),
@@ -285,6 +286,36 @@ def test_logprobs_are_the_engines_whole_and_streamed(client, url, course_model):
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                        "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_as_the_engines_prompt_logprobs(client, url, course_model):
+    """What evaluation harnesses send (token ids, echo, logprobs: 1, max_tokens: 1): the prompt's tokens
+    come back first, the first without a log-probability, the rest as the engine's prompt_logprobs."""
+    tok = mi.load_tokenizer()
+    ids = tok("def add(a, b):\n    return a + b").input_ids
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model, tokenizer=tok)
+    ref = engine.generate([ids], mi.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1),
+                          use_tqdm=False)[0]
+    both = ref.prompt_logprobs[1:] + ref.logprobs
+    for stream in (False, True):
+        got = client.completions.create(model="pycoder", prompt=[ids, ids], max_tokens=1, temperature=0, logprobs=1,
+                                        echo=True, stream=stream)
+        choices = [c for chunk in (got if stream else [got]) for c in chunk.choices]
+        for i in (0, 1):
+            parts = [c for c in choices if c.index == i]
+            text = "".join(p.text for p in parts)
+            lp = [p.logprobs for p in parts if p.logprobs]
+            tokens, values = sum((p.tokens for p in lp), []), sum((p.token_logprobs for p in lp), [])
+            assert text == tok.decode(ids) + ref.text
+            assert tokens == [tok.decode([t]) for t in ids + ref.token_ids]
+            assert values[0] is None and all(abs(a - r.logprob) < 1e-5 for a, r in zip(values[1:], both))
+            tops = sum((p.top_logprobs for p in lp), [])
+            assert tops[0] is None and [list(d) for d in tops[1:]] == [[tok.decode([r.top[0][0]])] for r in both]
+            assert sum((p.text_offset for p in lp), []) == list(itertools.accumulate(map(len, tokens[:-1]), initial=0))
+    plain = client.completions.create(model="pycoder", prompt="def add(a, b):", max_tokens=4, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith("def add(a, b):") and plain.choices[0].logprobs is None
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):
