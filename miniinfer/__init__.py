@@ -29,7 +29,7 @@ from miniinfer.speculative import DraftProposer, NgramProposer, Proposer, Specul
 from miniinfer.paged_cache import (PAGED_BACKENDS, PagedKVCache, gather_kv, generate_paged, paged_attention_ref,  # noqa: E402
                                    paged_utilization, slot_mapping)
 from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
-from miniinfer.sampling import SamplingParams, sample  # noqa: E402
+from miniinfer.sampling import SamplingParams, StructuredOutput, sample  # noqa: E402
 from miniinfer.scheduler import POLICIES, NewRequest, Scheduler, SchedulerOutput, SchedulingPolicy  # noqa: E402
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence, Status  # noqa: E402
 from miniinfer import quant  # noqa: E402,F401  (registers the quantization methods)
@@ -48,8 +48,8 @@ except ImportError:
 
 __all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "OutOfBlocks", "PagedKVCache",
            "draw_pool", "gather_kv", "generate_paged", "paged_attention_ref", "paged_utilization",
-           "replay", "slot_mapping", "ModelConfig", "SamplingParams", "StaticBatchGenerator", "StaticKVCache",
-           "Transformer",
+           "replay", "slot_mapping", "ModelConfig", "SamplingParams", "StructuredOutput", "StaticBatchGenerator",
+           "StaticKVCache", "Transformer",
            "benchmark_lengths", "course_model_path", "generate_cached", "generate_naive",
            "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
            "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from collections import abc
-from typing import Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -38,6 +38,11 @@ class Limits(NamedTuple):
     block_size: int
 
 
+# Chapter 12's checks of a request against the model's tokenizer (a grammar must compile), each
+# fn(params, tokenizer, limits) raising ValueError.
+REQUEST_CHECKS: list[Callable[[SamplingParams, Any, Limits], None]] = []
+
+
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits) -> list[int]:
     """The prompt's token ids, or ValueError if an engine with these limits can never serve it."""
     if not isinstance(params, SamplingParams):
@@ -58,6 +63,8 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
         outside = [t for t in getattr(params, name) or () if t >= vocab]
         if outside:
             raise ValueError(f"{name} names token ids outside the vocabulary (0..{vocab - 1}): {outside[:5]}")
+    for check in REQUEST_CHECKS:
+        check(params, tokenizer, limits)
     total = len(ids) + params.max_tokens
     if total > limits.max_model_len:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+import json
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from miniinfer.model_runner import LOGITS_PROCESSORS, ModelRunner, StepBatch
-from miniinfer.sampling import SamplingParams
+from miniinfer.engine import REQUEST_CHECKS, Limits
+from miniinfer.loader import load_tokenizer
+from miniinfer.model_runner import LOGITS_PROCESSORS, ModelRunner, StepBatch, to_host
+from miniinfer.sampling import SamplingParams, StructuredOutput
 from miniinfer.varlen import to_device
 
 
@@ -294,6 +298,114 @@ class PromptLogprobs(Scores):
         return out
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] and bitmask [R, ceil(V / 32)] int32, bit j of word w set when token 32w + j is
+    allowed -> logits with -inf at every token that is not."""
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # bit 31 too: >> keeps the sign
+    allowed = bits.flatten(1)[:, :logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+@functools.cache
+def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
+    """xgrammar's compiler for a tokenizer and a model's vocabulary (it caches what it compiles). The
+    end tokens are the model's (none given: the tokenizer's, enough to check that a grammar compiles)."""
+    import xgrammar as xgr
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=list(eos_token_ids) or None)
+    return xgr.GrammarCompiler(info)
+
+
+def compile_structure(s: StructuredOutput, compiler):
+    """A StructuredOutput as xgrammar's compiled grammar, or ValueError with its reason."""
+    try:
+        if s.choice is not None:  # JSON string literals are EBNF's too
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                      for c in s.choice))
+        if s.regex is not None:
+            return compiler.compile_regex(s.regex)
+        # No free whitespace in JSON: a small model could otherwise write spaces to the end of max_tokens.
+        schema = s.json if s.json is not None else '{"type": "object"}'
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    except RuntimeError as err:  # xgrammar's message after its source location
+        raise ValueError(f"structured_output does not compile: {str(err).split(': ', 1)[-1].strip()}") from None
+
+
+def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:
+    if params.structured_output is not None:
+        if tokenizer is None:
+            raise ValueError("structured_output needs the model's tokenizer")
+        compile_structure(params.structured_output, grammar_compiler(tokenizer, limits.vocab_size))
+
+
+class Structured(Processor):
+    """Each row with a StructuredOutput masked to the tokens its grammar allows next."""
+    mask = staticmethod(apply_bitmask)
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.compiler: Any = None  # for the model's tokenizer, made for the first request that needs it
+        self.matchers: dict[int, Any] = {}  # row -> its request's matcher
+        self.bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, made when first needed
+        self.pending: tuple[list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
+
+    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
+        self.matchers.pop(row, None)
+        if params.structured_output is None:
+            return
+        import xgrammar as xgr
+        if self.compiler is None:
+            cfg = self.runner.model.cfg
+            tokenizer = load_tokenizer(self.runner.config.model)
+            self.compiler = grammar_compiler(tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        matcher = xgr.GrammarMatcher(compile_structure(params.structured_output, self.compiler))
+        for token in output:  # back after a preemption: where it was
+            matcher.accept_token(token)
+        self.matchers[row] = matcher
+
+    def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
+        self.take_pending()
+        hits = [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers] \
+            if self.matchers else []
+        if not hits:
+            return logits
+        if self.bitmask is None:
+            self.bitmask = torch.empty(self.runner.config.max_num_seqs, -(-logits.shape[1] // 32), dtype=torch.int32)
+        for n, (_, matcher) in enumerate(hits):
+            if matcher.is_terminated():  # done (its end token was sampled): what it gets next is dropped
+                self.bitmask[n] = -1
+            else:
+                matcher.fill_next_token_bitmask(self.bitmask, n)
+        at = to_device(np.array([i for i, _ in hits]), logits.device)
+        mask = to_device(self.bitmask[:len(hits)].numpy(), logits.device)  # a pinned copy: no wait
+        return logits.index_copy(0, at, self.mask(logits[at], mask))
+
+    def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
+        hits = [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers] \
+            if self.matchers else []
+        if hits:  # the matchers themselves, not their rows: a row may have a new request by the time they land
+            at = to_device(np.array([i for i, _ in hits]), tokens.device)
+            ready = torch.cuda.Event() if tokens.is_cuda else None
+            host = to_host(tokens[at]) if tokens.is_cuda else tokens[at]
+            if ready is not None:
+                ready.record()
+            self.pending = ([m for _, m in hits], host, ready)
+        return None
+
+    def take_pending(self) -> None:
+        """The last step's tokens into their matchers (it waits for that step only)."""
+        if self.pending is None:
+            return
+        matchers, host, ready = self.pending
+        self.pending = None
+        if ready is not None:
+            ready.synchronize()
+        for matcher, token in zip(matchers, host.tolist()):
+            if not matcher.is_terminated():
+                matcher.accept_token(token)
+
+
+REQUEST_CHECKS.append(check_structure)
 # In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks.
 LOGITS_PROCESSORS.update(logprobs=Logprobs, prompt_logprobs=PromptLogprobs, penalties=Penalties,
-                         logit_bias=LogitBias, min_tokens=MinTokens, min_p=MinP)
+                         logit_bias=LogitBias, min_tokens=MinTokens, min_p=MinP, structured=Structured)

@@ -3,7 +3,7 @@ request at the door and describe the API in /openapi.json. Hand-written module (
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -36,6 +36,18 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JSONSchema(Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the schema (none: any JSON object)")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
 class SamplingFields(Strict):
     """What both endpoints take besides the prompt."""
     model: str | None = None
@@ -58,6 +70,12 @@ class SamplingFields(Strict):
         None, description="token id (a string of digits) -> added to its logit")
     min_tokens: int = Field(0, ge=0, description="no end-of-sequence or stop token before this many")
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOPS)] | None = None
+    # Structured output (chapter 12): OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="a regular expression the output matches")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="the output is one of these")
 
 
 class CompletionRequest(SamplingFields):

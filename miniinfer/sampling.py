@@ -8,6 +8,25 @@ import torch
 MAX_LOGPROBS = 20  # top log-probabilities a token may report (OpenAI's limit)
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow (chapter 12), exactly one of: a JSON schema (as JSON text),
+    any JSON object, a regular expression, or one of a list of strings."""
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        given = [self.json is not None, self.json_object is True, self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("structured_output takes exactly one of json, json_object, regex, choice")
+        if not all(isinstance(v, str) for v in (self.json, self.regex) if v is not None) or \
+                not (self.choice is None or (isinstance(self.choice, tuple) and self.choice
+                                             and all(isinstance(c, str) for c in self.choice))):
+            raise ValueError("structured_output: json and regex are strings, choice a non-empty tuple of strings")
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
@@ -26,6 +45,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # tokens that end the request, besides end-of-sequence
     logprobs: int | None = None  # each generated token's log-probability and the top n others'
     prompt_logprobs: int | None = None  # each prompt token's (after the first), as evaluation harnesses ask
+    structured_output: StructuredOutput | None = None  # a grammar the output follows
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -57,6 +77,8 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}], got {n!r}")
+        if not isinstance(self.structured_output, (StructuredOutput, type(None))):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r:.100}")
         stops = self.stop_token_ids
         if stops is not None and not (isinstance(stops, list) and all(isinstance(t, int) and t >= 0 for t in stops)):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stops!r:.100}")
@@ -65,7 +87,8 @@ class SamplingParams:
         """The fields set here that only the engine's sampler serves (chapter 12)."""
         neutral = SamplingParams()
         return [name for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                                  "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "prompt_logprobs")
+                                  "logit_bias", "min_tokens", "stop_token_ids", "logprobs", "prompt_logprobs",
+                                  "structured_output")
                 if getattr(self, name) not in (getattr(neutral, name), {}, [])]
 
     def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:

@@ -2,6 +2,7 @@
 logits processors and OpenAI's formulas; in the engine, greedy decoding with them equals
 transformers' (or a plain loop's) under continuous batching; bad values are refused."""
 
+import json
 import random
 
 import pytest
@@ -231,3 +232,54 @@ def test_prompt_logprobs_out_of_range_and_with_speculation_are_refused(course_mo
     failed = [o for o in engine.step() if o.request_id == rid]
     assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
     assert engine.block_manager.num_free_blocks == 64
+
+
+def test_structured_output_always_parses_and_validates_beside_free_requests(course_model):
+    """Every schema, greedy and sampled, in one continuous batch with unconstrained requests, in a pool
+    small enough to preempt: every constrained output parses and validates, the free ones run as alone."""
+    import jsonschema
+    from schemas import SCHEMAS
+    tok = mi.load_tokenizer()
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS):
+        for t in (0, 1.0):
+            prompts.append(["def config():\n    return", "# data\n", "x ="][i % 3])
+            params.append(mi.SamplingParams(temperature=t, seed=i, max_tokens=100,
+                                            structured_output=mi.StructuredOutput(json=json.dumps(schema))))
+    free = [mi.SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 6
+    engine = mi.LLMEngine(mi.EngineConfig(block_size=4, num_blocks=40, max_num_seqs=16), model=course_model,
+                          tokenizer=tok)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts + ["def add(a, b):"] * 6, params + free)]
+    final, preempted = run_steps(engine)
+    outs = [final[rid] for rid in ids]
+    assert preempted > 0 and engine.block_manager.num_free_blocks == 40
+    for i, (sp, out) in enumerate(zip(params, outs)):
+        assert out.finish_reason == "stop", (SCHEMAS[i // 2], out.text)
+        value = json.loads(tok.decode(out.token_ids[:-1]))  # without the end token the grammar ended on
+        jsonschema.validate(value, SCHEMAS[i // 2])
+    alone = engine.generate(["def add(a, b):"], free[:1], use_tqdm=False)[0].token_ids
+    assert all(o.token_ids == alone for o in outs[len(params):])
+
+
+def test_regex_and_choice_outputs_match_and_bad_grammars_are_refused(course_model):
+    import re
+    tok = mi.load_tokenizer()
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model, tokenizer=tok)
+    S = mi.StructuredOutput
+    cases = [(S(regex=r"[0-9]{3}-[0-9]{4}"), lambda s: re.fullmatch(r"[0-9]{3}-[0-9]{4}", s)),
+             (S(choice=("yes", "no", 'say "hi"\n', "héllo")), lambda s: s in ("yes", "no", 'say "hi"\n', "héllo")),
+             (S(json_object=True), lambda s: isinstance(json.loads(s), dict))]
+    for t in (0, 1.0):
+        params = [mi.SamplingParams(temperature=t, seed=3, max_tokens=60, structured_output=s) for s, _ in cases]
+        for (_, ok), out in zip(cases, engine.generate(["def f():"] * len(cases), params, use_tqdm=False)):
+            assert out.finish_reason == "stop" and ok(tok.decode(out.token_ids[:-1])), out.text
+    for bad, match in [(S(json='{"type": "nope"}'), "Unsupported type"), (S(json="{not json"), "does not compile"),
+                       (S(regex="a(b"), "parenthesis")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("x", mi.SamplingParams(structured_output=bad))
+    for kwargs in (dict(), dict(json="{}", regex="a"), dict(choice=()), dict(choice=["a"])):
+        with pytest.raises(ValueError, match="structured_output"):
+            S(**kwargs)
+    with pytest.raises(ValueError, match="structured_output: only the engine"):
+        mi.generate_naive(course_model, [1, 2], mi.SamplingParams(structured_output=S(json_object=True)))
+    assert not engine.requests and engine.block_manager.num_free_blocks == 64

@@ -7,6 +7,7 @@ import concurrent.futures
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -316,6 +317,51 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_the_engines_prompt_logprobs(c
     assert plain.choices[0].text.startswith("def add(a, b):") and plain.choices[0].logprobs is None
     r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_structured_output_through_response_format_and_guided_fields(client, url):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's guided_* fields, whole and
+    streamed, beside free requests; a grammar that does not compile is a 400 in its field."""
+    import jsonschema
+    from schemas import SCHEMAS
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    free = pool.submit(client.completions.create, model="pycoder", prompt="def add(a, b):", max_tokens=200,
+                       temperature=0, extra_body={"ignore_eos": True})
+
+    def ask(schema, stream):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+        out = client.chat.completions.create(model="pycoder", messages=[{"role": "user", "content": "data"}],
+                                             max_tokens=150, temperature=1.0, seed=7, stream=stream,
+                                             response_format=fmt)
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices) if stream else \
+            out.choices[0].message.content
+
+    for schema, text in zip(SCHEMAS[:8], pool.map(ask, SCHEMAS[:8], [False, True] * 4)):
+        jsonschema.validate(json.loads(text), schema)
+    obj = client.completions.create(model="pycoder", prompt="x =", max_tokens=100,
+                                    extra_body={"response_format": {"type": "json_object"}}).choices[0].text
+    assert isinstance(json.loads(obj), dict)
+    year = client.completions.create(model="pycoder", prompt="year:", max_tokens=10,
+                                     extra_body={"guided_regex": "[0-9]{4}"}).choices[0].text
+    assert re.fullmatch(r"[0-9]{4}", year)
+    assert client.completions.create(model="pycoder", prompt="ok?", max_tokens=10, temperature=1.0,
+                                     extra_body={"guided_choice": ["yes", "no"]}).choices[0].text in ("yes", "no")
+    assert len(free.result().choices[0].text) > 100
+    for body, param in [({"guided_regex": "a(b"}, "guided_regex"), ({"guided_json": {"type": "nope"}}, "guided_json"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+                         "response_format"), ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice")]:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # A schema that takes seconds to compile: refused after the door's limit, and again at once, while
+    # the server answers on (its compile runs in a thread).
+    slow = {"prompt": "x", "guided_json": {"type": "object", "properties": {f"k{i}": {"type": "integer"}
+                                                                             for i in range(1000)}}}
+    refused = pool.submit(httpx.post, url + "/v1/completions", json=slow, timeout=60)
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    assert httpx.get(url + "/health").status_code == 200 and time.perf_counter() - t0 < 1
+    for r in (refused.result(), httpx.post(url + "/v1/completions", json=slow, timeout=60)):
+        assert r.status_code == 400 and "to compile" in r.json()["error"]["message"], r.text
 
 
 def test_bad_requests_get_openai_errors_and_serving_goes_on(url, client):

@@ -1,0 +1,58 @@
+"""JSON schemas for the structured-output tests: nested objects, arrays, enums, numbers, strings with
+patterns, optional and nullable fields."""
+
+NAME = {"type": "string", "maxLength": 16}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 4}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["zip"]},
+    {"type": "object", "properties": {"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}},
+     "required": ["date"]},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "integer"},
+                                                                                "y": {"type": "integer"}},
+                                                "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"]},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 6},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "name": NAME, "roles": {"type": "array", "items": {"enum": ["admin", "dev", "guest"]}, "maxItems": 3}},
+        "required": ["name", "roles"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": ["string", "null"], "maxLength": 10}},
+     "required": ["id", "note"]},
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0}, "currency": {"enum": ["USD", "EUR"]}},
+     "required": ["price", "currency"]},
+    {"type": "object", "properties": {"matrix": {"type": "array", "items": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}, "minItems": 2, "maxItems": 2}},
+     "required": ["matrix"]},
+    {"type": "object", "properties": {"email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.(com|org)$"}},
+     "required": ["email"]},
+    {"type": "object", "properties": {"status": {"const": "done"}, "count": {"type": "integer", "minimum": 1}},
+     "required": ["status", "count"]},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                                         "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["sku", "qty"], "additionalProperties": False}, "minItems": 1, "maxItems": 3}},
+     "required": ["items"]},
+    {"type": "string", "enum": ["alpha", "beta", "gamma"]},
+    {"type": "integer", "minimum": 10, "maximum": 99},
+    {"type": "object", "properties": {"version": {"type": "string", "pattern": "^[0-9]\\.[0-9]{1,2}\\.[0-9]{1,2}$"},
+                                      "stable": {"type": "boolean"}}, "required": ["version", "stable"]},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}}, "required": ["c"]}}, "required": ["b"]}},
+     "required": ["a"]},
+    {"type": "object", "properties": {"kind": {"enum": ["circle", "square"]}, "size": {"type": "number",
+                                                                                     "exclusiveMinimum": 0}},
+     "required": ["kind", "size"], "additionalProperties": False},
+    {"type": "object", "properties": {"hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+                                      "alpha": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["hex"]},
+    {"type": "object", "properties": {"words": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{2,6}$"},
+                                                "minItems": 3, "maxItems": 3}}, "required": ["words"]},
+    {"type": "object", "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
+                                      "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+     "required": ["lat", "lon"], "additionalProperties": False},
+]
