@@ -1198,3 +1198,16 @@ def check_top_logprobs(fn: Callable) -> None:
         tokens = torch.randint(0, logits.shape[1], (logits.shape[0],), generator=gen)
         return logits, tokens, _randint(gen, 1, min(5, logits.shape[1]))
     check("top_logprobs", fn, top_logprobs, inputs, cases=12)
+
+
+@exercise("12", 5, "apply_bitmask")
+def check_apply_bitmask(fn: Callable) -> None:
+    """fn(logits [R, V], bitmask [R, ceil(V / 32)] int32) -> logits with -inf where a token's bit is 0."""
+    from miniinfer.processors import apply_bitmask
+
+    def inputs(gen, case):
+        V = (33, 64, 95)[case] if case < 3 else _randint(gen, 1, 200)  # a last word part used; all 32 bits
+        R = _randint(gen, 1, 5)
+        bitmask = torch.randint(-2 ** 31, 2 ** 31, (R, -(-V // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+        return torch.randn(R, V, generator=gen), bitmask
+    check("apply_bitmask", fn, apply_bitmask, inputs, cases=12)
