@@ -363,10 +363,15 @@ class Structured(Processor):
             matcher.accept_token(token)
         self.matchers[row] = matcher
 
+    def held(self, step: StepBatch) -> list[tuple[int, Any]]:
+        """(batch index, matcher) of the step's rows that sample under a grammar."""
+        if not self.matchers:
+            return []
+        return [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers]
+
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         self.take_pending()
-        hits = [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers] \
-            if self.matchers else []
+        hits = self.held(step)
         if not hits:
             return logits
         if self.bitmask is None:
@@ -381,8 +386,7 @@ class Structured(Processor):
         return logits.index_copy(0, at, self.mask(logits[at], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        hits = [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers] \
-            if self.matchers else []
+        hits = self.held(step)
         if hits:  # the matchers themselves, not their rows: a row may have a new request by the time they land
             at = to_device(np.array([i for i, _ in hits]), tokens.device)
             ready = torch.cuda.Event() if tokens.is_cuda else None

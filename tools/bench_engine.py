@@ -14,6 +14,9 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     batch1     one request: decode tokens/s against the weight-read floor
     hf_batch1  transformers generate at batch 1 with its static cache, compiled and eager
     profile    host and device time of decode steps
+    sampling   chapter 12's costs in one run: the workload plain, with every other request held to a JSON
+               schema (xgrammar's masks; the course tokenizer's 4,096 tokens inside the shape's vocabulary),
+               and with every request asking for its tokens' top-5 log-probabilities
     python tools/bench_engine.py run docs/benchmarks/engine_h200.json ours qwen3:ours ...
     python tools/bench_engine.py plot docs/benchmarks/engine_h200.json
 """
@@ -69,17 +72,18 @@ def greedy(n: int) -> mi.SamplingParams:
     return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def engine_for(model, **kw) -> mi.LLMEngine:
+def engine_for(model, tokenizer=None, **kw) -> mi.LLMEngine:
     gc.collect()  # the previous part's engine: its pool and graphs go before this one sizes its pool
     torch.cuda.empty_cache()
     return mi.LLMEngine(mi.EngineConfig(**{"device": "cuda", "dtype": DT, "max_model_len": MAX_MODEL_LEN, **kw}),
-                        model=model)
+                        model=model, tokenizer=tokenizer)
 
 
-def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = None) -> dict:
-    """Serve the workload step by step, recording each step; `late` arrives after 2 s."""
-    for p, o in zip(prompts, outs):
-        engine.add_request(p, greedy(o))
+def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = None, params=None) -> dict:
+    """Serve the workload step by step, recording each step; `late` arrives after 2 s. params(i, n):
+    request i's SamplingParams for n tokens (default: greedy)."""
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        engine.add_request(p, params(i, o) if params else greedy(o))
     trace, late_id, late_t0, ttft = [], None, None, None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -343,6 +347,31 @@ def profile(model, prompts, outs) -> dict:
     return res
 
 
+# Free strings, so that a random model stays inside the grammar to its last token (ignore_eos keeps
+# every request to its length, as in the plain run, and the grammar's end is where its mask ends).
+SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "items": {
+    "type": "array", "items": {"type": "string"}}}, "required": ["name", "items"]})
+
+
+def sampling(model, prompts, outs) -> dict:
+    """The workload three ways in one run: plain, half of it held to SCHEMA, all of it with top-5 logprobs."""
+    ways = {"plain": lambda i, n: greedy(n),
+            "half_json": lambda i, n: mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                        structured_output=mi.StructuredOutput(json=SCHEMA) if i % 2
+                                                        else None),
+            "logprobs_top5": lambda i, n: mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)}
+    res = {}
+    for name, params in ways.items():
+        engine = engine_for(model, mi.load_tokenizer())  # the door checks grammars with it, as the runner does
+        engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)  # warm-up, grammar compiled
+        r = run_engine(engine, prompts, outs, params=params)
+        res[name] = {k: v for k, v in r.items() if k != "trace"}
+        print(f"sampling {name}: {r['output_tokens_per_s']:.0f} output tok/s", flush=True)
+    for name in ("half_json", "logprobs_top5"):
+        res[name]["of_plain"] = res[name]["output_tokens_per_s"] / res["plain"]["output_tokens_per_s"]
+    return res
+
+
 def main(out_path: str, parts: list[str]) -> None:
     """Run the parts in the order given; the JSON is rewritten after each, so a run cut short keeps
     what it finished."""
@@ -383,6 +412,8 @@ def main(out_path: str, parts: list[str]) -> None:
             r["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
         elif part == "hf_static":
             r["hf_static"] = hf_static(hf, prompts, outs)
+        elif part == "sampling":
+            r["sampling"] = sampling(model, prompts, outs)
         else:
             raise ValueError(f"unknown part {part!r}")
         path.write_text(json.dumps(res, indent=1))
