@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import multiprocessing
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import AsyncGenerator, Callable, Union
 
 from miniinfer.config import EngineConfig
-from miniinfer.engine import Limits, LLMEngine, check_request
+from miniinfer.engine import REQUEST_PREPARES, Limits, LLMEngine, check_request
 from miniinfer.loader import load_tokenizer
 from miniinfer.sampling import SamplingParams
 from miniinfer.sequence import RequestOutput
@@ -90,35 +91,68 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
                emit: Callable[[list[EngineOutput], EngineStats], None]) -> None:
     """Step `engine` until Shutdown. Commands are applied between steps (`next_command(True)` waits
     for one while the engine is idle); emit gets each step's outputs and the engine's state."""
-    while True:
-        outputs, command = [], next_command(not engine.has_unfinished_requests())
-        while command is not None:
-            if isinstance(command, Shutdown):
-                for rid in list(engine.requests):  # after any request that failed to join
-                    engine.abort(rid)
-                    outputs.append(EngineOutput(rid, [], "abort", error="the engine was closed"))
-                emit(outputs, EngineStats.of(engine))
-                return
-            if isinstance(command, AddRequest):
-                try:
-                    engine.enqueue(command.prompt_token_ids, command.params, request_id=command.request_id)
-                except ValueError as err:
-                    outputs.append(EngineOutput(command.request_id, [], "error", error=str(err)))
-            else:
-                engine.abort(command.request_id)
-            command = next_command(False)
-        before = list(engine.requests)
+    preparing: dict[str, tuple[concurrent.futures.Future, AddRequest]] = {}
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-prepare") as pool:
+        while True:
+            outputs, command = [], next_command(not engine.has_unfinished_requests() and not preparing)
+            while command is not None:
+                if isinstance(command, Shutdown):
+                    for rid in [*engine.requests, *preparing]:  # after any request that failed to join
+                        engine.abort(rid)
+                        outputs.append(EngineOutput(rid, [], "abort", error="the engine was closed"))
+                    emit(outputs, EngineStats.of(engine))
+                    return
+                if isinstance(command, AddRequest):
+                    jobs = [work for prepare in REQUEST_PREPARES if (work := prepare(engine, command.params))]
+                    if jobs:  # long work first, in a thread (chapter 12's grammars): the steps go on
+                        preparing[command.request_id] = (pool.submit(run_all, jobs), command)
+                    else:
+                        outputs += enqueue(engine, command)
+                else:
+                    engine.abort(command.request_id)
+                    preparing.pop(command.request_id, None)
+                command = next_command(False)
+            for rid, (future, add) in list(preparing.items()):
+                if future.done():
+                    del preparing[rid]
+                    outputs += enqueue(engine, add, future.exception())
+            if preparing and not engine.has_unfinished_requests():  # nothing to step: wait for them a little
+                concurrent.futures.wait([future for future, _ in preparing.values()], timeout=0.05,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            step(engine, outputs, emit)
+
+
+def run_all(jobs: list[Callable[[], object]]) -> None:
+    for job in jobs:
+        job()
+
+
+def enqueue(engine: LLMEngine, add: AddRequest, failure: BaseException | None = None) -> list[EngineOutput]:
+    """Queue a request checked at the door (and prepared); the error output instead if it cannot be."""
+    if failure is None:
         try:
-            done = engine.step()
-        except Exception as err:  # the engine aborted that step's requests: tell their clients
-            failure = f"{type(err).__name__}: {err}"
-            outputs += [EngineOutput(rid, [], "error", error=failure) for rid in before if rid not in engine.requests]
-            done = []
-        # A request that failed on its own data (the others of its step ran): its client gets the error.
-        outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
-                                 o.error and f"the request failed: {o.error}", o.new_logprobs,
-                                 o.prompt_logprobs if o.prompt_logprobs and first_output(o) else None) for o in done]
-        emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
+            engine.enqueue(add.prompt_token_ids, add.params, request_id=add.request_id)
+            return []
+        except ValueError as err:
+            failure = err
+    return [EngineOutput(add.request_id, [], "error", error=str(failure))]
+
+
+def step(engine: LLMEngine, outputs: list[EngineOutput],
+         emit: Callable[[list[EngineOutput], EngineStats], None]) -> None:
+    """One step; emit its outputs after those already in `outputs`."""
+    before = list(engine.requests)
+    try:
+        done = engine.step()
+    except Exception as err:  # the engine aborted that step's requests: tell their clients
+        failure = f"{type(err).__name__}: {err}"
+        outputs += [EngineOutput(rid, [], "error", error=failure) for rid in before if rid not in engine.requests]
+        done = []
+    # A request that failed on its own data (the others of its step ran): its client gets the error.
+    outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
+                             o.error and f"the request failed: {o.error}", o.new_logprobs,
+                             o.prompt_logprobs if o.prompt_logprobs and first_output(o) else None) for o in done]
+    emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
 
 
 def first_output(o: RequestOutput) -> bool:

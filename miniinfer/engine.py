@@ -41,6 +41,10 @@ class Limits(NamedTuple):
 # Chapter 12's checks of a request against the model's tokenizer (a grammar must compile), each
 # fn(params, tokenizer, limits) raising ValueError.
 REQUEST_CHECKS: list[Callable[[SamplingParams, Any, Limits], None]] = []
+# Work a request needs before its first step that can take long (chapter 12 compiles its grammar),
+# each fn(engine, params) -> a function to run first, or None. The engine's loop in a server runs them
+# in a thread (chapter 08's run_engine), so that the running requests' steps go on meanwhile.
+REQUEST_PREPARES: list[Callable[[LLMEngine, SamplingParams], Callable[[], Any] | None]] = []
 
 
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits) -> list[int]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
-from miniinfer.engine import REQUEST_CHECKS, Limits
+from miniinfer.engine import REQUEST_CHECKS, REQUEST_PREPARES, Limits, LLMEngine
 from miniinfer.loader import load_tokenizer
 from miniinfer.model_runner import LOGITS_PROCESSORS, ModelRunner, StepBatch, to_host
 from miniinfer.sampling import SamplingParams, StructuredOutput
@@ -331,6 +332,21 @@ def compile_structure(s: StructuredOutput, compiler):
         raise ValueError(f"structured_output does not compile: {str(err).split(': ', 1)[-1].strip()}") from None
 
 
+@functools.cache
+def runner_compiler(model: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """The compiler of the runners of a checkpoint in this process: the engine's loop compiles a
+    request's grammar with it in a thread beforehand, and the runner then finds it compiled."""
+    return grammar_compiler(load_tokenizer(model), vocab_size, eos_token_ids)
+
+
+def prepare_structure(engine: LLMEngine, params: SamplingParams) -> Callable[[], Any] | None:
+    if params.structured_output is None or engine.config.tensor_parallel_size > 1:  # ranks compile their own
+        return None
+    cfg = engine.model.cfg
+    compiler = runner_compiler(engine.config.model, cfg.vocab_size, tuple(cfg.eos_token_ids))
+    return functools.partial(compile_structure, params.structured_output, compiler)
+
+
 def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:
     if params.structured_output is not None:
         if tokenizer is None:
@@ -344,7 +360,6 @@ class Structured(Processor):
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.compiler: Any = None  # for the model's tokenizer, made for the first request that needs it
         self.matchers: dict[int, Any] = {}  # row -> its request's matcher
         self.bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, made when first needed
         self.pending: tuple[list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
@@ -354,11 +369,9 @@ class Structured(Processor):
         if params.structured_output is None:
             return
         import xgrammar as xgr
-        if self.compiler is None:
-            cfg = self.runner.model.cfg
-            tokenizer = load_tokenizer(self.runner.config.model)
-            self.compiler = grammar_compiler(tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
-        matcher = xgr.GrammarMatcher(compile_structure(params.structured_output, self.compiler))
+        cfg = self.runner.model.cfg
+        compiler = runner_compiler(self.runner.config.model, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        matcher = xgr.GrammarMatcher(compile_structure(params.structured_output, compiler))
         for token in output:  # back after a preemption: where it was
             matcher.accept_token(token)
         self.matchers[row] = matcher
@@ -410,6 +423,7 @@ class Structured(Processor):
 
 
 REQUEST_CHECKS.append(check_structure)
+REQUEST_PREPARES.append(prepare_structure)
 # In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks.
 LOGITS_PROCESSORS.update(logprobs=Logprobs, prompt_logprobs=PromptLogprobs, penalties=Penalties,
                          logit_bias=LogitBias, min_tokens=MinTokens, min_p=MinP, structured=Structured)

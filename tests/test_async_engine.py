@@ -218,3 +218,57 @@ def test_outputs_of_several_steps_go_as_one():
 def test_outputs_cross_the_pipe_packed_unchanged(rows):
     outputs = [mi.async_engine.EngineOutput(*row) for row in rows]
     assert mi.async_engine.unpack(pickle.loads(pickle.dumps(mi.async_engine.pack(outputs)))) == outputs
+
+
+def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, monkeypatch):
+    """Thread mode (a preparation registered in this process): a request whose preparation takes
+    1 s (as a grammar that compiles slowly) waits for it in a thread while another request streams;
+    then it runs exactly. One aborted while preparing never runs; one whose preparation fails ends
+    with the reason."""
+    import time
+
+    def slow(engine, params):
+        if params.seed == 1:
+            return lambda: time.sleep(1.0)
+        if params.seed == 2:
+            return lambda: (_ for _ in ()).throw(ValueError("it does not prepare"))
+        return None
+
+    monkeypatch.setattr(mi.engine, "REQUEST_PREPARES", [slow])
+    monkeypatch.setattr(mi.async_engine, "REQUEST_PREPARES", mi.engine.REQUEST_PREPARES)
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model))
+    queued, enqueue = [], eng.client.engine.enqueue
+    eng.client.engine.enqueue = lambda *a, **k: queued.append(enqueue(*a, **k))
+    free = mi.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    held = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, seed=1)
+
+    async def timed(prompt, params):
+        times = []
+        async for out in eng.generate(prompt, params):
+            times += [time.perf_counter()] * len(out.new_token_ids)
+        return times
+
+    async def main():
+        t0 = time.perf_counter()
+        free_times, held_times = await asyncio.gather(timed([5, 6], free), timed([7, 8], held))
+        try:
+            await collect(eng, [1, 2], mi.SamplingParams(max_tokens=4, seed=2))
+            failed = None
+        except RuntimeError as err:
+            failed = err
+        leaver = asyncio.ensure_future(collect(eng, [3, 4], held))
+        await asyncio.sleep(0.1)
+        leaver.cancel()  # aborted while it prepares
+        await asyncio.sleep(1.2)  # its preparation has ended by now
+        await drained(eng)
+        return t0, free_times, held_times, failed
+
+    try:
+        t0, free_times, held_times, failed = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        eng.close()
+    assert held_times[0] - t0 >= 1.0  # it waited for its preparation...
+    assert sum(t < held_times[0] for t in free_times) > 20  # ...while the other request streamed
+    assert len(held_times) == 8 and failed is not None and "it does not prepare" in str(failed)
+    assert len(queued) == 2  # the free and the held request: not the one that failed, nor the one aborted
+    assert eng.client.engine.block_manager.num_free_blocks == 64 and not eng.client.engine.requests
