@@ -92,7 +92,8 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
     """Step `engine` until Shutdown. Commands are applied between steps (`next_command(True)` waits
     for one while the engine is idle); emit gets each step's outputs and the engine's state."""
     preparing: dict[str, tuple[concurrent.futures.Future, AddRequest]] = {}
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-prepare") as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-prepare")
+    try:
         while True:
             outputs, command = [], next_command(not engine.has_unfinished_requests() and not preparing)
             while command is not None:
@@ -103,11 +104,7 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
                     emit(outputs, EngineStats.of(engine))
                     return
                 if isinstance(command, AddRequest):
-                    jobs = [work for prepare in REQUEST_PREPARES if (work := prepare(engine, command.params))]
-                    if jobs:  # long work first, in a thread (chapter 12's grammars): the steps go on
-                        preparing[command.request_id] = (pool.submit(run_all, jobs), command)
-                    else:
-                        outputs += enqueue(engine, command)
+                    outputs += admit(engine, command, pool, preparing)
                 else:
                     engine.abort(command.request_id)
                     preparing.pop(command.request_id, None)
@@ -116,15 +113,27 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
                 if future.done():
                     del preparing[rid]
                     outputs += enqueue(engine, add, future.exception())
-            if preparing and not engine.has_unfinished_requests():  # nothing to step: wait for them a little
-                concurrent.futures.wait([future for future, _ in preparing.values()], timeout=0.05,
+            if preparing and not outputs and not engine.has_unfinished_requests():  # nothing to step or tell
+                concurrent.futures.wait([future for future, _ in preparing.values()], timeout=0.01,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
-            step(engine, outputs, emit)
+            else:
+                step(engine, outputs, emit)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a preparation under way ends on its own
 
 
-def run_all(jobs: list[Callable[[], object]]) -> None:
-    for job in jobs:
-        job()
+def admit(engine: LLMEngine, add: AddRequest, pool: concurrent.futures.Executor,
+          preparing: dict[str, tuple[concurrent.futures.Future, AddRequest]]) -> list[EngineOutput]:
+    """Queue a request, or first start its long work in the pool (chapter 12's grammar compile):
+    meanwhile the loop steps the others."""
+    try:
+        jobs = [work for prepare in REQUEST_PREPARES if (work := prepare(engine, add.params))]
+    except Exception as err:  # this request's fault, not the loop's
+        return enqueue(engine, add, err)
+    if not jobs:
+        return enqueue(engine, add)
+    preparing[add.request_id] = (pool.submit(lambda: [job() for job in jobs]), add)
+    return []
 
 
 def enqueue(engine: LLMEngine, add: AddRequest, failure: BaseException | None = None) -> list[EngineOutput]:

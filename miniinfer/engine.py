@@ -67,8 +67,6 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
         outside = [t for t in getattr(params, name) or () if t >= vocab]
         if outside:
             raise ValueError(f"{name} names token ids outside the vocabulary (0..{vocab - 1}): {outside[:5]}")
-    for check in REQUEST_CHECKS:
-        check(params, tokenizer, limits)
     total = len(ids) + params.max_tokens
     if total > limits.max_model_len:
         raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "
@@ -76,6 +74,8 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     if blocks_needed(total, limits.block_size) > limits.num_blocks:
         raise ValueError(f"prompt + max_tokens need {blocks_needed(total, limits.block_size)} KV blocks; "
                          f"the whole pool has {limits.num_blocks}")
+    for check in REQUEST_CHECKS:  # last: a grammar's compile costs more than the checks above
+        check(params, tokenizer, limits)
     return ids
 
 
@@ -111,6 +111,7 @@ class LLMEngine:
                 tokenizer = None
         self.runner = runner(config, model)
         self.model, self.tokenizer = self.runner.model, tokenizer
+        self.runner.tokenizer = tokenizer
         self.detokenize = tokenizer.decode if tokenizer is not None else None
         num_blocks = config.num_blocks or self.runner.num_blocks_that_fit()
         if num_blocks < 1:

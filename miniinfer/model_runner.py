@@ -127,6 +127,7 @@ class ModelRunner:
         self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
         self.requests: dict[str, CachedRequest] = {}
         self.spec: SpecStats | None = None  # chapter 09's runner counts its guesses here
+        self.tokenizer = None  # the engine's, which chapter 12's grammars compile with (None: the checkpoint's)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         for pairs, src, dst in ((out.swap_out, (self.cache.k, self.cache.v), (self.cpu_k, self.cpu_v)),

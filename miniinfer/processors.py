@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -209,6 +208,9 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     return own[:, 0], rank, top, ids
 
 
+SCORE_ROWS = 256  # rows scored at a time
+
+
 class Scores(Processor):
     """What the two log-probability processors share: the scoring, and its packing for the host."""
     scorer = staticmethod(top_logprobs)  # the scoring: any function with its arguments
@@ -217,7 +219,11 @@ class Scores(Processor):
         """[R, h + 4 + 2k] float64: head's h columns (where each row belongs), n, the token, its
         log-probability and rank, then the k = max(n) top token ids and their log-probabilities.
         float64 holds ids and ranks exactly, and every float32 log-probability: one tensor to copy."""
-        own, rank, top, ids = self.scorer(logits, tokens, max(int(n.max()), 1))  # n is on the host: no wait
+        k = max(int(n.max()), 1)  # n is on the host: no wait
+        # In pieces: a long prompt's rows as float32 log-probabilities would take gigabytes at once.
+        pieces = [self.scorer(logits[i:i + SCORE_ROWS], tokens[i:i + SCORE_ROWS], k)
+                  for i in range(0, len(tokens), SCORE_ROWS)]
+        own, rank, top, ids = (torch.cat(parts) for parts in zip(*pieces))
         columns = [head, to_device(n.astype(np.float64), logits.device), tokens, own, rank]
         return torch.cat([c.double().reshape(len(tokens), -1) for c in columns] + [ids.double(), top.double()], 1)
 
@@ -302,9 +308,13 @@ class PromptLogprobs(Scores):
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, V] and bitmask [R, ceil(V / 32)] int32, bit j of word w set when token 32w + j is
     allowed -> logits with -inf at every token that is not."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device)) & 1  # bit 31 too: >> keeps the sign
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # bit 31 too: >> keeps the sign, & 1 drops it
     allowed = bits.flatten(1)[:, :logits.shape[1]].bool()
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+GRAMMAR_CACHE_BYTES = 256 * 2 ** 20  # compiled grammars a compiler keeps (the oldest go): clients send many
 
 
 @functools.cache
@@ -314,7 +324,7 @@ def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] 
     import xgrammar as xgr
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                               stop_token_ids=list(eos_token_ids) or None)
-    return xgr.GrammarCompiler(info)
+    return xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
 
 def compile_structure(s: StructuredOutput, compiler):
@@ -332,19 +342,14 @@ def compile_structure(s: StructuredOutput, compiler):
         raise ValueError(f"structured_output does not compile: {str(err).split(': ', 1)[-1].strip()}") from None
 
 
-@functools.cache
-def runner_compiler(model: str | Path | None, vocab_size: int, eos_token_ids: tuple[int, ...]):
-    """The compiler of the runners of a checkpoint in this process: the engine's loop compiles a
-    request's grammar with it in a thread beforehand, and the runner then finds it compiled."""
-    return grammar_compiler(load_tokenizer(model), vocab_size, eos_token_ids)
-
-
 def prepare_structure(engine: LLMEngine, params: SamplingParams) -> Callable[[], Any] | None:
-    if params.structured_output is None or engine.config.tensor_parallel_size > 1:  # ranks compile their own
+    """The grammar's compile, to run before the request's first step (beside the engine's loop in a
+    server), with the compiler its runner uses: the runner then finds it compiled."""
+    structure, cfg = params.structured_output, engine.model.cfg
+    if structure is None or engine.config.tensor_parallel_size > 1:  # ranks compile their own
         return None
-    cfg = engine.model.cfg
-    compiler = runner_compiler(engine.config.model, cfg.vocab_size, tuple(cfg.eos_token_ids))
-    return functools.partial(compile_structure, params.structured_output, compiler)
+    return lambda: compile_structure(structure, grammar_compiler(engine.tokenizer, cfg.vocab_size,
+                                                                 tuple(cfg.eos_token_ids)))
 
 
 def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:
@@ -360,6 +365,7 @@ class Structured(Processor):
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.tokenizer = runner.tokenizer  # the engine's; a rank of chapter 11 loads the checkpoint's
         self.matchers: dict[int, Any] = {}  # row -> its request's matcher
         self.bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, made when first needed
         self.pending: tuple[list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
@@ -369,11 +375,14 @@ class Structured(Processor):
         if params.structured_output is None:
             return
         import xgrammar as xgr
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.runner.config.model)
         cfg = self.runner.model.cfg
-        compiler = runner_compiler(self.runner.config.model, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        compiler = grammar_compiler(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
         matcher = xgr.GrammarMatcher(compile_structure(params.structured_output, compiler))
         for token in output:  # back after a preemption: where it was
-            matcher.accept_token(token)
+            if not matcher.is_terminated():
+                matcher.accept_token(token)
         self.matchers[row] = matcher
 
     def held(self, step: StepBatch) -> list[tuple[int, Any]]:
@@ -424,6 +433,7 @@ class Structured(Processor):
 
 REQUEST_CHECKS.append(check_structure)
 REQUEST_PREPARES.append(prepare_structure)
-# In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks.
+# In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks,
+# min-p's last (its floor is the top allowed token's).
 LOGITS_PROCESSORS.update(logprobs=Logprobs, prompt_logprobs=PromptLogprobs, penalties=Penalties,
-                         logit_bias=LogitBias, min_tokens=MinTokens, min_p=MinP, structured=Structured)
+                         logit_bias=LogitBias, min_tokens=MinTokens, structured=Structured, min_p=MinP)

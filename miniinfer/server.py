@@ -5,6 +5,7 @@ Hand-written module (chapter 08); `miniinfer serve` runs it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -24,8 +25,8 @@ from miniinfer import protocol
 from miniinfer.async_engine import AsyncLLMEngine, Shutdown
 from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.config import EngineConfig
+from miniinfer.engine import REQUEST_CHECKS
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from miniinfer.processors import compile_structure, grammar_compiler
 from miniinfer.sampling import SamplingParams, StructuredOutput
 from miniinfer.sequence import RequestOutput
 
@@ -93,6 +94,7 @@ GRACE_S = 3  # after Ctrl-C, responses still open this long are cancelled
 # A grammar compiles at the door within this, or the request is refused: the engine compiles it again
 # (beside its loop), and a schema of 2,000 properties held a core for 25 s each time.
 GRAMMAR_COMPILE_S = 2.0
+GRAMMAR_COMPILES = 4  # compiles past that limit (each runs on to its end) the door lets run at once
 
 
 def check_body(body: dict) -> None:
@@ -153,6 +155,8 @@ class Server:
         self.max_model_len = engine.limits.max_model_len
         self.vocab_size = engine.limits.vocab_size
         self.slow_grammars: set[int] = set()  # their hashes: a client must not grow this by 4 MB a request
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_COMPILES + 1, thread_name_prefix="grammar")
+        self.overdue: list[concurrent.futures.Future] = []
         self.eos = set(engine.eos_token_ids)
         self.prompt_tokens = 0
         self.created = int(time.time())
@@ -246,19 +250,27 @@ class Server:
         return given[0] if given else None
 
     async def compile(self, field: str, structure: StructuredOutput) -> None:
-        """Compile a grammar in a thread (xgrammar lets go of the interpreter lock: the loop streams on);
-        one that does not compile, or not within GRAMMAR_COMPILE_S, is the request's fault, in its field."""
+        """Compile a grammar in a thread of the door's (xgrammar lets go of the interpreter lock: the loop
+        streams on); one that does not compile, or not within GRAMMAR_COMPILE_S, is the request's fault,
+        in its field. A compile past the limit runs on to its end: while GRAMMAR_COMPILES of them do,
+        new grammars get a 429."""
         if self.tokenizer is None:
             raise APIError("structured output needs the model's tokenizer", param=field)
         if hash(structure) in self.slow_grammars:  # once too slow, always: its compile may have finished since
             raise APIError(f"the grammar takes over {GRAMMAR_COMPILE_S:g} s to compile", param=field)
-        compiling = asyncio.to_thread(compile_structure, structure, grammar_compiler(self.tokenizer, self.vocab_size))
+        self.overdue = [f for f in self.overdue if not f.done()]
+        if len(self.overdue) >= GRAMMAR_COMPILES:
+            raise APIError("the server is busy compiling slow grammars: try again later", status=429, param=field)
+        # The door's checks of the grammar alone (chapter 12's compile it), in the thread.
+        probe, tokenizer, limits = SamplingParams(structured_output=structure), self.tokenizer, self.engine.limits
+        compiling = self.grammar_pool.submit(lambda: [check(probe, tokenizer, limits) for check in REQUEST_CHECKS])
         try:
-            await asyncio.wait_for(compiling, GRAMMAR_COMPILE_S)
+            await asyncio.wait_for(asyncio.wrap_future(compiling), GRAMMAR_COMPILE_S)
         except ValueError as err:
             raise APIError(str(err), param=field) from None
         except TimeoutError:
             self.slow_grammars.add(hash(structure))
+            self.overdue.append(compiling)
             raise APIError(f"the grammar takes over {GRAMMAR_COMPILE_S:g} s to compile", param=field) from None
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
@@ -318,7 +330,9 @@ class Server:
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if echo is not None:  # the prompt first, and its tokens' log-probabilities if asked
-                    piece = self.tokenizer.decode(echo) + piece
+                    text = self.tokenizer.decode if self.tokenizer is not None else lambda ids: "".join(
+                        map(self.token_text, ids))
+                    piece = text(echo) + piece
                     if out.prompt_logprobs is not None:  # its first token has none: the token id stands in
                         logprobs = [lp or t for t, lp in zip(echo, out.prompt_logprobs)] + (logprobs or [])
                     echo = None
