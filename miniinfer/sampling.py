@@ -8,6 +8,28 @@ import torch
 MAX_LOGPROBS = 20  # top log-probabilities a token may report (OpenAI's limit)
 
 
+# A grammar's compile grows fast with its size and nesting (a schema nested 512 deep took 17 s): larger
+# ones are refused before any compile.
+MAX_GRAMMAR_CHARS, MAX_GRAMMAR_DEPTH = 32768, 64
+
+
+def nesting(text: str) -> int:
+    """How deep the objects and arrays of JSON text nest (brackets inside strings do not count)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output must follow (chapter 12), exactly one of: a JSON schema (as JSON text),
@@ -25,6 +47,11 @@ class StructuredOutput:
                 not (self.choice is None or (isinstance(self.choice, tuple) and self.choice
                                              and all(isinstance(c, str) for c in self.choice))):
             raise ValueError("structured_output: json and regex are strings, choice a non-empty tuple of strings")
+        size = len(self.json or self.regex or "") + sum(map(len, self.choice or ()))
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_output: at most {MAX_GRAMMAR_CHARS} characters, got {size}")
+        if self.json is not None and nesting(self.json) > MAX_GRAMMAR_DEPTH:
+            raise ValueError(f"structured_output: a JSON schema nests at most {MAX_GRAMMAR_DEPTH} deep")
 
 
 @dataclass

@@ -228,26 +228,31 @@ class Server:
     def structure(self, req: SamplingFields) -> tuple[str, StructuredOutput] | None:
         """The grammar a request's output follows and the field it came from: response_format or a
         guided_* field (one at most)."""
-        given: list[tuple[str, StructuredOutput]] = []
+        given: list[tuple[str, dict]] = []  # (field, what StructuredOutput takes)
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
-            given.append(("response_format", StructuredOutput(json_object=True)))
+            given.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise APIError("response_format of type json_schema needs 'json_schema'", param="response_format")
             schema = fmt.json_schema.schema_
-            given.append(("response_format", StructuredOutput(json_object=True) if schema is None
-                          else StructuredOutput(json=json.dumps(schema))))
+            given.append(("response_format", {"json_object": True} if schema is None else {"json": json.dumps(schema)}))
         if req.guided_json is not None:
             text = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
-            given.append(("guided_json", StructuredOutput(json=text)))
+            given.append(("guided_json", {"json": text}))
         if req.guided_regex is not None:
-            given.append(("guided_regex", StructuredOutput(regex=req.guided_regex)))
+            given.append(("guided_regex", {"regex": req.guided_regex}))
         if req.guided_choice is not None:
-            given.append(("guided_choice", StructuredOutput(choice=tuple(req.guided_choice))))
+            given.append(("guided_choice", {"choice": tuple(req.guided_choice)}))
         if len(given) > 1:
             raise APIError(f"give one of {', '.join(name for name, _ in given)}, not several", param=given[1][0])
-        return given[0] if given else None
+        if not given:
+            return None
+        field, kwargs = given[0]
+        try:  # too large or too deep to compile in time
+            return field, StructuredOutput(**kwargs)
+        except ValueError as err:
+            raise APIError(str(err), param=field) from None
 
     async def compile(self, field: str, structure: StructuredOutput) -> None:
         """Compile a grammar in a thread of the door's (xgrammar lets go of the interpreter lock: the loop

@@ -277,7 +277,9 @@ def test_regex_and_choice_outputs_match_and_bad_grammars_are_refused(course_mode
                        (S(regex="a(b"), "parenthesis")]:
         with pytest.raises(ValueError, match=match):
             engine.add_request("x", mi.SamplingParams(structured_output=bad))
-    for kwargs in (dict(), dict(json="{}", regex="a"), dict(choice=()), dict(choice=["a"])):
+    deep = '{"type": "array", "items": ' * 64 + '{"type": "string", "pattern": "[[{{"}' + "}" * 64  # 65 levels
+    for kwargs in (dict(), dict(json="{}", regex="a"), dict(choice=()), dict(choice=["a"]), dict(json=deep),
+                   dict(regex="a" * 32769), dict(choice=("a" * 20000, "b" * 20000))):
         with pytest.raises(ValueError, match="structured_output"):
             S(**kwargs)
     with pytest.raises(ValueError, match="structured_output: only the engine"):
