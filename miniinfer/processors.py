@@ -212,8 +212,16 @@ SCORE_ROWS = 256  # rows scored at a time
 
 
 class Scores(Processor):
-    """What the two log-probability processors share: the scoring, and its packing for the host."""
+    """What the two log-probability processors share: each row's n (the SamplingParams field named
+    by `kind`), the scoring, and its packing for the host."""
     scorer = staticmethod(top_logprobs)  # the scoring: any function with its arguments
+
+    def __init__(self, runner: ModelRunner):
+        self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
+
+    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
+        n = getattr(params, self.kind)
+        self.n[row] = -1 if n is None else n
 
     def score(self, head: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, n: np.ndarray) -> torch.Tensor:
         """[R, h + 4 + 2k] float64: head's h columns (where each row belongs), n, the token, its
@@ -243,11 +251,8 @@ class Logprobs(Scores):
     kind = "logprobs"
 
     def __init__(self, runner: ModelRunner):
-        self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
+        super().__init__(runner)
         self.logits: torch.Tensor | None = None
-
-    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
-        self.n[row] = -1 if params.logprobs is None else params.logprobs
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         self.logits = logits if (self.n[step.rows] >= 0).any() else None  # the model's, before the others
@@ -273,11 +278,8 @@ class PromptLogprobs(Scores):
     kind = "prompt_logprobs"
 
     def __init__(self, runner: ModelRunner):
-        self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
+        super().__init__(runner)
         self.rows = np.zeros((4, 0), np.int64)  # this step's: batch index, prompt position, its token, n
-
-    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
-        self.n[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
 
     def wants(self, step: StepBatch) -> np.ndarray:
         asks = np.flatnonzero(self.n[step.rows] >= 0)

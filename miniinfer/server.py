@@ -259,8 +259,6 @@ class Server:
         streams on); one that does not compile, or not within GRAMMAR_COMPILE_S, is the request's fault,
         in its field. A compile past the limit runs on to its end: while GRAMMAR_COMPILES of them do,
         new grammars get a 429."""
-        if self.tokenizer is None:
-            raise APIError("structured output needs the model's tokenizer", param=field)
         if hash(structure) in self.slow_grammars:  # once too slow, always: its compile may have finished since
             raise APIError(f"the grammar takes over {GRAMMAR_COMPILE_S:g} s to compile", param=field)
         self.overdue = [f for f in self.overdue if not f.done()]
@@ -335,9 +333,7 @@ class Server:
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if echo is not None:  # the prompt first, and its tokens' log-probabilities if asked
-                    text = self.tokenizer.decode if self.tokenizer is not None else lambda ids: "".join(
-                        map(self.token_text, ids))
-                    piece = text(echo) + piece
+                    piece = self.decode(echo) + piece
                     if out.prompt_logprobs is not None:  # its first token has none: the token id stands in
                         logprobs = [lp or t for t, lp in zip(echo, out.prompt_logprobs)] + (logprobs or [])
                     echo = None
@@ -346,25 +342,26 @@ class Server:
                     return
                 yield index, piece, out.finish_reason, count, logprobs
 
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids; a model without a tokenizer names them."""
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else "".join(f"token_id:{t}" for t in ids)
 
     def logprobs_json(self, items: list, chat: bool, offset: int = 0) -> dict:
         """Chapter 12's TokenLogprobs in OpenAI's form: chat's `content` list, or the completions
         endpoint's parallel lists (offset: where the first token's text starts in the choice's text;
         a bare token id: an echoed prompt's first token, which has no log-probability)."""
         def entry(token: int, logprob: float) -> dict:
-            text = self.token_text(token)
+            text = self.decode([token])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         if chat:
             return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
                                 for lp in items]}
-        texts = [self.token_text(lp if isinstance(lp, int) else lp.token) for lp in items]
+        texts = [self.decode([lp if isinstance(lp, int) else lp.token]) for lp in items]
         offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset))
         scored = [None if isinstance(lp, int) else lp for lp in items]
         return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
-                "top_logprobs": [None if lp is None else {self.token_text(t): p for t, p in lp.top} for lp in scored],
+                "top_logprobs": [None if lp is None else {self.decode([t]): p for t, p in lp.top} for lp in scored],
                 "text_offset": offsets}
 
     async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:

@@ -910,6 +910,27 @@ def min_p_of_the_total(logits, min_p, temperature):  # an absolute floor, not re
     return logits.masked_fill(probs < min_p[:, None], float("-inf"))
 
 
+def logprobs_of_the_raw_logits(logits, tokens, k):  # no log-softmax
+    top, ids = logits.topk(k, dim=-1)
+    own = logits.gather(-1, tokens[:, None])[:, 0]
+    return own, (logits > own[:, None]).sum(-1) + 1, top, ids
+
+
+def rank_from_zero(logits, tokens, k):
+    own, rank, top, ids = mi.processors.top_logprobs(logits, tokens, k)
+    return own, rank - 1, top, ids
+
+
+def bitmask_most_significant_first(logits, bitmask):
+    bits = (bitmask[:, :, None] >> (31 - torch.arange(32, dtype=torch.int32))) & 1
+    return logits.masked_fill(~bits.flatten(1)[:, :logits.shape[1]].bool(), float("-inf"))
+
+
+def bitmask_kept_where_zero(logits, bitmask):
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return logits.masked_fill(bits.flatten(1)[:, :logits.shape[1]].bool(), float("-inf"))
+
+
 @pytest.mark.parametrize("check, wrong", [
     (testing.check_openai_penalties, penalties_swapped),
     (testing.check_openai_penalties, penalties_of_the_first_row),
@@ -917,6 +938,10 @@ def min_p_of_the_total(logits, min_p, temperature):  # an absolute floor, not re
     (testing.check_repetition_penalty, repetition_output_only),
     (testing.check_min_p_filter, min_p_without_temperature),
     (testing.check_min_p_filter, min_p_of_the_total),
+    (testing.check_top_logprobs, logprobs_of_the_raw_logits),
+    (testing.check_top_logprobs, rank_from_zero),
+    (testing.check_apply_bitmask, bitmask_most_significant_first),
+    (testing.check_apply_bitmask, bitmask_kept_where_zero),
 ])
 def test_chapter_12_checks_reject_wrong_answers(check, wrong):
     rejected(check, wrong)

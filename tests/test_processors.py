@@ -150,6 +150,16 @@ def test_the_engine_refuses_token_ids_outside_the_vocabulary_and_the_plain_paths
             generate(course_model, [1, 2], mi.SamplingParams(presence_penalty=1.0))
 
 
+def assert_theirs(lp, row: torch.Tensor, token: int, n: int) -> None:
+    """A reported TokenLogprobs against a row of transformers' log-softmax: the token, its
+    log-probability and rank, and the top n with their values."""
+    assert lp.token == token and abs(lp.logprob - row[token].item()) < 1e-4
+    assert lp.rank == int((row > row[token]).sum()) + 1
+    top = row.topk(n)
+    assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert all(abs(v - w) < 1e-4 for (_, v), w in zip(lp.top, top.values.tolist()))
+
+
 def test_logprobs_equal_the_log_softmax_of_transformers_logits(hf_checkpoint):
     """Greedy and sampled requests, some with logprobs (n = 0, 1, 5) and some without, in one batch:
     each reported token's log-probability, rank and top n are those of transformers' logits."""
@@ -169,18 +179,18 @@ def test_logprobs_equal_the_log_softmax_of_transformers_logits(hf_checkpoint):
         with torch.no_grad():
             theirs = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
         for lp, row, token in zip(out.logprobs, theirs, out.token_ids):
-            assert abs(lp.logprob - row[token].item()) < 1e-4
-            assert lp.rank == int((row > row[token]).sum()) + 1
-            top = row.topk(sp.logprobs)
-            assert [t for t, _ in lp.top] == top.indices.tolist()
-            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(lp.top, top.values.tolist()))
+            assert_theirs(lp, row, token, sp.logprobs)
 
 
-def test_logprobs_out_of_range_and_with_speculation_are_refused(course_model):
-    with pytest.raises(ValueError, match="logprobs"):
-        mi.SamplingParams(logprobs=21)
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_out_of_range_on_the_plain_paths_and_with_speculation_are_refused(course_model, field):
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match=field):
+            mi.SamplingParams(**{field: bad})
+    with pytest.raises(ValueError, match=f"{field}: only the engine"):
+        mi.generate_naive(course_model, [1, 2], mi.SamplingParams(**{field: 0}))
     engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64, speculative_method="ngram"), model=course_model)
-    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, logprobs=2))
+    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, **{field: 2}))
     failed = [o for o in engine.step() if o.request_id == rid]
     assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
     assert engine.block_manager.num_free_blocks == 64
@@ -212,26 +222,11 @@ def test_prompt_logprobs_equal_transformers_under_chunking_prefix_caching_and_pr
         with torch.no_grad():
             theirs = hf(torch.tensor([p])).logits[0, :-1].log_softmax(-1)
         for lp, row, token in zip(out.prompt_logprobs[1:], theirs, p[1:]):
-            assert lp.token == token and abs(lp.logprob - row[token].item()) < 1e-4
-            assert lp.rank == int((row > row[token]).sum()) + 1
-            top = row.topk(sp.prompt_logprobs) if sp.prompt_logprobs else None
-            assert [t for t, _ in lp.top] == (top.indices.tolist() if top is not None else [])
+            assert_theirs(lp, row, token, sp.prompt_logprobs)
         assert out.token_ids == hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                             max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, len(p):].tolist()
     assert any(final[rid].num_cached_tokens for rid, sp in zip(ids, params) if sp.prompt_logprobs is None)
     assert engine.block_manager.num_free_blocks == 20
-
-
-def test_prompt_logprobs_out_of_range_and_with_speculation_are_refused(course_model):
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        mi.SamplingParams(prompt_logprobs=-1)
-    with pytest.raises(ValueError, match="prompt_logprobs: only the engine"):
-        mi.generate_naive(course_model, [1, 2], mi.SamplingParams(prompt_logprobs=0))
-    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64, speculative_method="ngram"), model=course_model)
-    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, prompt_logprobs=0))
-    failed = [o for o in engine.step() if o.request_id == rid]
-    assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
-    assert engine.block_manager.num_free_blocks == 64
 
 
 def test_structured_output_always_parses_and_validates_beside_free_requests(course_model):

@@ -91,9 +91,10 @@ def in_process(folder: Path, prompts, outs, repeat: int = 1) -> dict:
 
 
 def start_server(folder: Path, port: int, log: Path, stacks: Path | None = None,
-                 max_model_len: int = MAX_MODEL_LEN, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+                 max_model_len: int = MAX_MODEL_LEN, extra: tuple[str, ...] = (),
+                 name: str = "llama-3.2-1b-shape") -> subprocess.Popen:
     cmd = [sys.executable, "-m", "miniinfer", "serve", "--model", str(folder), "--port", str(port),
-           "--max-model-len", str(max_model_len), "--served-model-name", "llama-3.2-1b-shape", *extra]
+           "--max-model-len", str(max_model_len), "--served-model-name", name, *extra]
     if stacks:
         cmd[1:1] = [str(Path(__file__).parent / "sample_stacks.py"), str(stacks)]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)

@@ -14,16 +14,15 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 import transformers
 
 import miniinfer as mi
+from bench_serve import start_server
 from miniinfer.loader import course_model_path
 
 # Python a small code model has seen: which continuation does it find likeliest?
@@ -80,19 +79,6 @@ def write_tasks(folder: Path) -> None:
     (folder / "pycode_gen.yaml").write_text(GEN.format(name="pycode_gen", data=gen, target='"{{answer}}"'))
 
 
-def serve(port: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """The course model's server; its model name once it answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--port", str(port)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    while True:
-        try:
-            return proc, httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        except httpx.TransportError:
-            if proc.poll() is not None:
-                raise RuntimeError(log.read_text()) from None
-            time.sleep(0.5)
-
-
 def engine_logliks(contexts_and_continuations: list[tuple[str, str]]) -> list[float]:
     """log P(continuation | context) from the engine's prompt log-probabilities, with the harness's
     tokenization (context and continuation encoded whole, split at the context's length)."""
@@ -109,7 +95,7 @@ def main(out_path: str, lm_eval: str, port: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_tasks(folder)
-        proc, model = serve(port, folder / "server.log")
+        proc, model = start_server(course_model_path(), port, folder / "server.log", name="pycoder"), "pycoder"
         try:
             args = [lm_eval, "--model", "local-completions", "--model_args",
                     f"model={model},base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={course_model_path()},"
