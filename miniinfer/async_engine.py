@@ -27,6 +27,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]  # checked at the front end's door: the engine does not check again
     params: SamplingParams
+    turn: int = 0  # its place among the sequences of one client request (the scheduler's fairness)
 
 
 @dataclass
@@ -49,9 +50,21 @@ class EngineOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     num_cached_tokens: int = 0
-    error: str | None = None  # the request failed: its stream raises RuntimeError(error)
+    error: str | None = None  # the request failed: its stream raises FAILURES[fault](error)
     new_logprobs: list | None = None  # the new tokens' log-probabilities, if asked (chapter 12)
     prompt_logprobs: list | None = None  # the prompt's, if asked: with the request's first tokens only
+    fault: str = "request"  # whose, with an error: "request" (its own data), "engine" (a step failed), "closed"
+
+
+class RequestFailed(RuntimeError):
+    """The request's own data failed it mid-generation (the engine serves the others)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was shut down before the request finished."""
+
+
+FAILURES = {"request": RequestFailed, "engine": RuntimeError, "closed": EngineClosed}
 
 
 @dataclass
@@ -100,7 +113,7 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
                 if isinstance(command, Shutdown):
                     for rid in [*engine.requests, *preparing]:  # after any request that failed to join
                         engine.abort(rid)
-                        outputs.append(EngineOutput(rid, [], "abort", error="the engine was closed"))
+                        outputs.append(EngineOutput(rid, [], "abort", error="the engine was closed", fault="closed"))
                     emit(outputs, EngineStats.of(engine))
                     return
                 if isinstance(command, AddRequest):
@@ -140,7 +153,7 @@ def enqueue(engine: LLMEngine, add: AddRequest, failure: BaseException | None = 
     """Queue a request checked at the door (and prepared); the error output instead if it cannot be."""
     if failure is None:
         try:
-            engine.enqueue(add.prompt_token_ids, add.params, request_id=add.request_id)
+            engine.enqueue(add.prompt_token_ids, add.params, request_id=add.request_id, turn=add.turn)
             return []
         except ValueError as err:
             failure = err
@@ -155,7 +168,8 @@ def step(engine: LLMEngine, outputs: list[EngineOutput],
         done = engine.step()
     except Exception as err:  # the engine aborted that step's requests: tell their clients
         failure = f"{type(err).__name__}: {err}"
-        outputs += [EngineOutput(rid, [], "error", error=failure) for rid in before if rid not in engine.requests]
+        outputs += [EngineOutput(rid, [], "error", error=failure, fault="engine")
+                    for rid in before if rid not in engine.requests]
         done = []
     # A request that failed on its own data (the others of its step ran): its client gets the error.
     outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
@@ -340,6 +354,7 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
             else:
                 m.new_token_ids += o.new_token_ids
                 m.finish_reason, m.num_cached_tokens, m.error = o.finish_reason, o.num_cached_tokens, o.error
+                m.fault = o.fault
                 m.prompt_logprobs = m.prompt_logprobs or o.prompt_logprobs
             if o.new_logprobs is not None:
                 m.new_logprobs = (m.new_logprobs or []) + o.new_logprobs
@@ -352,7 +367,7 @@ def coalesce(batches: list[tuple[list[EngineOutput], EngineStats]]) -> tuple[lis
 def pack(outputs: list[EngineOutput]) -> tuple:
     """A step's outputs as four flat containers for the pipe: pickling 256 EngineOutput objects takes
     about six times as long, and the engine process's lock is held meanwhile."""
-    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error, o.new_logprobs, o.prompt_logprobs)
+    rest = {i: (o.finish_reason, o.num_cached_tokens, o.error, o.new_logprobs, o.prompt_logprobs, o.fault)
             for i, o in enumerate(outputs) if o.finish_reason is not None or o.num_cached_tokens
             or o.error is not None or o.new_logprobs is not None or o.prompt_logprobs is not None}  # most have none
     return ([o.request_id for o in outputs], [len(o.new_token_ids) for o in outputs],
@@ -363,7 +378,8 @@ def unpack(packed: tuple) -> list[EngineOutput]:
     request_ids, counts, tokens, rest = packed
     outputs, start = [], 0
     for i, (request_id, n) in enumerate(zip(request_ids, counts)):
-        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, (None, 0, None, None, None))))
+        plain = (None, 0, None, None, None, "request")  # most outputs: no finish, cache hit, error or logprobs
+        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, plain)))
         start += n
     return outputs
 
@@ -421,8 +437,8 @@ class AsyncLLMEngine:
         params = params or SamplingParams()
         return self.stream(self.check_request(prompt, params), params, request_id)
 
-    def stream(self, token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    def stream(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               turn: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of a request whose token ids check_request returned (so it is checked once). The
         request goes to the engine now, not at the first read: a server that takes 256 requests at
         once starts the first while it parses the rest. Leaving the loop early, or dropping the
@@ -432,7 +448,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
         self.streams[request_id] = stream
-        self.client.send(AddRequest(request_id, token_ids, params))
+        self.client.send(AddRequest(request_id, token_ids, params, turn))
         outputs = self._follow(request_id, stream)
         # A generator never started never runs its `finally`: its collection ends the request instead.
         weakref.finalize(outputs, self._leave, request_id, stream).atexit = False
@@ -475,7 +491,8 @@ class AsyncLLMEngine:
         """In the engine's thread (or the receiver's): each output becomes its stream's RequestOutput,
         built here once in both modes, with the tokenizer that gives its text."""
         if outputs is None or stats is None:
-            outputs = [EngineOutput(rid, [], "error", error="the engine process ended") for rid in list(self.streams)]
+            outputs = [EngineOutput(rid, [], "error", error="the engine process ended", fault="engine")
+                       for rid in list(self.streams)]
             stats = dataclasses.replace(self.stats, new_tokens=0, step_seconds=0.0, wait_seconds=0.0)
         self.stats = stats  # read by other threads (metrics): replaced whole, never changed in place
         self.generated_tokens += stats.new_tokens
@@ -498,7 +515,7 @@ class AsyncLLMEngine:
                     stream.logprobs = []
                 stream.logprobs += o.new_logprobs
             stream.prompt_logprobs = stream.prompt_logprobs or o.prompt_logprobs
-            item = RuntimeError(o.error) if o.error else RequestOutput(
+            item = FAILURES[o.fault](o.error) if o.error else RequestOutput(
                 o.request_id, stream.prompt_token_ids, stream.token_ids, o.new_token_ids, o.finish_reason,
                 o.num_cached_tokens, detokenize=self.detokenize, logprobs=stream.logprobs,
                 prompt_logprobs=stream.prompt_logprobs)

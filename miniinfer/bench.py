@@ -183,7 +183,7 @@ def summary(result: dict) -> str:
     """A few lines for a terminal."""
     ms = lambda d: ", ".join(f"{k} {v * 1000:.1f}" for k, v in d.items())
     return (f"{result['completed']}/{result['requests']} requests in {result['duration_s']:.2f} s "
-            f"({result['request_throughput']:.2f} req/s), {result['output_throughput']:.1f} output tok/s\n"
-            f"TTFT ms:    {ms(result['ttft_s'])}\nITL ms:     {ms(result['itl_s'])}\n"
-            f"latency ms: {ms(result['latency_s'])}"
+            f"({result['request_throughput']:.2f} req/s), {result['output_throughput']:.1f} output tok/s"
+            + (f"\nTTFT ms:    {ms(result['ttft_s'])}\nITL ms:     {ms(result['itl_s'])}\n"
+               f"latency ms: {ms(result['latency_s'])}" if result["completed"] else "")
             + (f"\nerrors: {result['errors']}" if result["errors"] else ""))

@@ -108,10 +108,11 @@ def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from miniinfer.server import serve
+    from miniinfer.server import ServerOptions, serve
     name = args.served_model_name or (Path(args.model).name if args.model else "pycoder")
-    serve(engine_config(args), name, host=args.host, port=args.port, chat_max_tokens=args.chat_max_tokens,
-          max_body_mb=args.max_body_mb)
+    options = ServerOptions(args.chat_max_tokens, args.max_body_mb, args.max_seqs_per_request,
+                            args.max_tokens_per_request, args.shutdown_timeout, args.header_timeout)
+    serve(engine_config(args), name, host=args.host, port=args.port, options=options)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -186,17 +187,24 @@ async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    import httpx
     from miniinfer.bench import random_requests, run_bench, served_model, summary
-    card = served_model(args.url, args.model_name)
-    vocab = args.vocab or card.get("vocab_size")
-    if vocab is None:
-        raise SystemExit(f"{args.url}/v1/models gives no vocab_size for {card['id']}: pass --vocab")
+    name, vocab = args.model_name, args.vocab
+    if name is None or vocab is None:  # else the flags say all it needs: no /v1/models
+        try:
+            card = served_model(args.url, name)
+        except (httpx.HTTPError, ValueError, KeyError) as err:
+            why = err or type(err).__name__
+            raise SystemExit(f"miniinfer bench: cannot read {args.url}/v1/models: {why}") from None
+        name, vocab = card["id"], vocab or card.get("vocab_size")
+        if vocab is None:
+            raise SystemExit(f"{args.url}/v1/models gives no vocab_size for {name}: pass --vocab")
     def span(s: str) -> tuple[int, int]:
         low, _, high = s.partition(":")
         return int(low), int(high or low)
 
     requests = random_requests(args.num_prompts, span(args.input_len), span(args.output_len), vocab, args.seed)
-    result = asyncio.run(run_bench(args.url, requests, args.rate, args.concurrency, card["id"],
+    result = asyncio.run(run_bench(args.url, requests, args.rate, args.concurrency, name,
                                    seed=args.seed, processes=args.processes))
     result.update(input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts, vocab=vocab)
     print(summary(result))
@@ -239,6 +247,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="max_tokens of a chat request that gives none (capped by the context left)")
     p.add_argument("--max-body-mb", type=float, default=4,  # server.MAX_BODY_MB
                    help="a request body larger than this is refused with 413 before it is read")
+    p.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="sequences one request may ask for, prompts x n (default: --max-num-seqs)")
+    p.add_argument("--max-tokens-per-request", type=int, default=None,
+                   help="tokens one request's sequences may hold together, each prompt and max_tokens times n "
+                        "(default: the KV pool's)")
+    p.add_argument("--shutdown-timeout", type=float, default=5,  # server.SHUTDOWN_TIMEOUT_S
+                   help="after Ctrl-C or SIGTERM, seconds requests in flight have to finish (new ones get 503)")
+    p.add_argument("--header-timeout", type=float, default=10,  # server.HEADER_TIMEOUT_S
+                   help="a connection that sends no whole request header this long (after opening or its last "
+                        "response) is closed")
     p.set_defaults(run=cmd_serve)
 
     p = command("generate", "complete a prompt, streaming to the terminal")

@@ -156,17 +156,18 @@ class LLMEngine:
         return self.enqueue(self.check_request(prompt, params), params, priority, request_id)
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, priority: int = 0,
-                request_id: str | None = None) -> str:
-        """Queue a request that check_request has passed (a server checks at its door, once)."""
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+                request_id: str | None = None, turn: int = 0) -> str:
+        """Queue a request that check_request has passed (a server checks at its door, once); turn:
+        its place among the sequences of one client request (the scheduler serves turns in order)."""
+        if not isinstance(priority, int) or not isinstance(turn, int):
+            raise ValueError(f"priority and turn must be ints, got {priority!r} and {turn!r}")
         arrival = next(self._arrivals)
         request_id = str(arrival) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Unseeded requests draw a seed from torch's generator: torch.manual_seed makes runs repeatable.
         seed = params.seed if params.seed is not None else int(torch.randint(2 ** 31, ()))
-        self.scheduler.add(Sequence(request_id, list(token_ids), params, priority, arrival, seed))
+        self.scheduler.add(Sequence(request_id, list(token_ids), params, priority, arrival, seed, turn))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:

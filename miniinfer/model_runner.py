@@ -13,7 +13,7 @@ from miniinfer.block_manager import blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.loader import QUANTIZATIONS, load_model
 from miniinfer.model import ModelConfig, Transformer
-from miniinfer.sampler import SamplingBatch, sample_batch, sampling_row
+from miniinfer.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
@@ -239,11 +239,18 @@ class ModelRunner:
             if (data := p.read(rest[:len(want)], step)) is not None:
                 reports.append((p, data))
             rest = rest[len(want):]
+        raw = logits
         for p in self.processors:
             logits = p.apply(logits, step, steps)
+        dead = None
+        if logits is not raw:  # a processor acted: a penalty can overflow a logit, masks can leave a row no token
+            logits = logits.nan_to_num(nan=float("-inf"), posinf=MAX_LOGIT, neginf=float("-inf")).clamp_(max=MAX_LOGIT)
+            dead = logits.amax(-1).isneginf()
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
         reports += [(p, data) for p in self.processors if (data := p.accept(step, tokens)) is not None]
         self.last_token[step.rows_on_device] = tokens.to(self.last_token.dtype)
+        if dead is not None:  # -1: the row had no token to sample (update_from_output fails its request)
+            tokens = tokens.masked_fill(dead, -1)
         at = [len(reqs[i].token_ids) for i in step.ends]
         for i in step.ends:
             reqs[i].token_ids.append(-1)  # until collect reads it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -57,6 +58,9 @@ class Processor:
         return {}
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 class RowValues:
     """Per-row parameters of one processor, as NumPy columns, and which rows use it."""
 
@@ -65,7 +69,9 @@ class RowValues:
         self.values, self.on, self.device = np.zeros((columns, n), np.float32), np.zeros(n, bool), runner.device
 
     def set(self, row: int, values: tuple, on: bool) -> None:
-        self.values[:, row], self.on[row] = values, on
+        # Clipped to float32's range: a repetition penalty of 1e300 is the largest float32 can say.
+        self.values[:, row] = np.clip(values, -F32_MAX, F32_MAX)
+        self.on[row] = on
 
     def active(self, step: StepBatch) -> np.ndarray:
         """The batch indices of the step's rows that use this processor."""
@@ -330,7 +336,8 @@ def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] 
 
 
 def compile_structure(s: StructuredOutput, compiler):
-    """A StructuredOutput as xgrammar's compiled grammar, or ValueError with its reason."""
+    """A StructuredOutput as xgrammar's compiled grammar, or ValueError with its reason in our words
+    and xgrammar's detail after them (without its source location and internal check)."""
     try:
         if s.choice is not None:  # JSON string literals are EBNF's too
             return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
@@ -340,8 +347,11 @@ def compile_structure(s: StructuredOutput, compiler):
         # No free whitespace in JSON: a small model could otherwise write spaces to the end of max_tokens.
         schema = s.json if s.json is not None else '{"type": "object"}'
         return compiler.compile_json_schema(schema, any_whitespace=False)
-    except RuntimeError as err:  # xgrammar's message after its source location
-        raise ValueError(f"structured_output does not compile: {str(err).split(': ', 1)[-1].strip()}") from None
+    except RuntimeError as err:
+        detail = str(err).split(": ", 1)[-1].strip()  # after "[time] file.cc:line: "
+        detail = re.sub(r"^Check failed: .*? is false: ", "", detail).split(" The JSON string is:")[0]
+        what = "choice" if s.choice is not None else "regex" if s.regex is not None else "JSON schema"
+        raise ValueError(f"structured_output: the {what} does not compile: {detail}") from None
 
 
 def prepare_structure(engine: LLMEngine, params: SamplingParams) -> Callable[[], Any] | None:

@@ -99,6 +99,10 @@ class ChatMessage(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # OpenAI's rule, which the server keeps and the schema says: top_logprobs only with logprobs: true.
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -8,10 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miniinfer.sampling import SamplingParams, top_p_filter
+from miniinfer.sampling import GREEDY_BELOW, SamplingParams, top_p_filter
 from miniinfer.varlen import to_device
 
 _MASK32 = 0xFFFFFFFF
+# Logits at most this large stay finite (float32) divided by the smallest temperature, GREEDY_BELOW;
+# a logits processor's penalty can push one past it (chapter 12).
+MAX_LOGIT = 1e30
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -66,13 +69,14 @@ def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple[fl
     Values that are not numbers of those kinds raise TypeError, ValueError or OverflowError: that
     request's own fault, found before its step runs."""
     top_k = min(operator.index(params.top_k), vocab_size) or vocab_size
-    return float(params.temperature), float(params.top_p), top_k, seed32(operator.index(seed))
+    temperature = min(float(params.temperature), float(np.finfo(np.float32).max))  # 1e300 would be inf
+    return temperature, float(params.top_p), top_k, seed32(operator.index(seed))
 
 
 def sampling_probs(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     """Each row's distribution after its temperature, top-k and top-p: [B, vocab] float32 (a greedy
-    row's is its softmax at temperature 1e-5; sample_batch takes its argmax instead)."""
-    logits = logits.float() / s.temperature.clamp(min=1e-5)[:, None]
+    row's is its softmax at temperature GREEDY_BELOW; sample_batch takes its argmax instead)."""
+    logits = logits.float() / s.temperature.clamp(min=GREEDY_BELOW)[:, None]
     if s.any_filter:
         kth = logits.sort(-1, descending=True).values.gather(-1, s.top_k[:, None].clamp(max=logits.shape[-1]) - 1)
         top_p = s.top_p.masked_fill(s.top_p >= 1, float("inf"))  # exactly off: no rounding in cumsum

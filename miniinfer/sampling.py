@@ -6,6 +6,7 @@ import torch
 
 
 MAX_LOGPROBS = 20  # top log-probabilities a token may report (OpenAI's limit)
+GREEDY_BELOW = 1e-5  # a temperature below this samples as greedy (the batched sampler divides by no less)
 
 
 # A grammar's compile grows fast with its size and nesting (a schema nested 512 deep took 17 s): larger
@@ -77,6 +78,10 @@ class SamplingParams:
     def __post_init__(self):
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature == float("inf"):  # logits / inf are all 0, and a masked -inf / inf is NaN
+            raise ValueError("temperature must be finite, got inf")
+        if self.temperature < GREEDY_BELOW:  # logits / so small a temperature overflow: it is greedy anyway
+            self.temperature = 0.0
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -127,8 +132,10 @@ def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Ten
     """Set to -inf every logit outside the nucleus: the fewest best tokens with probability >= top_p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
-    # A token is dropped when the tokens ranked above it already reach top_p.
+    # A token is dropped when the tokens ranked above it already reach top_p. The top token never is:
+    # a top_p that rounds to 0 in float32 (1e-46) would otherwise drop them all.
     drop = probs.cumsum(-1) - probs >= top_p
+    drop[..., 0] = False
     return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 

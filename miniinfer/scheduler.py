@@ -12,17 +12,17 @@ from miniinfer.sequence import Sequence, Status
 
 
 class SchedulingPolicy:
-    """First come, first served: the sequence with the smallest key is the most urgent."""
+    """First come, first served, by turns: the sequence with the smallest key is the most urgent."""
 
     def key(self, seq: Sequence) -> tuple:
-        return (seq.arrival,)
+        return (seq.turn, seq.arrival)
 
 
 class PriorityPolicy(SchedulingPolicy):
-    """Lower `priority` first; ties by arrival."""
+    """Lower `priority` first; ties by turn, then arrival."""
 
     def key(self, seq: Sequence) -> tuple:
-        return (seq.priority, seq.arrival)
+        return (seq.priority, seq.turn, seq.arrival)
 
 
 POLICIES: dict[str, SchedulingPolicy] = {"fcfs": SchedulingPolicy(), "priority": PriorityPolicy()}
@@ -252,7 +252,7 @@ class Scheduler:
 
     def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
         """Preempt less urgent running sequences while the most urgent waiting one outranks them
-        and does not fit (under FCFS a waiting sequence never outranks a running one)."""
+        and does not fit (under FCFS only a later request's earlier turn, or a preempted sequence, does)."""
         key, bm = self.policy.key, self.block_manager
         while self.waiting and self.running and key(self.waiting[0]) < key(self.running[-1]):
             running, per = len(self.running), 1 + self.num_speculative_tokens  # tokens a decode takes
@@ -286,6 +286,12 @@ class Scheduler:
                 # The runner cuts its copy of the table by the same rule: after its last accepted token.
                 self.sent[rid] = min(self.sent[rid], len(bm.tables[seq]))
             for token in new or []:
+                if token < 0:  # the runner's processors allowed no token at all
+                    seq.error = (f"no token was allowed at output position {len(seq.output_token_ids)}: the "
+                                 "sampling values forbid every one (a grammar that must end while min_tokens "
+                                 "forbids ending, say)")
+                    seq.finish_reason = "error"
+                    break
                 seq.append(token, self.eos_token_ids)
                 if seq.finish_reason:
                     break

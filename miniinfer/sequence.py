@@ -24,6 +24,7 @@ class Sequence:
     priority: int = 0
     arrival: int = 0
     seed: int = 0  # the sampling noise of output token i depends on (seed, i) only
+    turn: int = 0  # its place among the sequences of one client request (prompts x n): fairness
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool

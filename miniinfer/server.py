@@ -5,10 +5,11 @@ Hand-written module (chapter 08); `miniinfer serve` runs it."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
+import functools
 import json
 import sys
 import time
@@ -22,12 +23,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from miniinfer import protocol
-from miniinfer.async_engine import AsyncLLMEngine, Shutdown
+from miniinfer.async_engine import AsyncLLMEngine, EngineClosed, RequestFailed, Shutdown
 from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.config import EngineConfig
 from miniinfer.engine import REQUEST_CHECKS
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from miniinfer.sampling import SamplingParams, StructuredOutput
+from miniinfer.sampling import MAX_GRAMMAR_DEPTH, SamplingParams, StructuredOutput
 from miniinfer.sequence import RequestOutput
 
 
@@ -55,9 +56,9 @@ class APIError(Exception):
     """A request the server refuses, answered as OpenAI does: {"error": {...}} with an HTTP status."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.param, self.type, self.code = status, param, type, code
+        self.status, self.param, self.type, self.code, self.headers = status, param, type, code, headers
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -78,7 +79,10 @@ def validate(model: type[Body], body: dict) -> Body:
                        param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
-MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
+# OpenAI's request bodies nest a few levels; a deeper one is refused, not walked. A JSON schema in
+# response_format.json_schema.schema starts 3 levels down, and its grammar may nest MAX_GRAMMAR_DEPTH
+# deep (counted the same way, by objects and arrays): the body's limit leaves it all of that.
+MAX_DEPTH = MAX_GRAMMAR_DEPTH + 3
 # A chat request without max_tokens gets at most this many (and the rest of the context): OpenAI's
 # "up to the context" let one request of the course model run 40 s on a 2-core CPU; 512 tokens hold
 # a long answer. A completion without it gets 16, as OpenAI's API says.
@@ -90,11 +94,38 @@ MAX_BODY_MB = 4
 # A body up to this size is parsed on the event loop: it takes well under a millisecond, less than the
 # hand-over of the interpreter lock to a worker thread and back while the loop is busy streaming.
 INLINE_BODY_BYTES = 32 * 1024
-GRACE_S = 3  # after Ctrl-C, responses still open this long are cancelled
+SHUTDOWN_TIMEOUT_S = 5.0  # after Ctrl-C (or SIGTERM), requests in flight have this long to finish
+GRACE_S = 3  # then, once the engine has ended them, responses still open this long are cancelled
+RETRY_AFTER_S = 5  # what a request refused while the server shuts down is told (Retry-After)
+# A connection that has not sent a whole request's headers this long after it opened (or after its
+# last response) is closed: uvicorn times out only a connection idle between requests, and one that
+# connected and sent nothing, or half a header, held its socket forever.
+HEADER_TIMEOUT_S = 10.0
 # A grammar compiles at the door within this, or the request is refused: the engine compiles it again
 # (beside its loop), and a schema of 2,000 properties held a core for 25 s each time.
 GRAMMAR_COMPILE_S = 2.0
 GRAMMAR_COMPILES = 4  # compiles past that limit (each runs on to its end) the door lets run at once
+
+
+def shutting_down(what: str) -> APIError:
+    """503 for a request the server will not finish because it is shutting down (Ctrl-C or SIGTERM)."""
+    return APIError(f"the server is shutting down: {what}; try again later, or another server", 503,
+                    type="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class TextOffsets:
+    """Where each token's text starts in a choice's text, in characters: the tokens' bytes decoded as
+    one stream, so that a token whose bytes continue a character begun by the token before gets the
+    offset of that character, as OpenAI's API gives it."""
+
+    def __init__(self):
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, data: bytes) -> int:
+        at = self.chars
+        self.chars += len(self.decoder.decode(data))
+        return at
 
 
 def check_body(body: dict) -> None:
@@ -122,6 +153,20 @@ def check_body(body: dict) -> None:
 UNSUPPORTED = ("suffix", "tools", "functions")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """The server's own limits, beside the engine's (`miniinfer serve --help` names each flag)."""
+    chat_max_tokens: int = CHAT_MAX_TOKENS
+    max_body_mb: float = MAX_BODY_MB
+    # A request's sequences (prompts x n), and the tokens they may hold together (each prompt's and
+    # max_tokens, times n); None: the engine's max_num_seqs, and its KV pool's tokens. One request of
+    # 128 prompts x n=256 (1.2 KB) once made 32,768 sequences and held the engine for everyone else.
+    max_seqs_per_request: int | None = None
+    max_tokens_per_request: int | None = None
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S
+    header_timeout: float = HEADER_TIMEOUT_S
+
+
 class StopStrings:
     """Cuts streamed text at the first stop string. Text that could be the start of one is held back
     until the next piece shows whether it is, so no part of a stop string is ever sent."""
@@ -147,13 +192,17 @@ class StopStrings:
 class Server:
     """The OpenAI HTTP API over one AsyncLLMEngine: requests in, choices out, streamed or whole."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS,
-                 max_body_mb: float = MAX_BODY_MB):
-        self.engine, self.model_name, self.chat_max_tokens = engine, model_name, chat_max_tokens
-        self.max_body_bytes = int(max_body_mb * 2 ** 20)
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, options: ServerOptions = ServerOptions()):
+        self.engine, self.model_name, self.chat_max_tokens = engine, model_name, options.chat_max_tokens
+        self.max_body_bytes = int(options.max_body_mb * 2 ** 20)
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.limits.max_model_len
-        self.vocab_size = engine.limits.vocab_size
+        limits = engine.limits
+        self.max_model_len = limits.max_model_len
+        self.vocab_size = limits.vocab_size
+        self.max_seqs = options.max_seqs_per_request or engine.max_num_seqs
+        self.max_tokens = options.max_tokens_per_request or limits.num_blocks * limits.block_size
+        self.draining = False  # shutting down: new requests get 503
+        self.in_flight = 0  # requests whose responses are not finished, streams included
         self.slow_grammars: set[int] = set()  # their hashes: a client must not grow this by 4 MB a request
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_COMPILES + 1, thread_name_prefix="grammar")
         self.overdue: list[concurrent.futures.Future] = []
@@ -198,8 +247,6 @@ class Server:
         if (req.model or self.model_name) != self.model_name:
             raise APIError(f"the model {req.model!r} does not exist; this server has {self.model_name!r}",
                            status=404, param="model", code="model_not_found")
-        if req.n > self.engine.max_num_seqs:
-            raise APIError(f"'n' must be at most {self.engine.max_num_seqs} (max_num_seqs), got {req.n}", param="n")
         max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None) or default_max_tokens
         if isinstance(req, ChatCompletionRequest):
             if req.top_logprobs is not None and not req.logprobs:
@@ -318,7 +365,9 @@ class Server:
                 # The choices of a seeded request differ from each other and are reproducible.
                 seed = None if params.seed is None else (params.seed + j) % 2 ** 64  # stays a 64-bit seed
                 p = dataclasses.replace(params, seed=seed) if j else params
-                stream = self.engine.stream(ids, p)  # the engine starts it now
+                # The engine starts it now; its turn is its place in this request: the scheduler serves
+                # every request's first sequence before any request's second, and so on.
+                stream = self.engine.stream(ids, p, turn=i * n + j)
                 streams.append(self.choice(i * n + j, stream, stops, ids if echo else None))
         return streams
 
@@ -346,23 +395,58 @@ class Server:
         """The text of token ids; a model without a tokenizer names them."""
         return self.tokenizer.decode(ids) if self.tokenizer is not None else "".join(f"token_id:{t}" for t in ids)
 
-    def logprobs_json(self, items: list, chat: bool, offset: int = 0) -> dict:
-        """Chapter 12's TokenLogprobs in OpenAI's form: chat's `content` list, or the completions
-        endpoint's parallel lists (offset: where the first token's text starts in the choice's text;
-        a bare token id: an echoed prompt's first token, which has no log-probability)."""
-        def entry(token: int, logprob: float) -> dict:
+    @functools.cached_property
+    def vocab_bytes(self) -> list[bytes]:
+        """Each token id's own bytes, read by xgrammar from the tokenizer's pieces (byte-level BPE or
+        SentencePiece's byte fallback): a token may hold part of a character, which its decoded
+        text cannot show (it decodes to U+FFFD)."""
+        import xgrammar as xgr
+        return xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size).decoded_vocab
+
+    def token_piece(self, token: int) -> tuple[str, bytes]:
+        """A token's text and its own bytes; one that holds part of a character is named by its bytes,
+        as OpenAI's API names it ("bytes:\\xf0\\x9f")."""
+        if self.tokenizer is None:
             text = self.decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            return text, text.encode()
+        data = self.vocab_bytes[token]
+        try:
+            return data.decode(), data
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+
+    def logprobs_json(self, items: list, chat: bool, offsets: TextOffsets) -> dict:
+        """Chapter 12's TokenLogprobs in OpenAI's form: chat's `content` list, or the completions
+        endpoint's parallel lists (offsets: the choice's, advanced by these tokens; a bare token id:
+        an echoed prompt's first token, which has no log-probability)."""
+        def entry(token: int, logprob: float) -> dict:
+            text, data = self.token_piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(data)}
 
         if chat:
             return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
                                 for lp in items]}
-        texts = [self.decode([lp if isinstance(lp, int) else lp.token]) for lp in items]
-        offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=offset))
+        pieces = [self.token_piece(lp if isinstance(lp, int) else lp.token) for lp in items]
         scored = [None if isinstance(lp, int) else lp for lp in items]
-        return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
-                "top_logprobs": [None if lp is None else {self.decode([t]): p for t, p in lp.top} for lp in scored],
-                "text_offset": offsets}
+        return {"tokens": [text for text, _ in pieces],
+                "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+                "top_logprobs": [None if lp is None else {self.token_piece(t)[0]: p for t, p in lp.top}
+                                 for lp in scored],
+                "text_offset": [offsets.next(data) for _, data in pieces]}
+
+    def admit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        """Refuse a request larger than this server takes in one: its sequences (prompts x n), and the
+        tokens they may hold together."""
+        seqs = len(prompts) * n
+        if seqs > self.max_seqs:
+            raise APIError(f"the request asks for {seqs} sequences ({len(prompts)} prompts x n={n}); this server "
+                           f"takes at most {self.max_seqs} in one request (--max-seqs-per-request)",
+                           param="n" if len(prompts) == 1 else "prompt")
+        tokens = n * sum(len(ids) + params.max_tokens for ids in prompts)
+        if tokens > self.max_tokens:
+            raise APIError(f"the request's sequences may hold {tokens} tokens (each prompt and max_tokens, times n); "
+                           f"this server takes at most {self.max_tokens} in one request (--max-tokens-per-request)",
+                           param="max_tokens")
 
     async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:
         """A request's response: a JSON body, or (stream=true) an iterator of SSE events."""
@@ -371,6 +455,7 @@ class Server:
         default = max(min(self.chat_max_tokens, self.max_model_len - len(prompts[0])), 1) if chat else 16
         grammar = self.structure(req)
         params, n, stops = self.params(req, default, grammar and grammar[1])
+        self.admit(prompts, params, n)
         if grammar is not None:
             await self.compile(*grammar)
         choices = merge(self.requests(prompts, params, n, stops, isinstance(req, CompletionRequest) and req.echo))
@@ -384,13 +469,20 @@ class Server:
         reasons: dict[int, str | None] = {}
         tokens: dict[int, int] = {}
         logprobs: dict[int, list] = {}
-        async for index, piece, reason, count, lps in choices:
-            texts[index] = texts.get(index, "") + piece
-            reasons[index], tokens[index] = reason, count
-            if lps is not None:
-                logprobs.setdefault(index, []).extend(lps)
+        try:
+            async for index, piece, reason, count, lps in choices:
+                texts[index] = texts.get(index, "") + piece
+                reasons[index], tokens[index] = reason, count
+                if lps is not None:
+                    logprobs.setdefault(index, []).extend(lps)
+        except EngineClosed:
+            raise shutting_down("the request was not finished within its shutdown timeout") from None
+        except RequestFailed as err:  # its own sampling values
+            raise APIError(f"generation failed: {err}") from None
+        except RuntimeError as err:
+            raise APIError(f"generation failed: {err}", 500, type="server_error") from None
         usage = _usage(prompt_tokens, tokens)
-        lp = {i: self.logprobs_json(items, chat) for i, items in logprobs.items()}
+        lp = {i: self.logprobs_json(items, chat, TextOffsets()) for i, items in logprobs.items()}
         if chat:
             out = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp.get(i),
                     "finish_reason": reasons[i]} for i in sorted(texts)]
@@ -415,22 +507,25 @@ class Server:
             return f"{start}{_json(c)}]}}\n\n"  # one SSE line: JSON escapes its newlines
 
         tokens: dict[int, int] = {}
-        offsets: dict[int, int] = {}  # completions: where each choice's next token's text starts
+        offsets: dict[int, TextOffsets] = {}  # where each choice's next token's text starts
         try:
             if chat:
                 for i in range(num_choices):
                     yield chunk(i, None, None, role=True)
             async for index, piece, reason, count, lps in choices:
                 tokens[index] = count
-                lp = None
-                if lps:
-                    lp = self.logprobs_json(lps, chat, offsets.get(index, 0))
-                    if not chat:
-                        offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                lp = self.logprobs_json(lps, chat, offsets.setdefault(index, TextOffsets())) if lps else None
                 if piece or reason or lp:
                     yield chunk(index, piece, reason, logprobs=lp)
-        except Exception as err:  # the engine failed mid-stream: the status line is long gone
-            yield sse_event(_json(APIError(f"generation failed: {err}", 500, type="server_error").body()))
+        except Exception as err:  # the status line is long gone: an error event, then the end as usual
+            if isinstance(err, EngineClosed):
+                error = shutting_down("the stream was not finished within its shutdown timeout")
+            elif isinstance(err, RequestFailed):
+                error = APIError(f"generation failed: {err}")
+            else:
+                error = APIError(f"generation failed: {err}", 500, type="server_error")
+            yield sse_event(_json(error.body()))
+            yield sse_event("[DONE]")
             return
         if include_usage:
             yield sse_event(_json({**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, tokens)}))
@@ -573,14 +668,19 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
         components[model.__name__] = s
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         fields = components[name]["properties"]
-        fields["n"]["maximum"] = server.engine.max_num_seqs
+        fields["n"]["maximum"] = server.max_seqs
         for key in ("max_tokens", "max_completion_tokens"):
             if key in fields:
                 fields[key]["anyOf"][0]["maximum"] = server.max_model_len
-    _token_ids_below(components["CompletionRequest"]["properties"]["prompt"], server.vocab_size)
+    prompt = components["CompletionRequest"]["properties"]["prompt"]
+    _token_ids_below(prompt, server.vocab_size)
+    for form in prompt["anyOf"]:  # a list of prompts: one sequence each at least
+        if form.get("type") == "array" and form.get("maxItems", 0) > server.max_seqs:
+            form["maxItems"] = server.max_seqs
     errors = {str(code): {"description": why, **_json_schema(protocol.ErrorResponse)} for code, why in [
         (400, "a bad request"), (404, "no such model"), (413, "the body is too large"),
-        (500, "the server failed")]}
+        (429, "too many slow grammars are compiling"), (500, "the server failed"),
+        (503, "the server is shutting down (Retry-After says when to try again)")]}
     routes: list[tuple[str, type[BaseModel], type[BaseModel]]] = [
         ("/v1/completions", protocol.CompletionRequest, protocol.CompletionResponse),
         ("/v1/chat/completions", protocol.ChatCompletionRequest, protocol.ChatCompletionResponse)]
@@ -592,16 +692,15 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
     gets: list[tuple[str, type[BaseModel], dict]] = [
         ("/v1/models", protocol.ModelList, {}),
         ("/health", protocol.Health,
-         {"503": {"description": "the engine has stopped", **_json_schema(protocol.Health)}})]
+         {"503": {"description": "the engine has stopped, or is shutting down", **_json_schema(protocol.Health)}})]
     for path, model, extra in gets:
         schema["paths"][path]["get"]["responses"] = {"200": {"description": "OK", **_json_schema(model)}, **extra}
     return schema
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CHAT_MAX_TOKENS,
-              max_body_mb: float = MAX_BODY_MB) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = ServerOptions()) -> FastAPI:
     """The FastAPI application: the OpenAI routes, /health and /metrics."""
-    server = Server(engine, model_name, chat_max_tokens, max_body_mb)
+    server = Server(engine, model_name, options)
     app = FastAPI(title="miniinfer")
     app.state.server = server
 
@@ -614,7 +713,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)  # unknown routes and methods, in the same shape
     async def http_error(request: Request, err: HTTPException):
@@ -629,6 +728,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
     async def health():
         if not engine.client.is_alive():
             return JSONResponse({"status": "the engine has stopped"}, status_code=503)
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -642,6 +743,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
         return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
 
     async def generate(request: Request, chat: bool):
+        if server.draining:
+            raise shutting_down("it takes no new requests")
         raw = await read_body(request, server.max_body_bytes)
         result = await until_disconnected(request, server.run(raw, chat))
         if isinstance(result, (dict, Response)):
@@ -660,16 +763,49 @@ def build_app(engine: AsyncLLMEngine, model_name: str, chat_max_tokens: int = CH
     return app
 
 
+def header_timeout(protocol: type, seconds: float) -> type:
+    """uvicorn's HTTP protocol class, closing a connection that has not sent a whole request's headers
+    within `seconds` of opening or of its last response."""
+
+    class Protocol(protocol):  # type: ignore[valid-type, misc]
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.arm()
+
+        def arm(self) -> None:
+            # The request then being served: a new one by the deadline means its headers came in time.
+            self.loop.call_later(seconds, self.expire, self.cycle)
+
+        def expire(self, served) -> None:
+            if self.cycle is served and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
 def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          chat_max_tokens: int = CHAT_MAX_TOKENS, max_body_mb: float = MAX_BODY_MB) -> None:
+          options: ServerOptions = ServerOptions()) -> None:
     """Serve an engine over HTTP until interrupted. The engine runs in its own process: in this one,
-    the event loop's work for every streamed token would hold the GIL that the engine's host code needs."""
+    the event loop's work for every streamed token would hold the GIL that the engine's host code needs.
+    Ctrl-C (or SIGTERM) drains: new requests get 503, those in flight have options.shutdown_timeout
+    to finish, then the engine ends the rest (503, or a stream's error event and [DONE]); a second
+    Ctrl-C ends them at once."""
     import uvicorn
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as http
+    except ImportError:  # httptools is optional: uvicorn's pure-Python parser
+        from uvicorn.protocols.http.h11_impl import H11Protocol as http  # type: ignore[assignment]
     # The thread that receives the engine's outputs gives up the GIL at every read of the pipe and
     # must win it back from a busy event loop: by default that can take 5 ms each time, longer than
     # a decode step, and the engine process then waits on a full pipe.
     sys.setswitchinterval(0.0005)
     async_engine = AsyncLLMEngine(config)
+    app = build_app(async_engine, model_name, options)
+    server: Server = app.state.server
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -677,12 +813,28 @@ def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: 
         async_engine.close()  # at shutdown: uvicorn may end the process right after
 
     class Uvicorn(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # Ctrl-C: uvicorn waits for open responses to end, and streams may run for minutes. The
-            # engine stops now instead, aborting every request, so each response ends with an error.
-            async_engine.client.send(Shutdown())
-            super().handle_exit(sig, frame)
+        drain: tuple[int, float] | None = None  # the signal that started draining, and when
 
-    app = build_app(async_engine, model_name, chat_max_tokens, max_body_mb)
+        def handle_exit(self, sig, frame) -> None:
+            if self.drain is None:
+                self.drain = sig, time.monotonic()
+                server.draining = True
+                print(f"shutting down: requests in flight have {options.shutdown_timeout:g} s to finish "
+                      "(Ctrl-C again ends them now)", file=sys.stderr, flush=True)
+            else:
+                async_engine.client.send(Shutdown())  # every request still running ends now
+                super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            # Called every 0.1 s: once nothing runs, or the time is up, the engine stops and uvicorn follows.
+            if self.drain is not None and not self.should_exit:
+                sig, since = self.drain
+                if not async_engine.streams or time.monotonic() - since > options.shutdown_timeout:
+                    async_engine.client.send(Shutdown())
+                    super().handle_exit(sig, None)
+            return await super().on_tick(counter)
+
     app.router.lifespan_context = lifespan
-    Uvicorn(uvicorn.Config(app, host=host, port=port, access_log=False, timeout_graceful_shutdown=GRACE_S)).run()
+    protocol = header_timeout(http, options.header_timeout)
+    Uvicorn(uvicorn.Config(app, host=host, port=port, access_log=False, http=protocol,
+                           timeout_graceful_shutdown=GRACE_S)).run()

@@ -280,3 +280,37 @@ def test_regex_and_choice_outputs_match_and_bad_grammars_are_refused(course_mode
     with pytest.raises(ValueError, match="structured_output: only the engine"):
         mi.generate_naive(course_model, [1, 2], mi.SamplingParams(structured_output=S(json_object=True)))
     assert not engine.requests and engine.block_manager.num_free_blocks == 64
+
+
+def test_degenerate_sampling_values_act_as_their_limit_and_a_grammar_always_holds(course_model):
+    """Values that round away in float32 (top_p 1e-46, a temperature of 1e300 or 1e-300, a repetition
+    penalty of 1e-300 or 1e300) sample as their limit would (greedy, or any allowed token), never a
+    silent end-of-sequence from NaN logits; a grammar-held row never leaves its grammar whatever the
+    values; a row left with no allowed token (the grammar must end, min_tokens forbids it) fails with
+    the reason. The blocks all come back."""
+    import re
+    tok = mi.load_tokenizer()
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=8), model=course_model, tokenizer=tok)
+    prompt = "def add(a, b):\n"
+    greedy = engine.generate([prompt], mi.SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].token_ids
+    assert mi.SamplingParams(temperature=1e-300).temperature == 0  # greedy, normalized where it enters
+    for kwargs in (dict(top_p=1e-46), dict(top_p=1e-300), dict(temperature=1e-30)):
+        out = engine.generate([prompt], mi.SamplingParams(max_tokens=8, seed=1, **kwargs), use_tqdm=False)[0]
+        assert out.token_ids == greedy, kwargs
+    eos = set(course_model.cfg.eos_token_ids)
+    for kwargs in (dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300), dict(temperature=1e300)):
+        out = engine.generate([prompt], mi.SamplingParams(max_tokens=8, seed=1, **kwargs), use_tqdm=False)[0]
+        assert out.finish_reason == "length" and not eos & set(out.token_ids), (kwargs, out.token_ids)
+    digits = mi.StructuredOutput(regex="[0-9]+")
+    for kwargs in (dict(temperature=1e300), dict(repetition_penalty=1e-300), dict(top_p=1e-46),
+                   dict(repetition_penalty=1e300, presence_penalty=2)):
+        params = [mi.SamplingParams(max_tokens=12, seed=s, structured_output=digits, **kwargs) for s in range(4)]
+        for out in engine.generate([prompt] * 4, params, use_tqdm=False):
+            text = tok.decode([t for t in out.token_ids if t not in eos])
+            assert out.error is None and re.fullmatch("[0-9]+", text), (kwargs, out.token_ids)
+    yes = mi.StructuredOutput(choice=("yes",))
+    outs = engine.generate([prompt] * 2, [mi.SamplingParams(max_tokens=8, min_tokens=5, structured_output=yes),
+                                          mi.SamplingParams(temperature=0, max_tokens=8)], use_tqdm=False)
+    assert outs[0].finish_reason == "error" and "no token was allowed" in outs[0].error, outs[0]
+    assert tok.decode(outs[0].token_ids) == "yes" and outs[1].token_ids == greedy  # the other row ran on
+    assert not engine.requests and engine.block_manager.num_free_blocks == 64

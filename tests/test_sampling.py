@@ -13,6 +13,7 @@ from miniinfer.sampling import sample, top_p_filter
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-0.1), "temperature must be >= 0"),
     (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(temperature=float("inf")), "temperature must be finite"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-1), "top_k must be an int >= 0"),
