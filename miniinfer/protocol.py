@@ -23,8 +23,9 @@ MAX_PROMPTS = 2048  # prompts in one completions request (OpenAI's limit on arra
 
 class Strict(BaseModel):
     # Strict: a JSON true is no number and "3" no int. Unknown fields are ignored, as OpenAI's
-    # clients send some (user, metadata) that change nothing here.
-    model_config = ConfigDict(strict=True, extra="allow")
+    # clients send some (user, metadata) that change nothing here. Python's JSON reads Infinity and
+    # NaN, which JSON itself has not: refused (a temperature of Infinity made masked logits NaN).
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -100,7 +101,7 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     # OpenAI's rule, which the server keeps and the schema says: top_logprobs only with logprobs: true.
-    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False, json_schema_extra={
         "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

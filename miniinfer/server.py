@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 import uuid
@@ -28,7 +29,7 @@ from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.config import EngineConfig
 from miniinfer.engine import REQUEST_CHECKS
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from miniinfer.sampling import MAX_GRAMMAR_DEPTH, SamplingParams, StructuredOutput
+from miniinfer.sampling import SamplingParams, StructuredOutput
 from miniinfer.sequence import RequestOutput
 
 
@@ -79,10 +80,10 @@ def validate(model: type[Body], body: dict) -> Body:
                        param=str(first["loc"][0]) if first["loc"] else None) from None
 
 
-# OpenAI's request bodies nest a few levels; a deeper one is refused, not walked. A JSON schema in
-# response_format.json_schema.schema starts 3 levels down, and its grammar may nest MAX_GRAMMAR_DEPTH
-# deep (counted the same way, by objects and arrays): the body's limit leaves it all of that.
-MAX_DEPTH = MAX_GRAMMAR_DEPTH + 3
+MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
+# A grammar's schema is counted by the grammar's own limit (MAX_GRAMMAR_DEPTH, 64), not the body's:
+# one 14 levels deep was refused for the body's 32 before that limit could say why.
+GRAMMAR_FIELDS = {("guided_json",), ("response_format", "json_schema", "schema")}
 # A chat request without max_tokens gets at most this many (and the rest of the context): OpenAI's
 # "up to the context" let one request of the course model run 40 s on a 2-core CPU; 512 tokens hold
 # a long answer. A completion without it gets 16, as OpenAI's API says.
@@ -129,9 +130,10 @@ class TextOffsets:
 
 
 def check_body(body: dict) -> None:
-    """Refuse a body nested deeper than MAX_DEPTH, or holding a string that is not text (a lone UTF-16
-    surrogate, which JSON's \\u escapes can carry but no tokenizer can encode), naming where."""
-    todo: list[tuple[object, tuple, int]] = [(body, (), 1)]  # a value, the keys to it, its depth
+    """Refuse a body nested deeper than MAX_DEPTH (a grammar's schema aside), or holding a string that
+    is not text (a lone UTF-16 surrogate, which JSON's \\u escapes can carry but no tokenizer can
+    encode), naming where."""
+    todo: list[tuple[object, tuple, float]] = [(body, (), 1)]  # a value, the keys to it, its depth
     while todo:
         value, path, depth = todo.pop()
         if depth > MAX_DEPTH:
@@ -144,7 +146,8 @@ def check_body(body: dict) -> None:
                 raise APIError(f"{where} is not valid Unicode text: {err.reason} at index {err.start}",
                                param=where) from None
         elif isinstance(value, dict):
-            todo += [(v, (*path, k), depth + 1) for k, v in value.items()]
+            todo += [(v, (*path, k), -math.inf if (*path, k) in GRAMMAR_FIELDS else depth + 1)
+                     for k, v in value.items()]
         elif isinstance(value, list):  # numbers need no look (a prompt of token ids is a long list of them)
             todo += [(v, (*path, i), depth + 1) for i, v in enumerate(value) if isinstance(v, (str, list, dict))]
 

@@ -6,6 +6,7 @@ accepts some of its guesses and returns them and one token more, and returns 1 t
 each other request whose known tokens it reached (one, with overlap: the next step is scheduled
 before this one's tokens are read), and a fake pool that records which token each slot holds."""
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -54,12 +55,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def unfinished(self) -> list[mi.Sequence]:
         return [s for s in self.seqs if s.status is not mi.Status.FINISHED]
 
-    @rule(data=st.data(), priority=st.integers(0, 3))
-    def add(self, data, priority):
+    @rule(data=st.data(), priority=st.integers(0, 3), turn=st.integers(0, 3))
+    def add(self, data, priority, turn):
         total = data.draw(st.integers(2, self.capacity))
         prompt = data.draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=total - 1))  # prefixes repeat
+        # A turn above 0: a later sequence of a client's request, which a new request's first outranks.
         seq = mi.Sequence(str(len(self.seqs)), prompt, mi.SamplingParams(max_tokens=total - len(prompt)),
-                          priority, arrival=len(self.seqs))
+                          priority, arrival=len(self.seqs), turn=turn)
         self.seqs.append(seq)
         self.s.add(seq)
 
@@ -221,3 +223,23 @@ def test_a_request_preempted_while_its_step_runs_comes_back_with_that_steps_toke
     step3 = s.schedule()
     (back,) = [r for r in step3.new_requests if r.request_id == "v"]
     assert back.prompt_token_ids + back.output_token_ids == list(range(1, 15)) and step3.num_new_tokens["v"] == 14
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_later_requests_first_turn_outranks_an_earlier_requests_later_turns(policy):
+    """One client request's 4 sequences (turns 0-3) fill max_num_seqs; a later request of one (turn 0)
+    preempts the earlier request's last turn at the next step instead of waiting for all four; that
+    one then waits without preempting back."""
+    bm = mi.BlockManager(num_blocks=64, block_size=4)
+    s = mi.Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, policy=mi.POLICIES[policy])
+    params = mi.SamplingParams(max_tokens=50)
+    for turn in range(4):
+        s.add(mi.Sequence(f"big{turn}", [1, 2, 3], params, arrival=turn, turn=turn))
+    s.update_from_output(s.schedule(), {f"big{t}": [5] for t in range(4)})
+    s.add(mi.Sequence("small", [4, 4], params, arrival=4))
+    out = s.schedule()
+    assert out.preempted_ids == ["big3"] and "small" in out.num_new_tokens
+    s.update_from_output(out, {r: [6] for r in out.num_new_tokens})
+    again = s.schedule()
+    assert not again.preempted_ids and set(again.num_new_tokens) == {"big0", "big1", "big2", "small"}
+    assert [q.request_id for q in s.waiting] == ["big3"]
