@@ -56,7 +56,7 @@ class SamplingFields(Strict):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="-1 or 0: off; above the vocabulary: all of it")
-    n: int = Field(1, ge=1, description="at most the engine's max_num_seqs")
+    n: int = Field(1, ge=1, description="prompts x n: at most the server's --max-seqs-per-request")
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=-2 ** 63, lt=2 ** 64, description="what torch.Generator takes")
     ignore_eos: bool = False

@@ -459,6 +459,8 @@ class Server:
         grammar = self.structure(req)
         params, n, stops = self.params(req, default, grammar and grammar[1])
         self.admit(prompts, params, n)
+        if params.logprobs is not None and self.tokenizer is not None and "vocab_bytes" not in self.__dict__:
+            await asyncio.to_thread(getattr, self, "vocab_bytes")  # the first time: seconds, off the event loop
         if grammar is not None:
             await self.compile(*grammar)
         choices = merge(self.requests(prompts, params, n, stops, isinstance(req, CompletionRequest) and req.echo))
