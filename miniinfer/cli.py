@@ -58,6 +58,7 @@ def engine_options(ap: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace):
     import torch
+
     import miniinfer as mi
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(mi.EngineConfig)}
     values["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,6 +164,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
     import httpx
+
     from miniinfer.bench import sse_data
     body = {"messages": history, "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
@@ -188,6 +190,7 @@ async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     import httpx
+
     from miniinfer.bench import random_requests, run_bench, served_model, summary
     name, vocab = args.model_name, args.vocab
     if name is None or vocab is None:  # else the flags say all it needs: no /v1/models
@@ -216,8 +219,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_grade(args: argparse.Namespace) -> None:
     try:
-        import nbclient  # noqa: F401
         import ipykernel  # noqa: F401
+        import nbclient  # noqa: F401
     except ImportError:
         raise SystemExit("miniinfer grade needs nbclient and ipykernel: pip install -e '.[dev]'") from None
     from miniinfer import grade

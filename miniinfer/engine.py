@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from collections import abc
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch

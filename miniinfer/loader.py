@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
-from torch import nn
 from safetensors import safe_open
+from torch import nn
 
 from miniinfer.course_model import course_model_path
 from miniinfer.model import ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
@@ -53,12 +53,13 @@ def _skeleton():
     """Build modules on the meta device without random init, which the checkpoint replaces anyway. On
     meta, nn.Embedding's normal_ runs through PyTorch's Python decompositions, whose first call imports
     torch._dynamo: a second of every start on a CPU."""
-    reset, nn.Embedding.reset_parameters = nn.Embedding.reset_parameters, lambda self: None
+    reset = nn.Embedding.reset_parameters
+    nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]  # replaced on purpose
     try:
         with torch.device("meta"):
             yield
     finally:
-        nn.Embedding.reset_parameters = reset
+        nn.Embedding.reset_parameters = reset  # type: ignore[method-assign]
 
 
 class Quantization(Protocol):

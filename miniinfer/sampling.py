@@ -4,7 +4,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 MAX_LOGPROBS = 20  # top log-probabilities a token may report (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this samples as greedy (the batched sampler divides by no less)
 

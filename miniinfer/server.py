@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException
 
 from miniinfer import protocol
 from miniinfer.async_engine import AsyncLLMEngine, EngineClosed, RequestFailed, Shutdown
-from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.config import EngineConfig
+from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.engine import REQUEST_CHECKS
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from miniinfer.sampling import SamplingParams, StructuredOutput

@@ -20,8 +20,8 @@ import torch
 
 from miniinfer.block_manager import BlockManager, OutOfBlocks
 from miniinfer.model import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
-from miniinfer.sampling import top_p_filter
 from miniinfer.paged_cache import gather_kv, slot_mapping
+from miniinfer.sampling import top_p_filter
 from miniinfer.static_cache import left_pad, static_batch_waste, write_kv
 
 Inputs = Callable[[torch.Generator, int], tuple]  # (generator, case number) -> the arguments
@@ -139,7 +139,7 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
         args = inputs(gen, case)
         where = f"{name}, case {case + 1} (inputs: {_describe(args)})"
         # Each side gets its own copy, so that a function that writes in place is checked too.
-        fresh = lambda dev: [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
+        fresh = lambda dev, args=args: [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
         expected = ref(*fresh("cpu"))
         got = _call(fn, fresh(device), where)
         if isinstance(expected, torch.Tensor):
@@ -782,7 +782,7 @@ def check_stream_request(fn: Callable) -> None:
     from types import SimpleNamespace
 
     def queue_of(n):
-        q = asyncio.Queue()
+        q: asyncio.Queue = asyncio.Queue()
         for i in range(n):
             q.put_nowait(SimpleNamespace(token=i, finished=i == n - 1))
         return q
@@ -802,7 +802,8 @@ def check_stream_request(fn: Callable) -> None:
         return got, len(aborts)
 
     async def cancelled():  # the client's task is cancelled while it waits for a token
-        aborts, q = [], asyncio.Queue()
+        aborts: list[int] = []
+        q: asyncio.Queue = asyncio.Queue()
 
         async def client():
             async for _ in fn(q, lambda: aborts.append(1)):

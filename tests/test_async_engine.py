@@ -141,9 +141,8 @@ def test_a_request_that_fails_on_its_own_data_ends_only_its_stream(course_model)
 
     async def spoiled():
         bad.top_k = "many"
-        async for out in eng.generate([9, 9, 9], bad):
-            pass
-        return out.token_ids
+        outs = [out async for out in eng.generate([9, 9, 9], bad)]
+        return outs[-1].token_ids
 
     async def main():
         got = await asyncio.gather(spoiled(), *(collect(eng, p, params) for p in prompts), return_exceptions=True)

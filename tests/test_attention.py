@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
+from conftest import hf_greedy
 
 import miniinfer as mi
-from conftest import hf_greedy
 
 # Relative error (Frobenius norm) allowed against the reference, by dtype. float32 products run in
 # full precision; 16-bit kernels round the softmax weights before p.V, as the reference does.

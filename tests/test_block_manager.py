@@ -4,11 +4,10 @@ free sequences."""
 import copy
 
 import pytest
+from conftest import unchanged_on_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-
-from conftest import unchanged_on_error
 
 from miniinfer import BlockCopy, BlockManager, OutOfBlocks
 

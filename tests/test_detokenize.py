@@ -1,10 +1,9 @@
 """Chapter 08: incremental detokenization never emits a broken character, and its pieces add up to
 the whole text, for any text and any split of its tokens into steps."""
 
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import transformers
 
 import miniinfer as mi
 from miniinfer.detokenize import IncrementalDetokenizer, fast_decode

@@ -4,9 +4,9 @@ accounting (the scheduler's state machine is in test_scheduler.py)."""
 import random
 
 import pytest
+from conftest import eos_is, hf_greedy
 
 import miniinfer as mi
-from conftest import eos_is, hf_greedy
 
 ORACLE: dict = {}
 

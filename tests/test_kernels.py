@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import miniinfer as mi
-from miniinfer.model import (add_rms_norm, apply_rope, qk_norm_rope, rms_norm, rope_cos_sin, rope_inv_freq,
-                             silu_and_mul)
+from miniinfer.model import add_rms_norm, apply_rope, qk_norm_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
 
 DTYPES = [torch.float32, torch.float16]
 

@@ -4,11 +4,10 @@ fork / free / cache, the cases engines have broken on, and the radix-tree refere
 import copy
 
 import pytest
+from conftest import unchanged_on_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from conftest import unchanged_on_error
 
 from miniinfer.prefix_cache import ROOT_HASH, PrefixCachingBlockManager, chain_hash
 from miniinfer.radix import RadixTree, common_prefix

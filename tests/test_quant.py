@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 import transformers
+from conftest import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniinfer as mi
 from miniinfer import quant
 from miniinfer.kernels.quant import int_matmul
-from conftest import hf_greedy
 
 ct = pytest.importorskip("compressed_tensors")
 

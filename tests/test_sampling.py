@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from conftest import eos_is
 
 import miniinfer as mi
 from miniinfer.sampler import sampling_row
-from conftest import eos_is
 from miniinfer.sampling import sample, top_p_filter
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import hf_greedy
 
 import miniinfer as mi
 from miniinfer.bench import one_request, read_metrics, sse_data
 from miniinfer.server import build_app, chat_prompt
-from conftest import hf_greedy
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# café 日本 🙂\n"]
 
@@ -614,20 +614,20 @@ def test_a_huge_body_gets_413_at_once_while_health_answers(server):
             before, results = rss_mb(proc.pid), []
             for body, status in [(b'{"prompt": "' + b"x " * (10 << 20) + b'"}', 413), (chunks(), 413),
                                  (b'{"prompt": "' + b"def f(x): return x " * 200_000 + b'"}', 400)]:
-                done, health = False, []
+                done, health = asyncio.Event(), []
 
-                async def poll():
-                    while not done:
+                async def poll(done: asyncio.Event, health: list[float]):
+                    while not done.is_set():
                         t0 = time.perf_counter()
                         assert (await http.get(url + "/health")).status_code == 200
                         health.append(time.perf_counter() - t0)
                         await asyncio.sleep(0.01)
 
-                task = asyncio.create_task(poll())
+                task = asyncio.create_task(poll(done, health))
                 t0 = time.perf_counter()
                 r = await http.post(url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
                 results.append((r.status_code, r.json()["error"]["type"], time.perf_counter() - t0))
-                done = True
+                done.set()
                 await task
                 assert r.status_code == status and max(health) < 0.25, (r.text, health)
             return before, results

@@ -18,14 +18,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 import transformers
 import triton
+from bench_static_decode import LLAMA_3_2_1B
+from copy_bandwidth import copy_bandwidth
+from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
 
 import miniinfer as mi
-from bench_static_decode import LLAMA_3_2_1B
-from copy_bandwidth import copy_bandwidth
 
 DT = torch.bfloat16
 HQ, HK, BLOCK = 32, 8, 16

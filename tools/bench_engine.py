@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 import transformers
-
-import miniinfer as mi
 from bench_static_decode import LLAMA_3_2_1B
 from copy_bandwidth import copy_bandwidth
+
+import miniinfer as mi
 
 DT = torch.bfloat16
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 import triton
+from bench_static_decode import LLAMA_3_2_1B
+from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
 import miniinfer as mi
-from bench_static_decode import LLAMA_3_2_1B
-from copy_bandwidth import copy_bandwidth
 
 torch._dynamo.config.cache_size_limit = 256
 DT = torch.bfloat16

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-
 from bench_engine import engine_for, greedy, hf_generate_batch, models, run_engine, workload
 from copy_bandwidth import copy_bandwidth
 

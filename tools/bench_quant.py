@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
-from copy_bandwidth import copy_bandwidth
 import miniinfer as mi
 from miniinfer import quant
 from miniinfer.kernels import quant as kq
@@ -131,7 +131,7 @@ def kernels(gbps: float) -> dict:
             io = (M * K + M * N) * 2
             entry = {"model": model, "layer": name, "N": N, "K": K, "M": M, "us": {}, "GBps": {}}
             runs = {"bf16": (lambda: F.linear(x, w), N * K * 2)}
-            for fmt, (bits, group) in FORMATS.items():
+            for fmt, (bits, _group) in FORMATS.items():
                 _, (packed, scale) = layer(fmt, N, K)
                 nbytes = packed.numel() * 4 + scale.numel() * 2
                 runs[fmt] = ((lambda p=packed, s=scale, b=bits: kq.int_matmul(x, p, s, b)), nbytes)

@@ -30,10 +30,10 @@ from pathlib import Path
 import httpx
 import torch
 import transformers
-
-import miniinfer as mi
 from bench_engine import greedy, workload
 from bench_static_decode import LLAMA_3_2_1B
+
+import miniinfer as mi
 from miniinfer.bench import read_metrics, run_bench
 
 MAX_MODEL_LEN = 2048

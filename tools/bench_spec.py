@@ -35,10 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from eval_course_model import PROMPTS
 
 import miniinfer as mi
 import miniinfer.speculative as spec
-from eval_course_model import PROMPTS
 
 KS = range(1, 9)
 MAX_TOKENS = 128

@@ -16,9 +16,9 @@ import time
 import torch
 import transformers
 import triton
+from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
-from copy_bandwidth import copy_bandwidth
 
 PROMPT, NEW = 32, 256
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -368,9 +368,9 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
                         page.keyboard.press("ArrowRight")
                         try:
                             page.wait_for_function("window.__figAt !== null", timeout=10_000)
-                        except PlaywrightError:
+                        except PlaywrightError as err:
                             raise StepFailed(f"no new figure within 10 s of the key press (slider at "
-                                             f"{readout.inner_text().strip()})")
+                                             f"{readout.inner_text().strip()})") from err
                         times.append(page.evaluate("window.__figAt - window.__keyAt") / 1000)
                         values.append(readout.inner_text().strip())
                     after = student.shot(f"{n}_widget_after", cell)
@@ -382,7 +382,8 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
                             f"{' -> '.join(values)} by the right arrow key, the figure changed each time, "
                             f"key press to new figure: {moves}; {before}, {after}")
                 for n, lesson in enumerate(WIDGET_LESSONS, start=4):
-                    step(n, f"lesson {lesson[:2]}: move the ipywidgets slider", lambda: widget(lesson, n))
+                    step(n, f"lesson {lesson[:2]}: move the ipywidgets slider",
+                         lambda lesson=lesson, n=n: widget(lesson, n))
             finally:
                 browser.close()
     except StepFailed:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_serve import start_server
 
 import miniinfer as mi
-from bench_serve import start_server
 from miniinfer.loader import course_model_path
 
 # Python a small code model has seen: which continuation does it find likeliest?

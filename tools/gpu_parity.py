@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import miniinfer as mi  # noqa: E402
 from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
 from test_chunked_prefill import shared_workload  # noqa: E402
+
+import miniinfer as mi  # noqa: E402
 
 
 def parity(kind: str, overlap: bool, n: int = 48) -> dict:

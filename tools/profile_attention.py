@@ -7,9 +7,9 @@ Hand-written tool. Each kernel runs three times; profile the last launches (--la
 """
 
 import torch
+from bench_attention import HQ, paged_pool
 
 import miniinfer as mi
-from bench_attention import HQ, paged_pool
 
 for B, ctx, D in ((16, 2048, 64), (1, 32768, 64)):
     k_cache, v_cache, tables = paged_pool([ctx] * B, D)
