@@ -67,6 +67,22 @@ def test_export_joins_a_class_written_in_pieces(tmp_path, monkeypatch):
         build.export_modules([path])
 
 
+MAX_CELL_LINES = 80  # a reader sees one idea per cell: a longer class is written in pieces with prose between
+
+
+def test_no_exported_cell_is_longer_than_80_lines():
+    """Code lines of each `#| export` cell, its `#|` directives not counted."""
+    long = []
+    for path in NOTEBOOKS:
+        for i, cell in enumerate(build.read_notebook(path)["cells"]):
+            lines = build.cell_source(cell).splitlines() if cell["cell_type"] == "code" else []
+            if any(build.DIRECTIVE.match(line) for line in lines):
+                n = sum(not line.startswith("#|") for line in lines)
+                if n > MAX_CELL_LINES:
+                    long.append(f"{path.name} cell {i}: {n} lines")
+    assert not long, long
+
+
 def test_exercise_generation_replaces_solutions_and_clears_outputs():
     nb = notebook("def f(x):\n    ### BEGIN SOLUTION\n    y = x + 1\n    return y\n    ### END SOLUTION\n",
                   "### BEGIN SOLUTION\nz = 3\n### END SOLUTION\nprint(z)")
