@@ -16,7 +16,7 @@ from miniinfer.config import EngineConfig
 from miniinfer.loader import load_tokenizer
 from miniinfer.model import Registry, Transformer
 from miniinfer.model_runner import Launched, ModelRunner, SpecStats
-from miniinfer.sampling import SamplingParams
+from miniinfer.sampling import FieldError, SamplingParams
 from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 
@@ -58,22 +58,24 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     else:
         ids = list(prompt)
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise FieldError("prompt", "the prompt is empty")
     vocab = limits.vocab_size
     bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)]
     if bad:
-        raise ValueError(f"token ids must be ints in 0..{vocab - 1}, got {bad[:5]}")
+        raise FieldError("prompt", f"token ids must be ints in 0..{vocab - 1}, got {bad[:5]}")
     for name in ("logit_bias", "stop_token_ids"):  # chapter 12's: token ids the vocabulary must hold
         outside = [t for t in getattr(params, name) or () if t >= vocab]
         if outside:
-            raise ValueError(f"{name} names token ids outside the vocabulary (0..{vocab - 1}): {outside[:5]}")
+            raise FieldError(name, f"{name} names token ids outside the vocabulary (0..{vocab - 1}): {outside[:5]}")
     total = len(ids) + params.max_tokens
+    # A max_tokens that the context cannot hold even without a prompt is its own fault.
+    too_long = "max_tokens" if params.max_tokens >= limits.max_model_len else "prompt"
     if total > limits.max_model_len:
-        raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "
-                         f"context of {limits.max_model_len} tokens")
+        raise FieldError(too_long, f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} exceeds the "
+                                   f"context of {limits.max_model_len} tokens")
     if blocks_needed(total, limits.block_size) > limits.num_blocks:
-        raise ValueError(f"prompt + max_tokens need {blocks_needed(total, limits.block_size)} KV blocks; "
-                         f"the whole pool has {limits.num_blocks}")
+        raise FieldError(too_long, f"prompt + max_tokens need {blocks_needed(total, limits.block_size)} KV "
+                                   f"blocks; the whole pool has {limits.num_blocks}")
     for check in REQUEST_CHECKS:  # last: a grammar's compile costs more than the checks above
         check(params, tokenizer, limits)
     return ids
@@ -196,11 +198,11 @@ class LLMEngine:
             self.in_flight = self._launch(failed)
         done, self.in_flight = self.in_flight, self._launch(failed) if self.overlap else None
         try:
-            sampled = self.runner.collect(done.launched)
+            result = self.runner.collect(done.launched)
         except BaseException:
             self._abort_step(done.out)
             raise
-        changed = self.scheduler.update_from_output(done.out, sampled)
+        changed = self.scheduler.update_from_output(done.out, result.sampled, result.reports)
         self._drop_if_idle()
         self.stats = StepStats(done.out.num_new_tokens, done.out.preempted_ids, self.block_manager.num_free_blocks,
                                time.perf_counter() - t0, self.runner.spec)

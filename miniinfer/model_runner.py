@@ -98,13 +98,13 @@ class LogitsProcessor(Protocol):
     def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]: ...
 
 
-class Sampled(dict):
-    """A step's sampled token ids by request id, and what the logits processors report by request
-    id, then by kind (chapter 12's log-probabilities: {"logprobs": one per token})."""
-
-    def __init__(self, tokens: dict[str, list[int]], reports: dict[str, dict[str, list]] | None = None):
-        super().__init__(tokens)
-        self.reports = reports or {}
+@dataclass
+class ModelRunnerOutput:
+    """A step's answer, as plain data: the sampled token ids by request id (with speculation, the
+    guesses kept and one token more), and what the logits processors report by request id, then by
+    kind (chapter 12's log-probabilities: {"logprobs": one per token})."""
+    sampled: dict[str, list[int]]
+    reports: dict[str, dict[str, list]] = field(default_factory=dict)
 
 
 # The logits processors every runner applies, each made for the runner by its factory (chapter 12's).
@@ -156,7 +156,7 @@ class ModelRunner:
             self.requests[rid].block_ids += blocks
 
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; the tokens sampled for each request that reached the end of its tokens
         (a piece inside a prompt samples nothing)."""
         return self.collect(self.launch(out))
@@ -176,10 +176,10 @@ class ModelRunner:
         step = self.prepare(out)
         return self.sample(step, self.forward(step))
 
-    def collect(self, launched: Launched | None) -> dict[str, list[int]]:
+    def collect(self, launched: Launched | None) -> ModelRunnerOutput:
         """Wait for a launched step's tokens; those of each request that sampled."""
         if launched is None:
-            return {}
+            return ModelRunnerOutput({})
         if launched.ready is not None:
             launched.ready.synchronize()
         tokens, step, sampled = launched.tokens.tolist(), launched.step, {}
@@ -190,7 +190,7 @@ class ModelRunner:
         for p, data in launched.reports:
             for rid, values in p.report(data, step).items():
                 reports.setdefault(rid, {}).setdefault(p.kind, []).extend(values)
-        return Sampled(sampled, reports)
+        return ModelRunnerOutput(sampled, reports)
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         """The varlen batch of the step's tokens, from the runner's own copies of the requests."""

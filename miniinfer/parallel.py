@@ -24,7 +24,7 @@ from miniinfer.config import EngineConfig
 from miniinfer.engine import RUNNERS
 from miniinfer.loader import checkpoint_config, load_model
 from miniinfer.model import DecoderLayer, Linear, ModelConfig, Transformer
-from miniinfer.model_runner import ModelRunner, context_limits, sampling_rows
+from miniinfer.model_runner import ModelRunner, ModelRunnerOutput, context_limits, sampling_rows
 from miniinfer.scheduler import SchedulerOutput
 
 
@@ -322,7 +322,7 @@ class ParallelRunner:
         self._send("launch", out)
         return out
 
-    def collect(self, launched: SchedulerOutput) -> dict[str, list[int]]:
+    def collect(self, launched: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("collect")[0]
 
     def close(self) -> None:

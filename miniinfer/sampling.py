@@ -8,6 +8,14 @@ MAX_LOGPROBS = 20  # top log-probabilities a token may report (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this samples as greedy (the batched sampler divides by no less)
 
 
+class FieldError(ValueError):
+    """A value that cannot be served, and the field it was given in: a server names it to its client."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 # A grammar's compile grows fast with its size and nesting (a schema nested 512 deep took 17 s): larger
 # ones are refused before any compile.
 MAX_GRAMMAR_CHARS, MAX_GRAMMAR_DEPTH = 32768, 64
@@ -76,43 +84,46 @@ class SamplingParams:
 
     def __post_init__(self):
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise FieldError("temperature", f"temperature must be >= 0, got {self.temperature}")
         if self.temperature == float("inf"):  # logits / inf are all 0, and a masked -inf / inf is NaN
-            raise ValueError("temperature must be finite, got inf")
+            raise FieldError("temperature", "temperature must be finite, got inf")
         if self.temperature < GREEDY_BELOW:  # logits / so small a temperature overflow: it is greedy anyway
             self.temperature = 0.0
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise FieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k}")
+            raise FieldError("top_k", f"top_k must be an int >= 0, got {self.top_k}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens}")
+            raise FieldError("max_tokens", f"max_tokens must be an int >= 1, got {self.max_tokens}")
         if self.seed is not None and not (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64):
-            raise ValueError(f"seed must be an int in [-2^63, 2^64) (what torch.Generator takes), got {self.seed}")
+            raise FieldError("seed", f"seed must be an int in [-2^63, 2^64) (what torch.Generator takes), "
+                                     f"got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise FieldError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            raise FieldError("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise FieldError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
-            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens}")
+            raise FieldError("min_tokens", f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens}")
         if self.logit_bias is not None and not (
                 isinstance(self.logit_bias, dict) and all(isinstance(t, int) and t >= 0 and isinstance(b, (int, float))
                                                           and -100 <= b <= 100
                                                           for t, b in self.logit_bias.items())):
-            raise ValueError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
+            raise FieldError("logit_bias", f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got "
                              f"{self.logit_bias!r:.100}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an int in [0, {MAX_LOGPROBS}], got {n!r}")
+                raise FieldError(name, f"{name} must be an int in [0, {MAX_LOGPROBS}], got {n!r}")
         if not isinstance(self.structured_output, (StructuredOutput, type(None))):
-            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r:.100}")
+            raise FieldError("structured_output", f"structured_output must be a StructuredOutput, got "
+                                                  f"{self.structured_output!r:.100}")
         stops = self.stop_token_ids
         if stops is not None and not (isinstance(stops, list) and all(isinstance(t, int) and t >= 0 for t in stops)):
-            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {stops!r:.100}")
+            raise FieldError("stop_token_ids", f"stop_token_ids must be a list of token ids (ints >= 0), got "
+                                               f"{stops!r:.100}")
 
     def engine_only(self) -> list[str]:
         """The fields set here that only the engine's sampler serves (chapter 12)."""

@@ -264,13 +264,15 @@ class Scheduler:
                 return
             self._preempt(self.running.pop(), out)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Sequence]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           reports: dict[str, dict[str, list]] | None = None) -> list[Sequence]:
         """The step ran and produced `sampled` (none for a piece of a prompt; several for
         speculation). Takes back the K/V of rejected guesses, appends the tokens, checks stops, frees
         finished requests; returns the requests with new tokens. A request preempted since the step
-        was scheduled (the next one may be, with overlap) keeps its tokens."""
+        was scheduled (the next one may be, with overlap) keeps its tokens. reports: what the runner's
+        logits processors report by request id, then kind (chapter 12's log-probabilities)."""
         changed, bm = [], self.block_manager
-        reports = getattr(sampled, "reports", {})  # a runner's Sampled: chapter 12's log-probabilities, by kind
+        reports = reports or {}
         for rid in out.num_new_tokens:
             seq, new = self.requests.get(rid), sampled.get(rid)
             if seq is None:  # aborted in the meantime

@@ -29,7 +29,7 @@ from miniinfer.config import EngineConfig
 from miniinfer.detokenize import IncrementalDetokenizer
 from miniinfer.engine import REQUEST_CHECKS
 from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from miniinfer.sampling import SamplingParams, StructuredOutput
+from miniinfer.sampling import FieldError, SamplingParams, StructuredOutput
 from miniinfer.sequence import RequestOutput
 
 
@@ -106,6 +106,13 @@ HEADER_TIMEOUT_S = 10.0
 # (beside its loop), and a schema of 2,000 properties held a core for 25 s each time.
 GRAMMAR_COMPILE_S = 2.0
 GRAMMAR_COMPILES = 4  # compiles past that limit (each runs on to its end) the door lets run at once
+
+
+def param_of(err: ValueError) -> str | None:
+    """The request's field that a refusal names (the engine's names are the API's, but one)."""
+    if not isinstance(err, FieldError):
+        return None
+    return "logprobs" if err.field == "prompt_logprobs" else err.field  # echo's prompt logprobs: `logprobs`
 
 
 def shutting_down(what: str) -> APIError:
@@ -272,7 +279,7 @@ class Server:
                                     min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
                                     prompt_logprobs=prompt_logprobs, structured_output=structure)
         except ValueError as err:
-            raise APIError(str(err)) from None
+            raise APIError(str(err), param=param_of(err)) from None
         return params, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or []
 
     def structure(self, req: SamplingFields) -> tuple[str, StructuredOutput] | None:
@@ -357,10 +364,8 @@ class Server:
         for ids in prompts:
             try:
                 self.engine.check_request(ids, params)
-            except ValueError as err:  # a max_tokens the context cannot hold even with no prompt is its own fault
-                field = next((f for f in ("logit_bias", "stop_token_ids") if str(err).startswith(f)), None)
-                raise APIError(str(err), param=field or ("max_tokens" if params.max_tokens >= self.max_model_len
-                                                         else "prompt")) from None
+            except ValueError as err:
+                raise APIError(str(err), param=param_of(err)) from None
         self.prompt_tokens += sum(map(len, prompts))
         streams = []
         for i, ids in enumerate(prompts):

@@ -14,7 +14,7 @@ from miniinfer.course_model import course_model_path
 from miniinfer.engine import RUNNERS
 from miniinfer.loader import checkpoint_config, load_model, load_tokenizer
 from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import DecodeGraphs, Launched, ModelRunner, SpecStats
+from miniinfer.model_runner import DecodeGraphs, Launched, ModelRunner, ModelRunnerOutput, SpecStats
 from miniinfer.sampler import SamplingBatch, exponential_noise, sampling_probs
 from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
@@ -379,9 +379,9 @@ class SpeculativeRunner(ModelRunner):
                     sampled[rid] = [tok[f]]
         return Verified(step, [], tokens, None, [], sampled)
 
-    def collect(self, launched: Launched | None) -> dict[str, list[int]]:
+    def collect(self, launched: Launched | None) -> ModelRunnerOutput:
         if isinstance(launched, Verified):
-            return launched.sampled
+            return ModelRunnerOutput(launched.sampled)
         return super().collect(launched)
 
 

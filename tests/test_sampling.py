@@ -7,7 +7,7 @@ from conftest import eos_is
 
 import miniinfer as mi
 from miniinfer.sampler import sampling_row
-from miniinfer.sampling import sample, top_p_filter
+from miniinfer.sampling import FieldError, sample, top_p_filter
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -21,8 +21,10 @@ from miniinfer.sampling import sample, top_p_filter
     (dict(max_tokens=0), "max_tokens must be an int >= 1"),
 ])
 def test_invalid_params_raise(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    """Each refusal names its field (FieldError, a ValueError), which a server passes on as `param`."""
+    with pytest.raises(FieldError, match=message) as err:
         mi.SamplingParams(**kwargs)
+    assert err.value.field == next(iter(kwargs))
 
 
 def test_greedy_is_argmax():

@@ -322,9 +322,9 @@ def profile(model, prompts, outs) -> dict:
         logits = runner.forward(step)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        sampled = runner.collect(runner.sample(step, logits))
+        result = runner.collect(runner.sample(step, logits))
         t4 = time.perf_counter()
-        for seq in scheduler.update_from_output(out, sampled):  # the engine's bookkeeping
+        for seq in scheduler.update_from_output(out, result.sampled, result.reports):  # the engine's bookkeeping
             mi.RequestOutput.of(seq)
         if out.num_batched_tokens == len(out.num_new_tokens):  # decode steps only
             rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4, len(out.num_new_tokens)))
