@@ -163,6 +163,16 @@ def check_body(body: dict) -> None:
 UNSUPPORTED = ("suffix", "tools", "functions")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one engine output adds to one choice of a response."""
+    index: int  # the choice's place in the response (prompt i, choice j of n: i * n + j)
+    text: str  # its new text, stop strings cut
+    finish_reason: str | None
+    tokens: int  # the choice's tokens so far
+    logprobs: list | None  # the new tokens' TokenLogprobs (an echoed prompt's first token: its bare id)
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
     """The server's own limits, beside the engine's (`miniinfer serve --help` names each flag)."""
@@ -212,7 +222,6 @@ class Server:
         self.max_seqs = options.max_seqs_per_request or engine.max_num_seqs
         self.max_tokens = options.max_tokens_per_request or limits.num_blocks * limits.block_size
         self.draining = False  # shutting down: new requests get 503
-        self.in_flight = 0  # requests whose responses are not finished, streams included
         self.slow_grammars: set[int] = set()  # their hashes: a client must not grow this by 4 MB a request
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_COMPILES + 1, thread_name_prefix="grammar")
         self.overdue: list[concurrent.futures.Future] = []
@@ -355,10 +364,10 @@ class Server:
         self.check_chars(len(text), "prompt")
         return self.tokenizer(text).input_ids
 
-    # ----- generation: one request's choices as (choice index, text piece, finish reason, tokens) -----
+    # ----- generation: one request's choices, each an async stream of ChoiceDeltas -----
 
     def requests(self, prompts: list[list[int]], params: SamplingParams, n: int, stops: list[str],
-                 echo: bool = False):
+                 echo: bool = False) -> list[AsyncIterator[ChoiceDelta]]:
         """One stream per choice; every request checked before any starts. echo: each choice's
         text starts with its prompt's."""
         for ids in prompts:
@@ -380,7 +389,7 @@ class Server:
         return streams
 
     async def choice(self, index: int, outputs: AsyncGenerator[RequestOutput, None], stops: list[str],
-                     echo: list[int] | None = None):
+                     echo: list[int] | None = None) -> AsyncIterator[ChoiceDelta]:
         detok, stop, count = IncrementalDetokenizer(self.tokenizer), StopStrings(stops), 0
         # Closed as soon as this choice ends: a stream left early aborts its request at once.
         async with contextlib.aclosing(outputs):
@@ -395,9 +404,9 @@ class Server:
                         logprobs = [lp or t for t, lp in zip(echo, out.prompt_logprobs)] + (logprobs or [])
                     echo = None
                 if stopped:
-                    yield index, piece, "stop", count, logprobs
+                    yield ChoiceDelta(index, piece, "stop", count, logprobs)
                     return
-                yield index, piece, out.finish_reason, count, logprobs
+                yield ChoiceDelta(index, piece, out.finish_reason, count, logprobs)
 
     def decode(self, ids: list[int]) -> str:
         """The text of token ids; a model without a tokenizer names them."""
@@ -480,11 +489,11 @@ class Server:
         tokens: dict[int, int] = {}
         logprobs: dict[int, list] = {}
         try:
-            async for index, piece, reason, count, lps in choices:
-                texts[index] = texts.get(index, "") + piece
-                reasons[index], tokens[index] = reason, count
-                if lps is not None:
-                    logprobs.setdefault(index, []).extend(lps)
+            async for d in choices:
+                texts[d.index] = texts.get(d.index, "") + d.text
+                reasons[d.index], tokens[d.index] = d.finish_reason, d.tokens
+                if d.logprobs is not None:
+                    logprobs.setdefault(d.index, []).extend(d.logprobs)
         except EngineClosed:
             raise shutting_down("the request was not finished within its shutdown timeout") from None
         except RequestFailed as err:  # its own sampling values
@@ -501,8 +510,8 @@ class Server:
                for i in sorted(texts)]
         return {**head, "object": "text_completion", "choices": out, "usage": usage}
 
-    async def events(self, choices, head: dict, prompt_tokens: int, chat: bool, num_choices: int,
-                     include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, choices: AsyncIterator[ChoiceDelta], head: dict, prompt_tokens: int, chat: bool,
+                     num_choices: int, include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         # Every chunk of this response starts the same: its JSON is written once, the choice per chunk.
@@ -522,11 +531,12 @@ class Server:
             if chat:
                 for i in range(num_choices):
                     yield chunk(i, None, None, role=True)
-            async for index, piece, reason, count, lps in choices:
-                tokens[index] = count
-                lp = self.logprobs_json(lps, chat, offsets.setdefault(index, TextOffsets())) if lps else None
-                if piece or reason or lp:
-                    yield chunk(index, piece, reason, logprobs=lp)
+            async for d in choices:
+                tokens[d.index] = d.tokens
+                lp = self.logprobs_json(d.logprobs, chat, offsets.setdefault(d.index, TextOffsets())) \
+                    if d.logprobs else None
+                if d.text or d.finish_reason or lp:
+                    yield chunk(d.index, d.text, d.finish_reason, logprobs=lp)
         except Exception as err:  # the status line is long gone: an error event, then the end as usual
             if isinstance(err, EngineClosed):
                 error = shutting_down("the stream was not finished within its shutdown timeout")
