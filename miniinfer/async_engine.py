@@ -374,12 +374,14 @@ def pack(outputs: list[EngineOutput]) -> tuple:
             [t for o in outputs for t in o.new_token_ids], rest)
 
 
+PLAIN = (None, 0, None, None, None, "request")  # what most outputs have: no finish, cache hit, error or logprobs
+
+
 def unpack(packed: tuple) -> list[EngineOutput]:
     request_ids, counts, tokens, rest = packed
     outputs, start = [], 0
     for i, (request_id, n) in enumerate(zip(request_ids, counts)):
-        plain = (None, 0, None, None, None, "request")  # most outputs: no finish, cache hit, error or logprobs
-        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, plain)))
+        outputs.append(EngineOutput(request_id, tokens[start:start + n], *rest.get(i, PLAIN)))
         start += n
     return outputs
 

@@ -13,6 +13,7 @@ import torch
 from miniinfer.engine import REQUEST_CHECKS, REQUEST_PREPARES, Limits, LLMEngine
 from miniinfer.loader import load_tokenizer
 from miniinfer.model_runner import LOGITS_PROCESSORS, ModelRunner, StepBatch, to_host
+from miniinfer.sampler import F32_MAX
 from miniinfer.sampling import SamplingParams, StructuredOutput
 from miniinfer.varlen import to_device
 
@@ -56,9 +57,6 @@ class Processor:
 
     def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
         return {}
-
-
-F32_MAX = float(np.finfo(np.float32).max)
 
 
 class RowValues:

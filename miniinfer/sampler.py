@@ -15,6 +15,7 @@ _MASK32 = 0xFFFFFFFF
 # Logits at most this large stay finite (float32) divided by the smallest temperature, GREEDY_BELOW;
 # a logits processor's penalty can push one past it (chapter 12).
 MAX_LOGIT = 1e30
+F32_MAX = float(np.finfo(np.float32).max)  # a value beyond it (a temperature of 1e300) becomes inf
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple[fl
     Values that are not numbers of those kinds raise TypeError, ValueError or OverflowError: that
     request's own fault, found before its step runs."""
     top_k = min(operator.index(params.top_k), vocab_size) or vocab_size
-    temperature = min(float(params.temperature), float(np.finfo(np.float32).max))  # 1e300 would be inf
+    temperature = min(float(params.temperature), F32_MAX)
     return temperature, float(params.top_p), top_k, seed32(operator.index(seed))
 
 
