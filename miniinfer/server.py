@@ -121,6 +121,16 @@ def shutting_down(what: str) -> APIError:
                     type="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def generation_failed(err: Exception, what: str) -> APIError:
+    """The answer to a request that failed after it started: the server shut down before `what`
+    finished (503), its own sampling values left no token (400), or the engine failed (500)."""
+    if isinstance(err, EngineClosed):
+        return shutting_down(f"the {what} was not finished within its shutdown timeout")
+    if isinstance(err, RequestFailed):
+        return APIError(f"generation failed: {err}")
+    return APIError(f"generation failed: {err}", 500, type="server_error")
+
+
 class TextOffsets:
     """Where each token's text starts in a choice's text, in characters: the tokens' bytes decoded as
     one stream, so that a token whose bytes continue a character begun by the token before gets the
@@ -494,12 +504,8 @@ class Server:
                 reasons[d.index], tokens[d.index] = d.finish_reason, d.tokens
                 if d.logprobs is not None:
                     logprobs.setdefault(d.index, []).extend(d.logprobs)
-        except EngineClosed:
-            raise shutting_down("the request was not finished within its shutdown timeout") from None
-        except RequestFailed as err:  # its own sampling values
-            raise APIError(f"generation failed: {err}") from None
         except RuntimeError as err:
-            raise APIError(f"generation failed: {err}", 500, type="server_error") from None
+            raise generation_failed(err, "request") from None
         usage = _usage(prompt_tokens, tokens)
         lp = {i: self.logprobs_json(items, chat, TextOffsets()) for i, items in logprobs.items()}
         if chat:
@@ -538,13 +544,7 @@ class Server:
                 if d.text or d.finish_reason or lp:
                     yield chunk(d.index, d.text, d.finish_reason, logprobs=lp)
         except Exception as err:  # the status line is long gone: an error event, then the end as usual
-            if isinstance(err, EngineClosed):
-                error = shutting_down("the stream was not finished within its shutdown timeout")
-            elif isinstance(err, RequestFailed):
-                error = APIError(f"generation failed: {err}")
-            else:
-                error = APIError(f"generation failed: {err}", 500, type="server_error")
-            yield sse_event(_json(error.body()))
+            yield sse_event(_json(generation_failed(err, "stream").body()))
             yield sse_event("[DONE]")
             return
         if include_usage:
