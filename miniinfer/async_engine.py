@@ -85,7 +85,7 @@ class EngineStats:
 
     @classmethod
     def of(cls, engine: LLMEngine, new_tokens: int = 0, step_seconds: float = 0.0, steps: int = 0) -> EngineStats:
-        s, bm, spec = engine.scheduler, engine.block_manager, engine.runner.spec
+        s, bm, spec = engine.scheduler, engine.block_manager, engine.spec
         guesses = (spec.proposed, spec.accepted, spec.verified) if spec is not None else (0, 0, 0)
         return cls(len(s.running), len(s.waiting), len(s.swapped), bm.num_blocks - bm.num_free_blocks,
                    bm.num_blocks, new_tokens, step_seconds, 0.0, steps, *guesses)
@@ -210,7 +210,7 @@ class InprocClient(EngineClient):
 
     def __init__(self, engine: LLMEngine, receive: Receive):
         self.engine, self.commands = engine, queue.SimpleQueue()
-        self.info = EngineInfo(engine.limits, engine.model.cfg.eos_token_ids, engine.config.max_num_seqs,
+        self.info = EngineInfo(engine.limits, list(engine.info.eos_token_ids), engine.config.max_num_seqs,
                                EngineStats.of(engine))
         self.thread = threading.Thread(target=run_engine, args=(engine, self._next, receive), daemon=True,
                                        name="miniinfer-engine")
@@ -289,7 +289,7 @@ def engine_process(config: EngineConfig, conn) -> None:
     except Exception as err:  # a bad checkpoint or config: the parent raises it
         conn.send(err)
         return
-    conn.send(EngineInfo(engine.limits, engine.model.cfg.eos_token_ids, config.max_num_seqs, EngineStats.of(engine)))
+    conn.send(EngineInfo(engine.limits, list(engine.info.eos_token_ids), config.max_num_seqs, EngineStats.of(engine)))
     # Outputs go out from a thread of their own: a send blocks while the pipe is full, and the engine
     # must not wait for a slow reader. What piles up meanwhile goes as one message (`coalesce`).
     pending: list[tuple[list[EngineOutput], EngineStats] | None] = []  # None: the engine has stopped

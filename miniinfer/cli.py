@@ -101,7 +101,7 @@ def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
     from miniinfer.detokenize import IncrementalDetokenizer
     from miniinfer.server import text_token_ids
     detok, n = IncrementalDetokenizer(engine.tokenizer), 0
-    eos = set(engine.model.cfg.eos_token_ids)
+    eos = set(engine.info.eos_token_ids)
     for out in engine.stream(ids, params):
         print(detok.add(text_token_ids(out, eos)) + (detok.finish() if out.finished else ""), end="", flush=True)
         n = len(out.token_ids)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from miniinfer.loader import checkpoint_config
+
 
 def setting(default: Any, group: str, help: str, choices: tuple = ()) -> Any:
     """An EngineConfig field, with what its checks and the command line need: its group, a line of
@@ -81,3 +83,11 @@ class EngineConfig:
             raise ValueError(f"speculative_method={self.speculative_method!r} " + (
                 "needs a speculative_model (a draft checkpoint, or pycoder-draft)" if self.speculative_model is None
                 else f"uses no model, got speculative_model={str(self.speculative_model)!r}"))
+        if self.tensor_parallel_size > 1:
+            # The ranks cut full-precision tensors (chapter 11), and quantize on load as one GPU would;
+            # a checkpoint's packed codes they cannot cut.
+            stored = checkpoint_config(self.model)[1].get("quantization_config")
+            if stored is not None:
+                raise ValueError(f"tensor_parallel_size > 1 does not split checkpoints stored quantized (this one is "
+                                 f"{stored.get('quant_method')!r}): load the full-precision checkpoint with "
+                                 "quantization='int8', 'int4' or 'fp8', which every rank quantizes as one GPU would")

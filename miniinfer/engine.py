@@ -13,21 +13,17 @@ from tqdm.auto import tqdm
 
 from miniinfer.block_manager import BlockManager, blocks_needed
 from miniinfer.config import EngineConfig
+from miniinfer.executor import EXECUTORS, Executor
 from miniinfer.loader import load_tokenizer
 from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import Launched, ModelRunner, SpecStats
+from miniinfer.model_runner import Launched, SpecStats
 from miniinfer.sampling import FieldError, SamplingParams
 from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput
 from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
 
-# The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07 adds True.
-BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching", {False: BlockManager},
-                          "; chapter 07's comes with `import miniinfer.prefix_cache`")
-# The model runner for each value of EngineConfig.speculative_method (chapter 09 adds "draft" and
-# "ngram"), and "parallel" for tensor_parallel_size > 1 (chapter 11: a process per rank).
-RUNNERS = Registry("model runner", {None: ModelRunner},
-                   "; chapter 09's come with `import miniinfer.speculative`, chapter 11's with "
-                   "`import miniinfer.parallel`")
+# The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07's caches prefixes.
+BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching",
+                          {False: BlockManager, True: "miniinfer.prefix_cache:PrefixCachingBlockManager"})
 
 
 class Limits(NamedTuple):
@@ -104,31 +100,31 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None):
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
-        runner = RUNNERS["parallel" if config.tensor_parallel_size > 1 else config.speculative_method]
+        executor = EXECUTORS[config.tensor_parallel_size > 1]
         self.config = config
         if model is None:
             try:
                 tokenizer = load_tokenizer(config.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
                 tokenizer = None
-        self.runner = runner(config, model)
-        self.model, self.tokenizer = self.runner.model, tokenizer
-        self.runner.tokenizer = tokenizer
+        self.executor: Executor = executor(config, model, tokenizer)
+        self.model, self.tokenizer = self.executor.model, tokenizer
         self.detokenize = tokenizer.decode if tokenizer is not None else None
-        num_blocks = config.num_blocks or self.runner.num_blocks_that_fit()
+        num_blocks = config.num_blocks or self.executor.num_blocks_that_fit()
         if num_blocks < 1:
             raise ValueError("no memory left for the KV pool: lower max_num_batched_tokens or raise "
                              "gpu_memory_utilization")
         cpu_blocks = (config.num_cpu_blocks or num_blocks) if config.preemption_mode == "swap" else 0
-        self.runner.allocate_kv_cache(num_blocks, cpu_blocks)
+        self.info = self.executor.allocate_kv_cache(num_blocks, cpu_blocks)
         self.scheduler = Scheduler(block_manager(num_blocks, config.block_size),
-                                   config.max_num_seqs, self.runner.max_num_batched_tokens, POLICIES[config.policy],
+                                   config.max_num_seqs, self.info.max_num_batched_tokens, POLICIES[config.policy],
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
-                                   config.enable_chunked_prefill, self.model.cfg.eos_token_ids,
+                                   config.enable_chunked_prefill, list(self.info.eos_token_ids),
                                    config.num_speculative_tokens if config.speculative_method else 0)
         # Guesses follow the step before's last token, so a step cannot be scheduled before the one
         # under way is read: speculation turns the overlap off.
         self.overlap = config.overlap and not config.speculative_method
+        self.spec = SpecStats() if config.speculative_method else None  # chapter 09's counts so far
         self.stats = StepStats({}, [], num_blocks, 0.0)
         self._arrivals = itertools.count()
         self.in_flight: InFlight | None = None  # the step the device runs while the host goes on
@@ -145,7 +141,7 @@ class LLMEngine:
     @property
     def limits(self) -> Limits:
         bm = self.block_manager
-        return Limits(self.model.cfg.vocab_size, self.runner.max_model_len, bm.num_blocks, bm.block_size)
+        return Limits(self.info.vocab_size, self.info.max_model_len, bm.num_blocks, bm.block_size)
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if this request can never be served."""
@@ -185,8 +181,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def close(self) -> None:
-        """Release what the runner holds outside this process (chapter 11's worker processes)."""
-        self.runner.close()
+        """Release what the executor holds outside this process (chapter 11's worker processes)."""
+        self.executor.close()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run, update: an output for every request that got tokens, finished or failed.
@@ -198,14 +194,16 @@ class LLMEngine:
             self.in_flight = self._launch(failed)
         done, self.in_flight = self.in_flight, self._launch(failed) if self.overlap else None
         try:
-            result = self.runner.collect(done.launched)
+            result = self.executor.collect(done.launched)
         except BaseException:
             self._abort_step(done.out)
             raise
         changed = self.scheduler.update_from_output(done.out, result.sampled, result.reports)
+        if self.spec is not None and result.spec is not None:
+            self.spec.add(result.spec)
         self._drop_if_idle()
         self.stats = StepStats(done.out.num_new_tokens, done.out.preempted_ids, self.block_manager.num_free_blocks,
-                               time.perf_counter() - t0, self.runner.spec)
+                               time.perf_counter() - t0, self.spec)
         return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
 
     def _launch(self, failed: list[Sequence]) -> InFlight:
@@ -214,7 +212,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         while True:
             try:
-                return InFlight(out, self.runner.launch(out))
+                return InFlight(out, self.executor.launch(out))
             except RequestDataError as err:
                 for rid, cause in err.errors.items():
                     seq = self.requests[rid]
@@ -230,7 +228,7 @@ class LLMEngine:
         """With every request gone, the step under way has nothing to give: wait for it now, so
         that the next step starts afresh."""
         if self.in_flight is not None and not self.has_unfinished_requests():
-            self.runner.collect(self.in_flight.launched)
+            self.executor.collect(self.in_flight.launched)
             self.in_flight = None
 
     def _abort_step(self, out: SchedulerOutput) -> None:

@@ -75,7 +75,10 @@ class Quantization(Protocol):
 
 # Name (load_model's `quantization`, or a checkpoint's quant_method) -> factory(the checkpoint's
 # quantization_config, or None when quantizing on load) -> Quantization.
-QUANTIZATIONS = Registry("quantization", {}, "; chapter 10 registers its formats in miniinfer.quant")
+QUANTIZATIONS = Registry("quantization", {"int8": "miniinfer.quant:int8_on_load",
+                                          "int4": "miniinfer.quant:int4_on_load",
+                                          "fp8": "miniinfer.quant:fp8_on_load",
+                                          "compressed-tensors": "miniinfer.quant:CompressedTensors"})
 
 
 def _quantization(folder: Path, hf: dict, asked: str | None) -> Quantization | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -188,21 +189,28 @@ class Ops:
 
 
 class Registry(dict):
-    """The implementations of one seam, by name; later chapters add theirs (chapter 04 its Triton
-    ops). Asking for one that is not there fails and says what there is, instead of quietly
-    taking another."""
+    """The implementations of one seam, by name. A later chapter's is named as "module:attribute"
+    and imported when first asked for, so the table is written once, here, and importing a module
+    never changes what an engine gets. Asking for one that is not there fails and says what there
+    is, instead of quietly taking another."""
 
     def __init__(self, what: str, entries: dict, hint: str = ""):
         super().__init__(entries)
         self.what, self.hint = what, hint
+
+    def __getitem__(self, name):
+        entry = super().__getitem__(name)
+        if isinstance(entry, str):
+            module, _, attribute = entry.partition(":")
+            entry = getattr(importlib.import_module(module), attribute)
+        return entry
 
     def __missing__(self, name):
         raise ValueError(f"no {self.what} {name!r}: there are {sorted(self, key=str)}{self.hint}")
 
 
 TORCH_OPS = Ops()
-OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS},
-                        "; Triton's come with `import miniinfer.kernels` (Linux, triton installed)")
+OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS"})
 
 
 def default_ops(device: str | torch.device) -> Ops:

@@ -49,6 +49,11 @@ class SpecStats:
         """Tokens a request gains in a step that verifies guesses: those kept, and one more."""
         return 1 + self.accepted / max(1, self.verified)
 
+    def add(self, step: SpecStats) -> None:
+        self.proposed += step.proposed
+        self.accepted += step.accepted
+        self.verified += step.verified
+
 
 def context_limits(config: EngineConfig, cfg: ModelConfig) -> tuple[int, int]:
     """(max_model_len, max_num_batched_tokens) for this model, or ValueError if they cannot go together."""
@@ -101,10 +106,23 @@ class LogitsProcessor(Protocol):
 @dataclass
 class ModelRunnerOutput:
     """A step's answer, as plain data: the sampled token ids by request id (with speculation, the
-    guesses kept and one token more), and what the logits processors report by request id, then by
-    kind (chapter 12's log-probabilities: {"logprobs": one per token})."""
+    guesses kept and one token more), what the logits processors report by request id, then by
+    kind (chapter 12's log-probabilities: {"logprobs": one per token}), and speculation's counts for
+    this step (chapter 09)."""
     sampled: dict[str, list[int]]
     reports: dict[str, dict[str, list]] = field(default_factory=dict)
+    spec: SpecStats | None = None
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the engine knows of the model, told once by the runner when its pool is made: the engine
+    does not hold the model (chapter 11's ranks do)."""
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    max_num_batched_tokens: int  # the step's token budget
+    num_blocks: int  # the KV pool's
 
 
 # The logits processors every runner applies, each made for the runner by its factory (chapter 12's).
@@ -116,17 +134,19 @@ class ModelRunner:
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
     sampler = staticmethod(sample_batch)  # the token choice: any function of (logits, SamplingBatch)
 
-    def __init__(self, config: EngineConfig, model: Transformer | None = None):
+    def __init__(self, config: EngineConfig, model: Transformer | None = None,
+                 prepare: Callable[[Transformer], None] | None = None):
+        """model: one built by the caller, else the config's checkpoint is loaded; prepare changes
+        the empty model before its tensors are read (chapter 11 keeps a rank's part of it)."""
         self.config = config
         if model is None:
-            model = load_model(config.model, config.device, config.dtype, config.quantization)
+            model = load_model(config.model, config.device, config.dtype, config.quantization, prepare)
         elif config.quantization is not None:  # a model built by the caller: quantized here, in place
             QUANTIZATIONS[config.quantization](None).finish(model)
         self.model = model
         self.max_model_len, self.max_num_batched_tokens = context_limits(config, self.model.cfg)
         self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
         self.requests: dict[str, CachedRequest] = {}
-        self.spec: SpecStats | None = None  # chapter 09's runner counts its guesses here
         self.tokenizer = None  # the engine's, which chapter 12's grammars compile with (None: the checkpoint's)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
@@ -137,10 +157,16 @@ class ModelRunner:
                 for a, b in zip(src, dst):  # every layer in one indexed copy
                     b[:, d.to(b.device)] = a[:, s.to(a.device)].to(b.device)
 
+    @classmethod
+    def check_requests(cls, out: SchedulerOutput, vocab: int) -> dict[str, tuple]:
+        """The sampling values of the step's new requests, or RequestDataError naming those this
+        runner cannot serve (chapter 11's executor asks before any rank sees the step)."""
+        return sampling_rows(out, vocab)
+
     def update_states(self, out: SchedulerOutput) -> None:
         """Take in the step's data: forget finished requests, learn new ones, extend block tables.
         Requests whose sampling values cannot be used raise RequestDataError before anything changes."""
-        sampling = sampling_rows(out, self.model.cfg.vocab_size)
+        sampling = self.check_requests(out, self.model.cfg.vocab_size)
         for rid in out.finished_ids:
             gone = self.requests.pop(rid, None)
             if gone is not None:
@@ -186,11 +212,7 @@ class ModelRunner:
         for i, at in zip(step.ends, launched.at):
             step.requests[i].token_ids[at] = tokens[i]
             sampled[step.request_ids[i]] = [tokens[i]]
-        reports: dict[str, dict[str, list]] = {}
-        for p, data in launched.reports:
-            for rid, values in p.report(data, step).items():
-                reports.setdefault(rid, {}).setdefault(p.kind, []).extend(values)
-        return ModelRunnerOutput(sampled, reports)
+        return ModelRunnerOutput(sampled, gather_reports([(p, data, step) for p, data in launched.reports]))
 
     def prepare(self, out: SchedulerOutput) -> StepBatch:
         """The varlen batch of the step's tokens, from the runner's own copies of the requests."""
@@ -316,6 +338,11 @@ class ModelRunner:
         self.processors = [make(self) for make in LOGITS_PROCESSORS.values()]
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)  # by row
 
+    def info(self) -> RunnerInfo:
+        cfg = self.model.cfg
+        return RunnerInfo(cfg.vocab_size, tuple(cfg.eos_token_ids), self.max_model_len, self.max_num_batched_tokens,
+                          self.cache.k.shape[1])
+
 
 class BatchRows:
     """The running requests as rows of NumPy arrays kept from step to step: block tables and sampling
@@ -372,6 +399,16 @@ class Launched:
     tokens: torch.Tensor  # [B] on the host, once `ready` has fired
     ready: torch.cuda.Event | None  # None: the step ran on the CPU, it is done
     reports: list[tuple[LogitsProcessor, torch.Tensor]]  # what processors report, on the host with the tokens
+
+
+def gather_reports(reports: list[tuple[LogitsProcessor, torch.Tensor, StepBatch]]) -> dict[str, dict[str, list]]:
+    """What processors report of their data (on the host) about a step's rows: by request id, then
+    by kind, in the order given."""
+    out: dict[str, dict[str, list]] = {}
+    for p, data, step in reports:
+        for rid, values in p.report(data, step).items():
+            out.setdefault(rid, {}).setdefault(p.kind, []).extend(values)
+    return out
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -92,8 +92,9 @@ def _batch(rows: list[list[int]], fill: int, device) -> torch.Tensor:
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], device=device)
 
 
-# Paged attention backends by name; generate_paged prefers chapter 05's "varlen" once registered.
-PAGED_BACKENDS = Registry("paged attention backend", {"gather": PagedKVCache})
+# Paged attention backends by name: this chapter's, and chapter 05's varlen cache (generate_paged's default).
+PAGED_BACKENDS = Registry("paged attention backend", {"gather": PagedKVCache,
+                                                       "varlen": "miniinfer.varlen:VarlenKVCache"})
 
 
 @torch.no_grad()
@@ -104,13 +105,12 @@ def generate_paged(model: Transformer, prompts: list[list[int]], params: Samplin
 
     The pool has num_blocks blocks (default: exactly what the batch can need), or the blocks of
     the given block_manager, whose every block this returns free when done. backend: the attention
-    backend, a name in PAGED_BACKENDS (default "varlen" once chapter 05 registers it) or a callable
+    backend, a name in PAGED_BACKENDS (default "varlen", chapter 05's) or a callable
     (cfg, num_blocks, block_size, device, dtype) -> cache.
     """
     for p in prompts:
         check_prompt(model, p, params)
-    default = "varlen" if "varlen" in PAGED_BACKENDS else "gather"
-    make_cache = backend if callable(backend) else PAGED_BACKENDS[backend or default]
+    make_cache = backend if callable(backend) else PAGED_BACKENDS[backend or "varlen"]
     block_size = block_manager.block_size if block_manager else block_size
     need = sum(blocks_needed(len(p) + params.max_tokens, block_size) for p in prompts)
     bm = block_manager or BlockManager(num_blocks or need, block_size)

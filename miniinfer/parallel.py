@@ -13,7 +13,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.config import EngineConfig
-from miniinfer.engine import RUNNERS
-from miniinfer.loader import checkpoint_config, load_model
+from miniinfer.executor import RUNNERS
+from miniinfer.loader import checkpoint_config
 from miniinfer.model import DecoderLayer, Linear, ModelConfig, Transformer
-from miniinfer.model_runner import ModelRunner, ModelRunnerOutput, context_limits, sampling_rows
+from miniinfer.model_runner import ModelRunnerOutput, RunnerInfo
+from miniinfer.quant import FP8Linear, IntLinear
 from miniinfer.scheduler import SchedulerOutput
 
 
@@ -90,22 +91,23 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """A projection split by input channels (o after attention, down after the MLP): this rank
-    keeps `columns` of in_size. Each rank's product is a partial sum of the whole output, so the
-    ranks add theirs up (an all-reduce); the bias joins once, after."""
+    keeps `columns` of in_size. Each rank's product is a partial sum of the whole output, which the
+    ranks add up after the layer; the bias joins once, on the first rank (the others' is zero)."""
 
-    def __init__(self, columns: slice, in_size: int, out_features: int, bias: bool):
+    def __init__(self, columns: slice, in_size: int, out_features: int, bias: bool, first: bool):
         super().__init__(columns.stop - columns.start, out_features, bias=bias)
-        self.columns, self.in_size = columns, in_size
+        self.columns, self.in_size, self.first = columns, in_size, first
 
     def load_weight(self, name: str, tensors: list) -> torch.Tensor:
         if name == "bias":
-            return _part(tensors[0], (self.out_features,), slice(None))
+            bias = _part(tensors[0], (self.out_features,), slice(None))
+            return bias if self.first else torch.zeros_like(bias)
         return _part(tensors[0], (self.out_features, self.in_size), (slice(None), self.columns))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        dist.all_reduce(out)
-        return out if self.bias is None else out + self.bias
+
+def all_reduce_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    """A forward hook: the module's output, summed over the ranks in place."""
+    dist.all_reduce(out)
 
 
 def share_lookup(ids: torch.Tensor, share: torch.Tensor, start: int) -> torch.Tensor:
@@ -147,14 +149,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
-def shard_model(model: Transformer, shard: Shard) -> None:
+def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False) -> None:
     """Make a model skeleton (before its tensors are read) this rank's part: column-parallel q/k/v and
     gate/up, row-parallel o and down, the vocabulary split. Its cfg becomes the rank's own shape
-    (heads, KV heads, intermediate size), which the KV pool and the attention read."""
+    (heads, KV heads, intermediate size), which the KV pool and the attention read. whole_rows: o and
+    down load all their input columns, to be quantized whole and cut after (`cut_to_columns`)."""
     cfg = model.cfg
     check_parallel(cfg, shard.size)
     D, hidden = cfg.head_dim, cfg.hidden_size
     q, kv, inter = shard.part(cfg.num_heads), shard.kv_heads(cfg.num_kv_heads), shard.part(cfg.intermediate_size)
+    o_cols, down_cols = ((slice(0, cfg.num_heads * D), slice(0, cfg.intermediate_size)) if whole_rows
+                         else (_rows(q, D), inter))
     local = dataclasses.replace(cfg, num_heads=q.stop - q.start, num_kv_heads=kv.stop - kv.start,
                                 intermediate_size=inter.stop - inter.start)
     for layer in cast(list[DecoderLayer], model.model.layers):
@@ -163,24 +168,53 @@ def shard_model(model: Transformer, shard: Shard) -> None:
         attn.qkv_proj = ColumnParallelLinear(hidden, [_rows(q, D), _rows(kv, D), _rows(kv, D)],
                                              [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D],
                                              cfg.qkv_bias)
-        attn.o_proj = RowParallelLinear(_rows(q, D), cfg.num_heads * D, hidden, cfg.o_bias)
+        attn.o_proj = RowParallelLinear(o_cols, cfg.num_heads * D, hidden, cfg.o_bias, shard.rank == 0)
         mlp.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], [cfg.intermediate_size] * 2, cfg.mlp_bias)
-        mlp.down_proj = RowParallelLinear(inter, cfg.intermediate_size, hidden, cfg.mlp_bias)
+        mlp.down_proj = RowParallelLinear(down_cols, cfg.intermediate_size, hidden, cfg.mlp_bias, shard.rank == 0)
+        for block in (attn, mlp):  # o's and down's partial sums, added up after the blocks they end
+            block.register_forward_hook(all_reduce_output)
     model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]
     model.lm_head = ParallelLMHead(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]
     model.cfg = local
+
+
+def cut_to_columns(layer: nn.Module, columns: slice) -> None:
+    """A row-parallel layer loaded and quantized whole, cut to this rank's input columns in place."""
+    if isinstance(layer, IntLinear):
+        word, groups = 32 // layer.bits, layer.weight_scale.shape[0]
+        group = layer.in_features // groups
+        if columns.start % word or (groups > 1 and columns.start % group):
+            raise ValueError(f"a rank's input columns {columns.start}..{columns.stop - 1} do not start on a whole "
+                             f"word and group of int{layer.bits}: choose another tensor_parallel_size")
+        layer.weight_packed = layer.weight_packed[columns.start // word:columns.stop // word].contiguous()
+        if groups > 1:
+            layer.weight_scale = layer.weight_scale[columns.start // group:columns.stop // group].contiguous()
+    else:  # FP8Linear: [out, in] codes, a scale per output channel
+        fp8 = cast(FP8Linear, layer)
+        fp8.weight = fp8.weight[:, columns].contiguous()
+    layer.in_features = columns.stop - columns.start
+
+
+def cut_row_parallel(model: Transformer, cfg: ModelConfig, shard: Shard) -> None:
+    """Every o and down of a model sharded with whole_rows, cut to the rank's columns (cfg: the whole model's)."""
+    o_cols = _rows(shard.part(cfg.num_heads), cfg.head_dim)
+    down_cols = shard.part(cfg.intermediate_size)
+    for layer in cast(list[DecoderLayer], model.model.layers):
+        cut_to_columns(layer.self_attn.o_proj, o_cols)
+        cut_to_columns(layer.mlp.down_proj, down_cols)
 
 
 # NVLink multicast stays off in every rank (see the H200 notes): set before NCCL starts.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _worker(rank: int, config: EngineConfig, init_file: str, conn) -> None:
-    """One rank: its part of the model in a ModelRunner of its own, doing what the engine's
-    ParallelRunner sends, in order; a reply to each call (rank 0's collect carries the tokens)."""
-    os.environ.update(NCCL_ENV)
-    size, cuda = config.tensor_parallel_size, torch.device(config.device).type == "cuda"
-    try:
+class Worker:
+    """One rank: its part of the model in the runner the config names, doing the executor's calls in
+    order (rank 0's collect answers for all: every rank samples the same tokens)."""
+
+    def __init__(self, rank: int, config: EngineConfig, init_file: str):
+        os.environ.update(NCCL_ENV)
+        size, cuda = config.tensor_parallel_size, torch.device(config.device).type == "cuda"
         if cuda:
             torch.cuda.set_device(rank)
         else:  # the ranks share the machine's cores
@@ -188,14 +222,32 @@ def _worker(rank: int, config: EngineConfig, init_file: str, conn) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=size)
         config = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device)
-        model = load_model(config.model, config.device, config.dtype,
-                           prepare=functools.partial(shard_model, shard=Shard(rank, size)))
-        runner = ModelRunner(config, model)
+        self.rank = rank
+        shard, whole = Shard(rank, size), config.quantization is not None
+        self.runner = RUNNERS[config.speculative_method](
+            config, prepare=functools.partial(shard_model, shard=shard, whole_rows=whole))
+        if whole:
+            cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
+        self.launched: deque = deque()
+
+    def call(self, method: str, args: tuple) -> Any:
+        if method == "launch":
+            self.launched.append(self.runner.launch(*args))
+            return None
+        if method == "collect":
+            output = self.runner.collect(self.launched.popleft())
+            return output if self.rank == 0 else None
+        return getattr(self.runner, method)(*args)
+
+
+def run_worker(rank: int, config: EngineConfig, init_file: str, conn) -> None:
+    """A worker process: a reply to each call, ("ok", value) or ("error", why)."""
+    try:
+        worker = Worker(rank, config, init_file)
     except BaseException as err:
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
     conn.send(("ok", None))
-    launched: deque = deque()
     while True:
         try:
             method, args = conn.recv()
@@ -204,49 +256,34 @@ def _worker(rank: int, config: EngineConfig, init_file: str, conn) -> None:
         if method == "close":
             break
         try:
-            result = None
-            if method == "launch":
-                launched.append(runner.launch(*args))
-            elif method == "collect":
-                result = runner.collect(launched.popleft())
-            else:
-                result = getattr(runner, method)(*args)
+            result = worker.call(method, args)
         except BaseException as err:
             conn.send(("error", f"{type(err).__name__}: {err}"))
             # Gone, so that the other ranks' collectives with this one fail instead of waiting forever.
             os._exit(1)
-        conn.send(("ok", result if rank == 0 or method != "collect" else None))
+        conn.send(("ok", result))
     dist.destroy_process_group()
 
 
-@dataclass
-class ModelShape:
-    """What the engine reads of a model it does not hold: its config."""
-    cfg: ModelConfig
+class MultiProcessExecutor:
+    """The executor for tensor_parallel_size = N: N worker processes, each a runner over its part of
+    the model, sent the same plain-data calls in the same order. Every rank samples the same tokens
+    from the same gathered logits, so each keeps its own copy of the requests; rank 0's are the
+    engine's."""
+    model = None  # each rank holds its part
 
-
-class ParallelRunner:
-    """The engine's runner for tensor_parallel_size = N: N worker processes, each a ModelRunner over
-    its part of the model, sent the same plain-data calls in the same order. Every rank samples the
-    same tokens from the same gathered logits, so each keeps its own copy of the requests; rank 0's
-    are the engine's."""
-    spec = None  # no speculation across processes
-
-    def __init__(self, config: EngineConfig, model: Transformer | None = None):
+    def __init__(self, config: EngineConfig, model: Transformer | None = None, tokenizer=None):
         if model is not None:
             raise ValueError("tensor_parallel_size > 1 loads the model in each worker process: give the "
                              "checkpoint (EngineConfig.model), not a model object")
-        for name in ("quantization", "speculative_method"):
-            if getattr(config, name) is not None:
-                raise ValueError(f"tensor_parallel_size > 1 does not combine with {name} yet")
         cfg = ModelConfig.from_hf(checkpoint_config(config.model)[1])
         size = config.tensor_parallel_size
         check_parallel(cfg, size)
         if torch.device(config.device).type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
                              f"{torch.cuda.device_count()}")
-        self.model = ModelShape(cfg)
-        self.max_model_len, self.max_num_batched_tokens = context_limits(config, cfg)
+        self.vocab_size = cfg.vocab_size
+        self.runner_class = RUNNERS[config.speculative_method]  # the ranks' own, for checking steps here
         self.failure: str | None = None
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-tp-")
         os.close(fd)
@@ -254,7 +291,7 @@ class ParallelRunner:
         self.conns, self.procs = [], []
         for rank in range(size):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, config, self.init_file, child), daemon=True,
+            proc = ctx.Process(target=run_worker, args=(rank, config, self.init_file, child), daemon=True,
                                name=f"miniinfer-tp{rank}")
             proc.start()
             child.close()
@@ -312,13 +349,14 @@ class ParallelRunner:
     def num_blocks_that_fit(self) -> int:
         return min(self._call("num_blocks_that_fit"))  # the pool every rank can hold
 
-    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> RunnerInfo:
         self._call("allocate_kv_cache", num_blocks, num_cpu_blocks)
+        return self._call("info")[0]
 
     def launch(self, out: SchedulerOutput) -> SchedulerOutput:
         # Checked here, before any rank takes the step: RequestDataError drops those requests and
         # the engine launches the rest, so the ranks never see them.
-        sampling_rows(out, self.model.cfg.vocab_size)
+        self.runner_class.check_requests(out, self.vocab_size)
         self._send("launch", out)
         return out
 
@@ -330,7 +368,7 @@ class ParallelRunner:
 
 
 def _end(conns, procs, init_file: str) -> None:
-    """Ask each worker to stop, then make sure: no process outlives the runner."""
+    """Ask each worker to stop, then make sure: no process outlives the executor."""
     for conn in conns:
         try:
             conn.send(("close", ()))
@@ -342,7 +380,3 @@ def _end(conns, procs, init_file: str) -> None:
             proc.kill()
             proc.join()
     Path(init_file).unlink(missing_ok=True)
-
-
-
-RUNNERS["parallel"] = ParallelRunner

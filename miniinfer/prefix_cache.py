@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from miniinfer.block_manager import BlockManager, OutOfBlocks
-from miniinfer.engine import BLOCK_MANAGERS
 from miniinfer.sequence import Sequence
 
 
@@ -135,6 +134,3 @@ class PrefixCachingBlockManager(BlockManager):
     def free(self, seq_id) -> None:
         super().free(seq_id)
         del self.num_registered[seq_id]
-
-
-BLOCK_MANAGERS[True] = PrefixCachingBlockManager  # what EngineConfig(enable_prefix_caching=True) builds

@@ -273,7 +273,10 @@ class Logprobs(Scores):
         return self.score(at_dev, self.logits[at_dev], tokens[at_dev], self.n[step.rows[at]])
 
     def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
-        return {step.request_ids[int(b)]: [unscore(rest)] for b, *rest in data.tolist()}
+        out: dict[str, list] = {}
+        for b, *rest in data.tolist():  # a request verifying guesses (chapter 09) has a row per token kept
+            out.setdefault(step.request_ids[int(b)], []).append(unscore(rest))
+        return out
 
 
 class PromptLogprobs(Scores):
@@ -355,11 +358,11 @@ def compile_structure(s: StructuredOutput, compiler):
 def prepare_structure(engine: LLMEngine, params: SamplingParams) -> Callable[[], Any] | None:
     """The grammar's compile, to run before the request's first step (beside the engine's loop in a
     server), with the compiler its runner uses: the runner then finds it compiled."""
-    structure, cfg = params.structured_output, engine.model.cfg
+    structure, info = params.structured_output, engine.info
     if structure is None or engine.config.tensor_parallel_size > 1:  # ranks compile their own
         return None
-    return lambda: compile_structure(structure, grammar_compiler(engine.tokenizer, cfg.vocab_size,
-                                                                 tuple(cfg.eos_token_ids)))
+    return lambda: compile_structure(structure, grammar_compiler(engine.tokenizer, info.vocab_size,
+                                                                 info.eos_token_ids))
 
 
 def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:

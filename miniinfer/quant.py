@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miniinfer.loader import QUANTIZATIONS, CheckpointError, _checkpoint_names
+from miniinfer.loader import CheckpointError, _checkpoint_names
 from miniinfer.model import Linear, Registry, Transformer
 
 FP8 = torch.float8_e4m3fn
@@ -76,8 +76,8 @@ class QuantKernels:
         return F.linear(x, dequantize(packed.t(), scale.t(), bits).to(x.dtype), bias)
 
 
-QUANT_KERNELS = Registry("quantized matmul kernels", {"torch": QuantKernels()},
-                         "; Triton's come with `import miniinfer.kernels` (Linux, triton installed)")
+QUANT_KERNELS = Registry("quantized matmul kernels", {"torch": QuantKernels(),
+                                                      "triton": "miniinfer.kernels.quant:TRITON_QUANT"})
 
 
 def _kernels(x: torch.Tensor) -> QuantKernels:
@@ -287,8 +287,7 @@ def _on_load(name: str):
     return make
 
 
-for _name in SCHEMES:
-    QUANTIZATIONS[_name] = _on_load(_name)
+int8_on_load, int4_on_load, fp8_on_load = (_on_load(name) for name in ("int8", "int4", "fp8"))
 
 
 def read_compressed_tensors(stored: dict) -> Scheme:
@@ -344,6 +343,3 @@ class CompressedTensors:
             if isinstance(m, FP8Linear):
                 require_fp8(m.weight.device)
                 m.weight_scale = m.weight_scale.float()
-
-
-QUANTIZATIONS["compressed-tensors"] = CompressedTensors

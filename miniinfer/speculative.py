@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -11,10 +12,17 @@ import torch
 from miniinfer.block_manager import blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.course_model import course_model_path
-from miniinfer.engine import RUNNERS
 from miniinfer.loader import checkpoint_config, load_model, load_tokenizer
 from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import DecodeGraphs, Launched, ModelRunner, ModelRunnerOutput, SpecStats
+from miniinfer.model_runner import (
+    DecodeGraphs,
+    Launched,
+    ModelRunner,
+    ModelRunnerOutput,
+    SpecStats,
+    StepBatch,
+    gather_reports,
+)
 from miniinfer.sampler import SamplingBatch, exponential_noise, sampling_probs
 from miniinfer.scheduler import SchedulerOutput
 from miniinfer.sequence import RequestDataError
@@ -256,6 +264,7 @@ class DraftProposer(Proposer):
 
 
 VERIFY_GRAPHS_MAX = 64
+SERVED_WITH_GUESSES = ("stop_token_ids", "logprobs", "prompt_logprobs")
 
 PROPOSERS = Registry("speculative_method", {"draft": DraftProposer, "ngram": NgramProposer})
 
@@ -263,19 +272,18 @@ PROPOSERS = Registry("speculative_method", {"draft": DraftProposer, "ngram": Ngr
 @dataclass
 class Verified(Launched):
     """A step with guesses, already read (speculation runs without overlap)."""
-    sampled: dict[str, list[int]]
+    output: ModelRunnerOutput
 
 
 class SpeculativeRunner(ModelRunner):
     """Chapter 06's runner, with a proposer's guesses verified in the step's one forward."""
-    spec: SpecStats
 
-    def __init__(self, config: EngineConfig, model: Transformer | None = None):
+    def __init__(self, config: EngineConfig, model: Transformer | None = None,
+                 prepare: Callable[[Transformer], None] | None = None):
         self.proposer = PROPOSERS[config.speculative_method](config)  # its checks before any loading
-        super().__init__(config, model)
+        super().__init__(config, model, prepare)
         if isinstance(self.proposer, DraftProposer):
             self.proposer.load(self)
-        self.spec = SpecStats()
 
     def kv_bytes_per_block(self) -> int:
         return super().kv_bytes_per_block() + self.proposer.bytes_per_block()
@@ -299,15 +307,20 @@ class SpeculativeRunner(ModelRunner):
         self.verify_graphs = (DecodeGraphs(self.model, self.cache, min(self.config.max_num_seqs, VERIFY_GRAPHS_MAX),
                                            self.max_model_len, k + 1) if self.graphs is not None else None)
 
-    def update_states(self, out: SchedulerOutput) -> None:
-        # Chapter 12's logits processors see one row per request; verification has k+1 (stop tokens,
-        # which only the scheduler reads, are fine).
+    @classmethod
+    def check_requests(cls, out: SchedulerOutput, vocab: int) -> dict[str, tuple]:
+        # Chapter 12's processors that change the logits would have to change each guess's row by
+        # the tokens before it (a grammar's state, a penalty's counts): refused. Those that only read
+        # the logits (log-probabilities) and the stop tokens (the scheduler's) are served.
         refused: dict[str, Exception] = {
             r.request_id: ValueError(f"{', '.join(names)}: not served with speculative decoding")
             for r in out.new_requests
-            if (names := [n for n in r.params.engine_only() if n != "stop_token_ids"])}
+            if (names := [n for n in r.params.engine_only() if n not in SERVED_WITH_GUESSES])}
         if refused:
             raise RequestDataError(refused)
+        return super().check_requests(out, vocab)
+
+    def update_states(self, out: SchedulerOutput) -> None:
         super().update_states(out)
         for rid in out.finished_ids:
             self.proposer.forget(rid)
@@ -344,8 +357,16 @@ class SpeculativeRunner(ModelRunner):
         steps = np.array([k - r.num_prompt_tokens for k, r in zip(known, reqs)])[owner] + j
         vocab = self.model.cfg.vocab_size
         s = SamplingBatch.build(self.rows.sampling[:, step.rows[owner]], steps, vocab, self.device)
-        logits = run_forward(self.model, self.cache, graphs if replay else None, step.batch,
-                             to_device(rows, self.device))
+        # The rows processors want besides (chapter 12's prompt log-probabilities) come after those.
+        wanted = np.concatenate([rows] + [w for _, w in step.extra])
+        logits = run_forward(self.model, self.cache, graphs if replay and not step.extra else None, step.batch,
+                             to_device(wanted, self.device))
+        logits, rest = logits[:len(rows)], logits[len(rows):]
+        reports = []
+        for p, want in step.extra:
+            if (data := p.read(rest[:len(want)], step)) is not None:
+                reports.append((p, data, step))
+            rest = rest[len(want):]
         q_rows = None
         if q is not None:
             spec_of = {rid: a for a, rid in enumerate(room)}
@@ -353,14 +374,30 @@ class SpeculativeRunner(ModelRunner):
             which = np.stack([[spec_of[ids[i]] for i in owner[has]], j[has], np.flatnonzero(has)])
             a, jj, at = to_device(which, self.device)
             q_rows[at] = q[a, jj]
+        # Each verified row as a request of its own, for the processors that read the logits.
+        view = StepBatch([ids[i] for i in owner], [reqs[i] for i in owner], [1] * len(rows), step.batch, [],
+                         step.rows[owner], step.rows_on_device[to_device(owner, self.device)])
+        for p in self.processors:
+            p.apply(logits, view, steps)
         accepted, tokens = verify(logits, s, to_device(guess_rows, self.device), q_rows)
-        acc, tok = accepted.tolist(), tokens.tolist()
-        sampled = {}
-        for i, (rid, r, n) in enumerate(zip(ids, reqs, counts)):
+        sampled, view.ends, spec = self.keep(step, room, m, first, known, computed, accepted.tolist(), tokens.tolist())
+        reports += [(p, data, view) for p in self.processors if (data := p.accept(view, tokens)) is not None]
+        return Verified(step, [], tokens, None, [], ModelRunnerOutput(sampled, gather_reports(reports), spec))
+
+    def keep(self, step: StepBatch, room: dict[str, int], m: np.ndarray, first: np.ndarray, known: list[int],
+             computed: np.ndarray, acc: list[bool],
+             tok: list[int]) -> tuple[dict[str, list[int]], list[int], SpecStats]:
+        """Each request's tokens from the verified rows (those of its guesses kept, and one more), its
+        copy cut back to them; the rows they came from; the step's counts."""
+        sampled: dict[str, list[int]] = {}
+        emitted: list[int] = []  # the verified rows whose tokens were kept
+        spec = SpecStats()
+        for i, (rid, r, n) in enumerate(zip(step.request_ids, step.requests, step.num_new_tokens)):
             f = first[i]
             if rid in room:
                 a = num_accepted(acc[f:f + m[i]])
                 sampled[rid] = r.token_ids[known[i]:known[i] + a] + [tok[f + a]]
+                emitted += range(f, f + a + 1)
                 r.token_ids[known[i]:] = sampled[rid]
                 r.num_computed_tokens = known[i] + a
                 # The scheduler truncates its table by the same rule.
@@ -369,20 +406,16 @@ class SpeculativeRunner(ModelRunner):
                 self.rows.widths[r.row] = min(self.rows.widths[r.row], len(r.block_ids))
                 self.proposer.rewind(rid, r.num_computed_tokens)
                 if m[i]:
-                    self.spec.proposed += int(m[i])
-                    self.spec.accepted += a
-                    self.spec.verified += 1
+                    spec.add(SpecStats(int(m[i]), a, 1))
             else:
                 r.num_computed_tokens = computed[i] + n
                 if computed[i] + n == known[i]:  # it reached the end of its tokens: it samples
                     r.token_ids.append(tok[f])
                     sampled[rid] = [tok[f]]
-        return Verified(step, [], tokens, None, [], sampled)
+                    emitted.append(f)
+        return sampled, emitted, spec
 
     def collect(self, launched: Launched | None) -> ModelRunnerOutput:
         if isinstance(launched, Verified):
-            return ModelRunnerOutput(launched.sampled)
+            return launched.output
         return super().collect(launched)
-
-
-RUNNERS["draft"] = RUNNERS["ngram"] = SpeculativeRunner

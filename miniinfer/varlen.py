@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from miniinfer.model import ModelConfig, Registry, Transformer, attention, attention_mask
-from miniinfer.paged_cache import PAGED_BACKENDS, PagedKVCache, gather_kv, paged_attention_ref
+from miniinfer.paged_cache import PagedKVCache, gather_kv, paged_attention_ref
 
 
 @dataclass
@@ -135,8 +135,8 @@ class AttentionKernels:
         return prefill_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
-ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels()},
-                             "; Triton's come with `import miniinfer.kernels` (Linux, triton installed)")
+ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels(),
+                                                  "triton": "miniinfer.kernels.attention:TRITON_ATTENTION"})
 
 
 class VarlenKVCache(PagedKVCache):
@@ -171,6 +171,3 @@ class VarlenKVCache(PagedKVCache):
         self.step(batch)
         return model(batch.input_ids[None], batch.positions[None], attn=self,
                      logits_at=batch.query_start_loc[1:] - 1)
-
-
-PAGED_BACKENDS["varlen"] = VarlenKVCache  # generate_paged's default from now on

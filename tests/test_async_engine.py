@@ -100,7 +100,7 @@ def test_a_failed_step_ends_its_streams_frees_their_blocks_and_serving_goes_on(c
     """Thread mode (the runner can be patched in this process): the third forward raises."""
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=6),
                                          model=course_model))
-    runner, forwards = eng.client.engine.runner, []
+    runner, forwards = eng.client.engine.executor.runner, []
     launch = runner.launch
 
     def fail_the_third(out):

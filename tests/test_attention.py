@@ -222,11 +222,13 @@ def test_unknown_backend_and_kernels_are_refused():
         mi.VarlenKVCache(model.cfg, 4, 4, kernels="cuda")
 
 
-def test_a_missing_registration_fails_and_says_where_it_comes_from(monkeypatch):
-    """No quiet fallback: a seam whose implementation was not registered names the import that adds it."""
-    monkeypatch.delitem(mi.varlen.ATTENTION_KERNELS, "triton")
-    with pytest.raises(ValueError, match=r"no attention kernels 'triton'.*import miniinfer.kernels"):
-        mi.VarlenKVCache(mi.load_model().cfg, 4, 4, device="cuda")  # the default on CUDA, checked before allocating
-    monkeypatch.delitem(mi.engine.BLOCK_MANAGERS, True)
-    with pytest.raises(ValueError, match=r"enable_prefix_caching True.*import miniinfer.prefix_cache"):
-        mi.LLMEngine(mi.EngineConfig(model="/nonexistent", enable_prefix_caching=True))  # before loading anything
+def test_later_chapters_are_named_in_the_tables_and_imported_when_asked_for():
+    """No table changes on import: a later chapter's entry is a "module:attribute" name in the table
+    itself, imported when first asked for; a name that does not import fails loudly."""
+    assert dict(mi.engine.BLOCK_MANAGERS)[True] == "miniinfer.prefix_cache:PrefixCachingBlockManager"
+    assert mi.engine.BLOCK_MANAGERS[True] is mi.prefix_cache.PrefixCachingBlockManager
+    assert dict(mi.executor.EXECUTORS)[True] == "miniinfer.parallel:MultiProcessExecutor"
+    assert dict(mi.varlen.ATTENTION_KERNELS)["triton"] == "miniinfer.kernels.attention:TRITON_ATTENTION"
+    broken = mi.model.Registry("thing", {"x": "miniinfer.no_such_module:X"})
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        broken["x"]

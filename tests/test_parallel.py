@@ -3,6 +3,7 @@ greedy tokens with 2 and 4 ranks equal transformers' (continuous batching, preem
 chunked prefill), a rank that dies or fails ends the engine's requests with the reason and leaves
 no process behind, and bad configurations are refused before any process starts."""
 
+import json
 import multiprocessing
 import os
 import signal
@@ -64,7 +65,7 @@ def test_greedy_with_two_ranks_equals_transformers(hf_checkpoint):
         assert preempted > 0 and cached > 0
     finally:
         engine.close()
-    assert not any(p.is_alive() for p in engine.runner.procs)
+    assert not any(p.is_alive() for p in engine.executor.procs)
 
 
 def serve_twice(engine, prompts, params, expected) -> tuple[int, int]:
@@ -112,7 +113,7 @@ def test_the_course_model_on_two_ranks_equals_one():
 
 def test_a_rank_that_dies_fails_the_requests_and_leaves_no_process():
     engine = mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2))
-    procs = engine.runner.procs
+    procs = engine.executor.procs
     long = engine.add_request([7] * 10, mi.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     engine.step()
     os.kill(procs[1].pid, signal.SIGKILL)
@@ -141,7 +142,6 @@ def test_a_rank_that_fails_to_load_says_why(tmp_path):
 @pytest.mark.parametrize("config, match", [
     (dict(tensor_parallel_size=4), "do not split evenly"),  # the course model's 2 KV heads
     (dict(tensor_parallel_size=2, device="cuda"), "needs 2 GPUs"),
-    (dict(tensor_parallel_size=2, quantization="int8"), "does not combine with quantization"),
     (dict(tensor_parallel_size=0), "positive int"),
 ])
 def test_bad_configurations_are_refused_before_any_process_starts(config, match):
@@ -190,3 +190,48 @@ def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():
     assert all(isinstance(g, RuntimeError) and "rank 1 died" in str(g) for g in got), got
     assert later is not None and "cannot go on" in str(later)
     assert not eng.client.process.is_alive() and not any(p.is_running() and p.status() != "zombie" for p in ranks)
+
+
+def assert_same_logprobs(ours: list, theirs: list) -> None:
+    """Two outputs' log-probabilities: the same tokens and ranks, values within 1e-4."""
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        if a is None or b is None:
+            assert a is b
+            continue
+        assert a.token == b.token and a.rank == b.rank and abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
+
+
+def test_two_ranks_quantized_with_speculation_and_logprobs_give_one_processs_tokens():
+    """Features compose: two ranks x int8 quantized on load x n-gram speculation x logprobs and prompt
+    logprobs, with chunked prefill, give the tokens of one process with int8 alone, and its
+    log-probabilities within 1e-4; guesses are made and kept, and every block comes back."""
+    prompts = ["def add(a, b):\n    return a + b\n\n\ndef add3(a, b, c):\n",
+               "for i in range(10):\n    print(i)\nfor j in range(10):\n", "import os\n"]
+    params = mi.SamplingParams(temperature=0, max_tokens=24, logprobs=2, prompt_logprobs=1)
+    base = dict(quantization="int8", num_blocks=64, block_size=4, max_num_batched_tokens=2048,
+                enable_chunked_prefill=True)
+    one = mi.LLMEngine(mi.EngineConfig(**base)).generate(prompts, params, use_tqdm=False)
+    engine = mi.LLMEngine(mi.EngineConfig(**base, tensor_parallel_size=2, speculative_method="ngram",
+                                          num_speculative_tokens=3))
+    try:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.spec is not None and engine.spec.accepted > 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+    for a, b in zip(one, outs):
+        assert a.token_ids == b.token_ids
+        assert_same_logprobs(a.logprobs, b.logprobs)
+        assert_same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
+
+
+def test_checkpoints_stored_quantized_are_refused_with_two_ranks_when_the_config_is_made(tmp_path):
+    make_hf_model("llama").save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="stored quantized .*'compressed-tensors'.*quantization='int8'"):
+        mi.EngineConfig(model=tmp_path, tensor_parallel_size=2)

@@ -183,16 +183,21 @@ def test_logprobs_equal_the_log_softmax_of_transformers_logits(hf_checkpoint):
 
 
 @pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
-def test_logprobs_out_of_range_on_the_plain_paths_and_with_speculation_are_refused(course_model, field):
+def test_logprobs_out_of_range_and_on_the_plain_paths_are_refused(course_model, field):
     for bad in (-1, 21):
         with pytest.raises(ValueError, match=field):
             mi.SamplingParams(**{field: bad})
     with pytest.raises(ValueError, match=f"{field}: only the engine"):
         mi.generate_naive(course_model, [1, 2], mi.SamplingParams(**{field: 0}))
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "min_p"])
+def test_processors_that_change_the_logits_are_refused_with_speculation(course_model, field):
     engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64, speculative_method="ngram"), model=course_model)
-    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, **{field: 2}))
+    rid = engine.add_request([1, 2, 3], mi.SamplingParams(max_tokens=4, **{field: 0.5}))
     failed = [o for o in engine.step() if o.request_id == rid]
-    assert failed and failed[0].finish_reason == "error" and "speculative" in failed[0].error
+    assert failed and failed[0].finish_reason == "error"
+    assert f"{field}: not served with speculative decoding" in failed[0].error
     assert engine.block_manager.num_free_blocks == 64
 
 

@@ -36,8 +36,9 @@ def engine_for(folder, **kw) -> mi.LLMEngine:
 def run_all(engine: mi.LLMEngine, prompts, params) -> list[list[int]]:
     outs = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    if isinstance(engine.runner.proposer if hasattr(engine.runner, "proposer") else None, spec.DraftProposer):
-        assert set(engine.runner.proposer.computed) <= set(engine.runner.requests)  # it forgets with the runner
+    runner = engine.executor.runner
+    if isinstance(runner, spec.SpeculativeRunner) and isinstance(runner.proposer, spec.DraftProposer):
+        assert set(runner.proposer.computed) <= set(runner.requests)  # it forgets with the runner
     return outs
 
 
@@ -68,7 +69,7 @@ def test_greedy_output_is_the_output_without_speculation(hf_checkpoint, draft_of
         extra = dict(speculative_model=draft_of(kind)) if method == "draft" else dict(speculative_method="ngram")
         engine = engine_for(folder, num_speculative_tokens=k, preemption_mode=mode, **extra)
         assert run_all(engine, prompts, params) == expected, (k, mode)
-        assert engine.runner.spec.verified > 0
+        assert engine.spec.verified > 0
 
 
 @pytest.mark.parametrize("k", range(1, 9))
@@ -120,7 +121,7 @@ def sampled_tokens(target, draft, params, n: int) -> torch.Tensor:
     prompts = [[1, 2]] * n
     each = [mi.SamplingParams(**{**params, "seed": i}) for i in range(n)]
     outs = torch.tensor(run_all(engine, prompts, each))
-    s = engine.runner.spec
+    s = engine.spec
     assert s.verified >= n and 0.1 < s.acceptance_rate < 0.9  # guesses kept and guesses rejected, many of each
     return outs[:, :3]
 

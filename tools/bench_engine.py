@@ -136,14 +136,14 @@ def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
         engine.step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / steps * 1e3
-    launch, collect = engine._launch, engine.runner.collect
+    launch, collect = engine._launch, engine.executor.collect
 
     def traced(fn, label):
         def call(*a, **k):
             with record_function(label):
                 return fn(*a, **k)
         return call
-    engine._launch, engine.runner.collect = traced(launch, "host: schedule + launch"), traced(collect, "host: wait")
+    engine._launch, engine.executor.collect = traced(launch, "host: schedule + launch"), traced(collect, "host: wait")
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -309,7 +309,7 @@ def profile(model, prompts, outs) -> dict:
     engine.generate(prompts[:8], greedy(8), use_tqdm=False)
     for p in prompts:
         engine.add_request(p, greedy(1024 - 100))
-    runner, scheduler, rows = engine.runner, engine.scheduler, []
+    runner, scheduler, rows = engine.executor.runner, engine.scheduler, []
     while len(rows) < 100:
         t0 = time.perf_counter()
         out = scheduler.schedule()

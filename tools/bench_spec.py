@@ -58,7 +58,7 @@ def timed(config: mi.EngineConfig, prompts, batch: int, model=None, params=None)
     engine = mi.LLMEngine(config, model=model)
     params = params or greedy()
     engine.generate(prompts[:batch], params, use_tqdm=False)  # warm-up: kernels, graphs
-    before = engine.runner.spec and mi.model_runner.SpecStats(**vars(engine.runner.spec))
+    before = engine.spec and mi.model_runner.SpecStats(**vars(engine.spec))
     if device() == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -66,8 +66,8 @@ def timed(config: mi.EngineConfig, prompts, batch: int, model=None, params=None)
     seconds = time.perf_counter() - t
     res = {"tokens": sum(len(o.token_ids) for o in outs), "seconds": seconds}
     res["tokens_per_s"] = res["tokens"] / seconds
-    if engine.runner.spec is not None:
-        s, b = engine.runner.spec, before
+    if engine.spec is not None:
+        s, b = engine.spec, before
         done = mi.model_runner.SpecStats(s.proposed - b.proposed, s.accepted - b.accepted, s.verified - b.verified)
         res.update(acceptance_rate=done.acceptance_rate, tokens_per_step=done.tokens_per_step)
     res["outputs"] = [o.token_ids for o in outs]

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miniinfer.varlen import ATTENTION_KERNELS, AttentionKernels
+from miniinfer.varlen import AttentionKernels
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
 
@@ -270,4 +270,4 @@ class TritonAttentionKernels(AttentionKernels):
     prefill = staticmethod(prefill_attention)
 
 
-ATTENTION_KERNELS["triton"] = TritonAttentionKernels()
+TRITON_ATTENTION = TritonAttentionKernels()  # ATTENTION_KERNELS["triton"]

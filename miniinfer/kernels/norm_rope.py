@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miniinfer.model import OPS_BACKENDS, Ops
+from miniinfer.model import Ops
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # a new token count must not mean a new compile
@@ -168,4 +168,4 @@ class TritonOps(Ops):
     silu_and_mul = staticmethod(silu_and_mul)
 
 
-OPS_BACKENDS["triton"] = TritonOps()  # load_model picks it on CUDA; model.use_ops selects it by name
+TRITON_OPS = TritonOps()  # OPS_BACKENDS["triton"]: load_model picks it on CUDA; model.use_ops selects it by name

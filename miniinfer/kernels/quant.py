@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.attention import _multiprocessors
-from miniinfer.quant import FP8, FP8_MAX, QUANT_KERNELS, QuantKernels
+from miniinfer.quant import FP8, FP8_MAX, QuantKernels
 
 
 @triton.jit
@@ -246,4 +246,4 @@ class TritonQuantKernels(QuantKernels):
         return quantize_fp8(x)
 
 
-QUANT_KERNELS["triton"] = TritonQuantKernels()
+TRITON_QUANT = TritonQuantKernels()  # QUANT_KERNELS["triton"]
