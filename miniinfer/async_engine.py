@@ -140,7 +140,7 @@ def admit(engine: LLMEngine, add: AddRequest, pool: concurrent.futures.Executor,
     """Queue a request, or first start its long work in the pool (chapter 12's grammar compile):
     meanwhile the loop steps the others."""
     try:
-        jobs = [work for prepare in REQUEST_PREPARES if (work := prepare(engine, add.params))]
+        jobs = [work for prepare in REQUEST_PREPARES.all() if (work := prepare(engine, add.params))]
     except Exception as err:  # this request's fault, not the loop's
         return enqueue(engine, add, err)
     if not jobs:

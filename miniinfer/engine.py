@@ -6,7 +6,7 @@ import itertools
 import time
 from collections import abc
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -36,11 +36,11 @@ class Limits(NamedTuple):
 
 # Chapter 12's checks of a request against the model's tokenizer (a grammar must compile), each
 # fn(params, tokenizer, limits) raising ValueError.
-REQUEST_CHECKS: list[Callable[[SamplingParams, Any, Limits], None]] = []
+REQUEST_CHECKS = Registry("request check", {"structured_output": "miniinfer.processors:check_structure"})
 # Work a request needs before its first step that can take long (chapter 12 compiles its grammar),
 # each fn(engine, params) -> a function to run first, or None. The engine's loop in a server runs them
 # in a thread (chapter 08's run_engine), so that the running requests' steps go on meanwhile.
-REQUEST_PREPARES: list[Callable[[LLMEngine, SamplingParams], Callable[[], Any] | None]] = []
+REQUEST_PREPARES = Registry("request preparation", {"structured_output": "miniinfer.processors:prepare_structure"})
 
 
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits) -> list[int]:
@@ -72,7 +72,7 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     if blocks_needed(total, limits.block_size) > limits.num_blocks:
         raise FieldError(too_long, f"prompt + max_tokens need {blocks_needed(total, limits.block_size)} KV "
                                    f"blocks; the whole pool has {limits.num_blocks}")
-    for check in REQUEST_CHECKS:  # last: a grammar's compile costs more than the checks above
+    for check in REQUEST_CHECKS.all():  # last: a grammar's compile costs more than the checks above
         check(params, tokenizer, limits)
     return ids
 

@@ -208,6 +208,10 @@ class Registry(dict):
     def __missing__(self, name):
         raise ValueError(f"no {self.what} {name!r}: there are {sorted(self, key=str)}{self.hint}")
 
+    def all(self) -> list:
+        """Every entry, in the table's order."""
+        return [self[name] for name in self]
+
 
 TORCH_OPS = Ops()
 OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS"})

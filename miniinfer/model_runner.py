@@ -12,7 +12,7 @@ import torch
 from miniinfer.block_manager import blocks_needed
 from miniinfer.config import EngineConfig
 from miniinfer.loader import QUANTIZATIONS, load_model
-from miniinfer.model import ModelConfig, Transformer
+from miniinfer.model import ModelConfig, Registry, Transformer
 from miniinfer.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
 from miniinfer.sampling import SamplingParams
 from miniinfer.scheduler import SchedulerOutput
@@ -125,8 +125,14 @@ class RunnerInfo:
     num_blocks: int  # the KV pool's
 
 
-# The logits processors every runner applies, each made for the runner by its factory (chapter 12's).
-LOGITS_PROCESSORS: dict[str, Callable[[ModelRunner], LogitsProcessor]] = {}
+# The logits processors every runner applies, each made for the runner by its factory (chapter 12's), in
+# this order: the log-probabilities of the model's own logits, the penalties, the bias, then the masks,
+# min-p's last (its floor is the top allowed token's).
+LOGITS_PROCESSORS = Registry("logits processor", {
+    "logprobs": "miniinfer.processors:Logprobs", "prompt_logprobs": "miniinfer.processors:PromptLogprobs",
+    "penalties": "miniinfer.processors:Penalties", "logit_bias": "miniinfer.processors:LogitBias",
+    "min_tokens": "miniinfer.processors:MinTokens", "structured": "miniinfer.processors:Structured",
+    "min_p": "miniinfer.processors:MinP"})
 
 
 class ModelRunner:
@@ -335,7 +341,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
                        if use_graphs else None)
         self.rows = BatchRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
-        self.processors = [make(self) for make in LOGITS_PROCESSORS.values()]
+        self.processors: list[LogitsProcessor] = [make(self) for make in LOGITS_PROCESSORS.all()]
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)  # by row
 
     def info(self) -> RunnerInfo:

@@ -10,9 +10,9 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from miniinfer.engine import REQUEST_CHECKS, REQUEST_PREPARES, Limits, LLMEngine
+from miniinfer.engine import Limits, LLMEngine
 from miniinfer.loader import load_tokenizer
-from miniinfer.model_runner import LOGITS_PROCESSORS, ModelRunner, StepBatch, to_host
+from miniinfer.model_runner import ModelRunner, StepBatch, to_host
 from miniinfer.sampler import F32_MAX
 from miniinfer.sampling import SamplingParams, StructuredOutput
 from miniinfer.varlen import to_device
@@ -442,11 +442,3 @@ class Structured(Processor):
         for matcher, token in zip(matchers, host.tolist()):
             if not matcher.is_terminated():
                 matcher.accept_token(token)
-
-
-REQUEST_CHECKS.append(check_structure)
-REQUEST_PREPARES.append(prepare_structure)
-# In this order: the log-probabilities of the model's logits, the penalties, the bias, then the masks,
-# min-p's last (its floor is the top allowed token's).
-LOGITS_PROCESSORS.update(logprobs=Logprobs, prompt_logprobs=PromptLogprobs, penalties=Penalties,
-                         logit_bias=LogitBias, min_tokens=MinTokens, structured=Structured, min_p=MinP)

@@ -342,7 +342,8 @@ class Server:
             raise APIError("the server is busy compiling slow grammars: try again later", status=429, param=field)
         # The door's checks of the grammar alone (chapter 12's compile it), in the thread.
         probe, tokenizer, limits = SamplingParams(structured_output=structure), self.tokenizer, self.engine.limits
-        compiling = self.grammar_pool.submit(lambda: [check(probe, tokenizer, limits) for check in REQUEST_CHECKS])
+        checks = REQUEST_CHECKS.all()
+        compiling = self.grammar_pool.submit(lambda: [check(probe, tokenizer, limits) for check in checks])
         try:
             await asyncio.wait_for(asyncio.wrap_future(compiling), GRAMMAR_COMPILE_S)
         except ValueError as err:

@@ -233,7 +233,7 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
             return lambda: (_ for _ in ()).throw(ValueError("it does not prepare"))
         return None
 
-    monkeypatch.setattr(mi.engine, "REQUEST_PREPARES", [slow])
+    monkeypatch.setattr(mi.engine, "REQUEST_PREPARES", mi.model.Registry("request preparation", {"slow": slow}))
     monkeypatch.setattr(mi.async_engine, "REQUEST_PREPARES", mi.engine.REQUEST_PREPARES)
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model))
     queued, enqueue = [], eng.client.engine.enqueue
