@@ -1,8 +1,11 @@
 """miniinfer: an LLM inference engine built step by step in the course notebooks.
 
-Hand-written module: it gathers the public API from the modules the notebooks export.
+Hand-written module: the public API, loaded lazily. Each name comes from the layer that defines it
+when first used, so `mi.LLMEngine` loads the engine and not the server or the course's checks. The
+layers, bottom up: kernels, model and layers, core, worker, engine, then serving and course on top.
 """
 
+import importlib
 import os
 import sys
 
@@ -13,68 +16,58 @@ import torch
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from miniinfer import (
-    parallel,  # noqa: E402,F401  (registers the tensor-parallel runner)
-    processors,  # noqa: E402,F401  (registers the penalties and filters)
-    quant,  # noqa: E402,F401  (registers the quantization methods)
-    testing,  # noqa: E402
-)
-from miniinfer.async_engine import AsyncLLMEngine  # noqa: E402
-from miniinfer.block_manager import BlockCopy, BlockManager, OutOfBlocks, draw_pool, replay  # noqa: E402
-from miniinfer.config import EngineConfig  # noqa: E402
-from miniinfer.course_model import course_model_path  # noqa: E402
-from miniinfer.detokenize import IncrementalDetokenizer  # noqa: E402
-from miniinfer.engine import LLMEngine, StepStats  # noqa: E402
-from miniinfer.generate import generate_naive  # noqa: E402
-from miniinfer.loader import CheckpointError, load_model, load_tokenizer  # noqa: E402
-from miniinfer.model import ModelConfig, Transformer  # noqa: E402
-from miniinfer.paged_cache import (  # noqa: E402
-    PAGED_BACKENDS,
-    PagedKVCache,
-    gather_kv,
-    generate_paged,
-    paged_attention_ref,
-    paged_utilization,
-    slot_mapping,
-)
-from miniinfer.prefix_cache import PrefixCachingBlockManager, chain_hash  # noqa: E402
-from miniinfer.radix import RadixTree  # noqa: E402
-from miniinfer.sampler import SamplingBatch, sample_batch  # noqa: E402
-from miniinfer.sampling import SamplingParams, StructuredOutput, sample  # noqa: E402
-from miniinfer.scheduler import POLICIES, NewRequest, Scheduler, SchedulerOutput, SchedulingPolicy  # noqa: E402
-from miniinfer.sequence import RequestDataError, RequestOutput, Sequence, Status  # noqa: E402
-from miniinfer.speculative import DraftProposer, NgramProposer, Proposer, SpeculativeRunner  # noqa: E402
-from miniinfer.static_cache import (  # noqa: E402
-    StaticBatchGenerator,
-    StaticKVCache,
-    benchmark_lengths,
-    generate_cached,
-    generate_static_batch,
-    left_pad,
-    static_batch_waste,
-    static_utilization,
-    write_kv,
-)
-from miniinfer.timeline import StepRecord, draw_timeline, trace_steps  # noqa: E402
-from miniinfer.varlen import VarlenBatch, VarlenKVCache, prefill_attention_ref, store_kv_ref  # noqa: E402
+LAYERS = ("kernels", "model", "layers", "core", "worker", "engine", "serving", "course")
+# Each public name and the module it comes from.
+PUBLIC = {
+    **dict.fromkeys(["ModelConfig", "Transformer"], "model.transformer"),
+    **dict.fromkeys(["CheckpointError", "load_model", "load_tokenizer"], "model.loader"),
+    "course_model_path": "model.course_model",
+    "generate_naive": "worker.generate",
+    **dict.fromkeys(["SamplingParams", "StructuredOutput", "sample"], "core.sampling_params"),
+    **dict.fromkeys(["RequestDataError", "RequestOutput", "Sequence", "Status"], "core.sequence"),
+    **dict.fromkeys(["BlockCopy", "BlockManager", "OutOfBlocks", "draw_pool", "replay"], "core.block_manager"),
+    **dict.fromkeys(["PrefixCachingBlockManager", "chain_hash"], "core.prefix_cache"),
+    **dict.fromkeys(["POLICIES", "NewRequest", "Scheduler", "SchedulerOutput", "SchedulingPolicy"], "core.scheduler"),
+    "EngineConfig": "core.config",
+    **dict.fromkeys(["PAGED_BACKENDS", "PagedKVCache", "gather_kv", "generate_paged", "paged_attention_ref",
+                     "paged_utilization", "slot_mapping"], "worker.paged_cache"),
+    **dict.fromkeys(["VarlenBatch", "VarlenKVCache", "prefill_attention_ref", "store_kv_ref"], "worker.kv_cache"),
+    **dict.fromkeys(["SamplingBatch", "sample_batch"], "worker.sampler"),
+    **dict.fromkeys(["DraftProposer", "NgramProposer", "Proposer", "SpeculativeRunner"], "worker.speculative"),
+    **dict.fromkeys(["LLMEngine", "StepStats"], "engine.llm_engine"),
+    "AsyncLLMEngine": "engine.async_engine",
+    "IncrementalDetokenizer": "serving.detokenize",
+    **dict.fromkeys(["StaticBatchGenerator", "StaticKVCache", "benchmark_lengths", "generate_cached",
+                     "generate_static_batch", "left_pad", "static_batch_waste", "static_utilization", "write_kv"],
+                    "course.static_cache"),
+    **dict.fromkeys(["StepRecord", "draw_timeline", "trace_steps"], "course.timeline"),
+    "RadixTree": "course.radix",
+}
+__all__ = sorted(PUBLIC)
 
-try:  # Triton ships for Linux only; elsewhere the PyTorch ops serve
-    from miniinfer import kernels  # noqa: E402,F401  (registers the Triton ops and attention kernels)
-except ImportError:
-    pass
 
-__all__ = ["PAGED_BACKENDS", "BlockCopy", "BlockManager", "CheckpointError", "OutOfBlocks", "PagedKVCache",
-           "draw_pool", "gather_kv", "generate_paged", "paged_attention_ref", "paged_utilization",
-           "replay", "slot_mapping", "ModelConfig", "SamplingParams", "StructuredOutput", "StaticBatchGenerator",
-           "StaticKVCache", "Transformer",
-           "benchmark_lengths", "course_model_path", "generate_cached", "generate_naive",
-           "generate_static_batch", "left_pad", "load_model", "load_tokenizer", "sample",
-           "static_batch_waste", "static_utilization", "testing", "write_kv", "VarlenBatch", "VarlenKVCache",
-           "prefill_attention_ref", "store_kv_ref", "EngineConfig", "LLMEngine", "StepStats", "SamplingBatch",
-           "sample_batch",
-           "POLICIES", "NewRequest", "Scheduler", "SchedulerOutput", "SchedulingPolicy", "RequestDataError",
-           "RequestOutput", "Sequence",
-           "Status",
-           "StepRecord", "draw_timeline", "trace_steps", "PrefixCachingBlockManager",
-           "chain_hash", "RadixTree", "IncrementalDetokenizer",
-           "AsyncLLMEngine", "DraftProposer", "NgramProposer", "Proposer", "SpeculativeRunner"]
+def __getattr__(name: str):
+    if name in PUBLIC:
+        value = getattr(importlib.import_module(f"miniinfer.{PUBLIC[name]}"), name)
+    elif name in LAYERS:
+        value = importlib.import_module(f"miniinfer.{name}")
+    else:
+        raise AttributeError(f"module 'miniinfer' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *PUBLIC, *LAYERS])
+
+
+def submodules(package: str):
+    """A package's module `__getattr__` that imports its submodules when first named."""
+    def getattr_(name: str):
+        try:
+            return importlib.import_module(f"{package}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{package}.{name}":  # the submodule exists; something it imports does not
+                raise
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+    return getattr_

@@ -33,7 +33,7 @@ AUTO = {"device": "default: cuda when available, else cpu", "dtype": "default: b
 
 def engine_options(ap: argparse.ArgumentParser) -> None:
     """One option per EngineConfig field, in the field's group, with its help, default and choices."""
-    from miniinfer.config import EngineConfig
+    from miniinfer.core.config import EngineConfig
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(EngineConfig):
         group = f.metadata["group"]
@@ -98,8 +98,8 @@ def sampling(args: argparse.Namespace):
 
 def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
     """Print a request's text as it is generated; its text and token count."""
-    from miniinfer.detokenize import IncrementalDetokenizer
-    from miniinfer.server import text_token_ids
+    from miniinfer.serving.detokenize import IncrementalDetokenizer
+    from miniinfer.serving.server import text_token_ids
     detok, n = IncrementalDetokenizer(engine.tokenizer), 0
     eos = set(engine.info.eos_token_ids)
     for out in engine.stream(ids, params):
@@ -109,7 +109,7 @@ def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from miniinfer.server import ServerOptions, serve
+    from miniinfer.serving.server import ServerOptions, serve
     name = args.served_model_name or (Path(args.model).name if args.model else "pycoder")
     options = ServerOptions(args.chat_max_tokens, args.max_body_mb, args.max_seqs_per_request,
                             args.max_tokens_per_request, args.shutdown_timeout, args.header_timeout)
@@ -145,7 +145,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     if args.url:
         reply = lambda: asyncio.run(chat_remote(args, history))
     else:
-        from miniinfer.server import chat_prompt
+        from miniinfer.serving.server import chat_prompt
         engine = make_engine(args)
         reply = lambda: stream_text(engine, chat_prompt(engine.tokenizer, history), sampling(args))[0]
     print("Type a message; an empty line or Ctrl-D ends the chat.")
@@ -165,7 +165,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
     import httpx
 
-    from miniinfer.bench import sse_data
+    from miniinfer.serving.bench import sse_data
     body = {"messages": history, "stream": True, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
     if args.model_name:
@@ -191,7 +191,7 @@ async def chat_remote(args: argparse.Namespace, history: list[dict]) -> str:
 def cmd_bench(args: argparse.Namespace) -> None:
     import httpx
 
-    from miniinfer.bench import random_requests, run_bench, served_model, summary
+    from miniinfer.serving.bench import random_requests, run_bench, served_model, summary
     name, vocab = args.model_name, args.vocab
     if name is None or vocab is None:  # else the flags say all it needs: no /v1/models
         try:
@@ -223,7 +223,7 @@ def cmd_grade(args: argparse.Namespace) -> None:
         import nbclient  # noqa: F401
     except ImportError:
         raise SystemExit("miniinfer grade needs nbclient and ipykernel: pip install -e '.[dev]'") from None
-    from miniinfer import grade
+    from miniinfer.course import grade
     t0 = time.perf_counter()
 
     def progress(path: Path, rows: list, seconds: float) -> None:

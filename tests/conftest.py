@@ -80,7 +80,7 @@ def eos_is(model, token: int, engine=None):
 
 def unchanged_on_error(snapshot, fn, *args):
     """Call fn(*args); if it raises a documented error, snapshot() must be exactly as before."""
-    from miniinfer.block_manager import OutOfBlocks
+    from miniinfer.core.block_manager import OutOfBlocks
 
     before = snapshot()
     try:

@@ -225,10 +225,10 @@ def test_unknown_backend_and_kernels_are_refused():
 def test_later_chapters_are_named_in_the_tables_and_imported_when_asked_for():
     """No table changes on import: a later chapter's entry is a "module:attribute" name in the table
     itself, imported when first asked for; a name that does not import fails loudly."""
-    assert dict(mi.engine.BLOCK_MANAGERS)[True] == "miniinfer.prefix_cache:PrefixCachingBlockManager"
-    assert mi.engine.BLOCK_MANAGERS[True] is mi.prefix_cache.PrefixCachingBlockManager
-    assert dict(mi.executor.EXECUTORS)[True] == "miniinfer.parallel:MultiProcessExecutor"
-    assert dict(mi.varlen.ATTENTION_KERNELS)["triton"] == "miniinfer.kernels.attention:TRITON_ATTENTION"
-    broken = mi.model.Registry("thing", {"x": "miniinfer.no_such_module:X"})
+    assert dict(mi.engine.llm_engine.BLOCK_MANAGERS)[True] == "miniinfer.core.prefix_cache:PrefixCachingBlockManager"
+    assert mi.engine.llm_engine.BLOCK_MANAGERS[True] is mi.core.prefix_cache.PrefixCachingBlockManager
+    assert dict(mi.engine.executor.EXECUTORS)[True] == "miniinfer.layers.parallel:MultiProcessExecutor"
+    assert dict(mi.worker.kv_cache.ATTENTION_KERNELS)["triton"] == "miniinfer.kernels.attention:TRITON_ATTENTION"
+    broken = mi.model.transformer.Registry("thing", {"x": "miniinfer.no_such_module:X"})
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):
         broken["x"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import miniinfer as mi
-from miniinfer import testing
-from miniinfer.block_manager import OutOfBlocks
-from miniinfer.model import apply_rope, causal_attention
+from miniinfer.core.block_manager import OutOfBlocks
+from miniinfer.course import checks as testing
+from miniinfer.model.transformer import apply_rope, causal_attention
 
 
 def rejected(check, wrong) -> None:
@@ -92,7 +92,7 @@ def top_p_without_sorting(logits, top_p):
 
 
 def top_p_zeroing_instead_of_minus_inf(logits, top_p):
-    kept = mi.sampling.top_p_filter(logits, top_p)
+    kept = mi.core.sampling_params.top_p_filter(logits, top_p)
     return kept.masked_fill(kept.isinf(), 0.0)
 
 
@@ -597,7 +597,7 @@ def hashes_with_the_partial_last_block(tokens, block_size):
 
 
 def hashes_chained_from_another_root(tokens, block_size):
-    return [h for h, _ in mi.prefix_cache.block_keys(tokens, block_size, parent=-1)]
+    return [h for h, _ in mi.core.prefix_cache.block_keys(tokens, block_size, parent=-1)]
 
 
 def prefix_skipping_a_missing_block(tokens, cached, block_size):
@@ -917,7 +917,7 @@ def logprobs_of_the_raw_logits(logits, tokens, k):  # no log-softmax
 
 
 def rank_from_zero(logits, tokens, k):
-    own, rank, top, ids = mi.processors.top_logprobs(logits, tokens, k)
+    own, rank, top, ids = mi.worker.logits_processors.top_logprobs(logits, tokens, k)
     return own, rank - 1, top, ids
 
 

@@ -10,7 +10,7 @@ import pytest
 from test_engine import oracle, run_steps
 
 import miniinfer as mi
-from miniinfer.block_manager import blocks_needed
+from miniinfer.core.block_manager import blocks_needed
 
 
 def shared_workload(n: int = 14, seed: int = 0, vocab: int = 301):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniinfer as mi
-from miniinfer.detokenize import IncrementalDetokenizer, fast_decode
+from miniinfer.serving.detokenize import IncrementalDetokenizer, fast_decode
 
 TOKENIZER = mi.load_tokenizer(None)
 CHARS = list("ab \n\t(){}:=_") + ["é", "ü", "日", "本", "🙂", "👍", "\U0001F3FD", "ß", "\u0301"]

@@ -45,8 +45,8 @@ def test_greedy_equals_transformers_under_preemption(hf_checkpoint, block_size, 
     kind, folder, hf = hf_checkpoint
     prompts, params = workload()
     # A pool of a third of what the workload needs at once: requests wait, and running ones are preempted.
-    need = sum(mi.block_manager.blocks_needed(len(p) + sp.max_tokens, block_size) for p, sp in zip(prompts, params))
-    largest = max(mi.block_manager.blocks_needed(len(p) + sp.max_tokens, block_size) for p, sp in zip(prompts, params))
+    blocks = [mi.core.block_manager.blocks_needed(len(p) + sp.max_tokens, block_size) for p, sp in zip(prompts, params)]
+    need, largest = sum(blocks), max(blocks)
     num_blocks = max(need // 3, largest)
     engine = mi.LLMEngine(mi.EngineConfig(model=folder, block_size=block_size, num_blocks=num_blocks,
                                           max_num_seqs=10, preemption_mode=mode, num_cpu_blocks=num_blocks // 2))
@@ -227,7 +227,7 @@ def test_bad_engine_configs_are_refused():
 def test_cpu_pool_default_and_duplicate_ids():
     engine = mi.LLMEngine(mi.EngineConfig())
     per_block = 2 * 6 * 16 * 2 * 64 * 4  # K and V, 6 layers, 16 tokens, 2 KV heads of 64 floats
-    assert engine.block_manager.num_blocks == mi.model_runner.CPU_KV_BYTES // per_block
+    assert engine.block_manager.num_blocks == mi.worker.model_runner.CPU_KV_BYTES // per_block
     engine.add_request([1, 2], request_id="x")
     with pytest.raises(ValueError, match="in use"):
         engine.add_request([1, 2], request_id="x")

@@ -10,7 +10,8 @@ import re
 from contextlib import redirect_stdout
 from pathlib import Path
 
-from miniinfer import cli, grade
+from miniinfer import cli
+from miniinfer.course import grade
 
 ROOT = Path(__file__).resolve().parent.parent
 IDS = ["01.rms_norm", "01.apply_rope", "01.causal_attention", "01.top_p_filter"]

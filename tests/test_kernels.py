@@ -4,7 +4,15 @@ import pytest
 import torch
 
 import miniinfer as mi
-from miniinfer.model import add_rms_norm, apply_rope, qk_norm_rope, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
+from miniinfer.model.transformer import (
+    add_rms_norm,
+    apply_rope,
+    qk_norm_rope,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_and_mul,
+)
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -74,7 +82,7 @@ def test_rope_on_strided_views_with_leading_dims():
 def test_greedy_tokens_unchanged_with_triton_ops(hf_checkpoint):
     kind, folder, _ = hf_checkpoint
     model = mi.load_model(folder)
-    assert model.ops is mi.model.TORCH_OPS  # CPU default
+    assert model.ops is mi.model.transformer.TORCH_OPS  # CPU default
     prompt = [5, 17, 200, 3, 99]
     params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = mi.generate_cached(model, prompt, params)
@@ -90,7 +98,7 @@ def test_course_model_with_triton_ops():
 
 
 def test_ops_selection():
-    assert mi.model.default_ops("cpu") is mi.model.TORCH_OPS
-    assert mi.model.default_ops("cuda") is mi.model.OPS_BACKENDS["triton"]
+    assert mi.model.transformer.default_ops("cpu") is mi.model.transformer.TORCH_OPS
+    assert mi.model.transformer.default_ops("cuda") is mi.model.transformer.OPS_BACKENDS["triton"]
     with pytest.raises(ValueError, match=r"no ops backend 'cuda': there are \['torch', 'triton'\]"):
         mi.load_model().use_ops("cuda")

@@ -89,13 +89,13 @@ def test_packing_goes_through_the_linear_layers_load_weight(hf_checkpoint, monke
     """The one loading hook (what sharding and quantization will override): a packed projection's
     load_weight receives the checkpoint's matrices in the model's packed_modules_mapping order."""
     _, folder, hf = hf_checkpoint
-    seen, load = [], mi.model.Linear.load_weight
+    seen, load = [], mi.model.transformer.Linear.load_weight
 
     def spy(self, name, tensors):
         seen.append((name, [t.get_shape()[0] for t in tensors]))
         return load(self, name, tensors)
 
-    monkeypatch.setattr(mi.model.Linear, "load_weight", spy)
+    monkeypatch.setattr(mi.model.transformer.Linear, "load_weight", spy)
     mi.load_model(folder)
     cfg, layers = hf.config, hf.config.num_hidden_layers
     q, kv = cfg.num_attention_heads * hf.model.layers[0].self_attn.head_dim, \

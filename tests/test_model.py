@@ -65,14 +65,14 @@ def test_batched_forward_equals_single_rows(hf_checkpoint):
 
 
 def test_rope_scaling_changes_frequencies():
-    base = mi.model.rope_inv_freq(64, 500000.0)
-    scaled = mi.model.rope_inv_freq(64, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+    base = mi.model.transformer.rope_inv_freq(64, 500000.0)
+    scaled = mi.model.transformer.rope_inv_freq(64, 500000.0, {"rope_type": "llama3", "factor": 8.0,
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 8192})
     assert torch.equal(scaled[:4], base[:4])  # high frequencies unchanged
     torch.testing.assert_close(scaled[-1], base[-1] / 8)  # the longest wavelengths divided by factor
     with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
-        mi.model.rope_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 4.0})
+        mi.model.transformer.rope_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 4.0})
 
 
 def test_unsupported_architecture_is_named():

@@ -86,7 +86,7 @@ def test_paged_attention_ref_matches_dense_attention():
         n = int(lens[b])
         k = k_cache[tables[b]].flatten(0, 1)[:n][None]
         v = v_cache[tables[b]].flatten(0, 1)[:n][None]
-        ref = mi.model.causal_attention(q[b][None, None], k, v, D ** -0.5, q_start=n - 1)[0, 0]
+        ref = mi.model.transformer.causal_attention(q[b][None, None], k, v, D ** -0.5, q_start=n - 1)[0, 0]
         torch.testing.assert_close(out[b], ref)
 
 

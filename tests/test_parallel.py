@@ -15,8 +15,8 @@ from test_chunked_prefill import shared_workload
 from test_engine import oracle, run_steps
 
 import miniinfer as mi
-from miniinfer.block_manager import blocks_needed
-from miniinfer.parallel import Shard, shard_model
+from miniinfer.core.block_manager import blocks_needed
+from miniinfer.layers.parallel import Shard, shard_model
 
 # 8 query heads and 2 KV heads: 4 ranks split them (each KV head on two ranks)
 FOUR_WAY = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=10)

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from miniinfer.prefix_cache import ROOT_HASH, PrefixCachingBlockManager, chain_hash
-from miniinfer.radix import RadixTree, common_prefix
-from miniinfer.sampling import SamplingParams
-from miniinfer.sequence import Sequence
+from miniinfer.core.prefix_cache import ROOT_HASH, PrefixCachingBlockManager, chain_hash
+from miniinfer.core.sampling_params import SamplingParams
+from miniinfer.core.sequence import Sequence
+from miniinfer.course.radix import RadixTree, common_prefix
 
 IDS = st.integers(0, 5)
 # Few distinct tokens and short prompts, so that prefixes repeat and the cache gets hits.

@@ -23,13 +23,14 @@ LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "02_static_kv_cache": "02.ca
 
 
 def last_part(nb) -> int:
-    return next(i for i, c in enumerate(nb.cells) if "mi.testing.your_answers(" in c.source)
+    return next(i for i, c in enumerate(nb.cells) if "mi.course.checks.your_answers(" in c.source)
 
 
 @pytest.mark.parametrize("name", LAST_PARTS)
 def test_last_part_equals_the_package_when_answered(name):
     nb = json.loads((ROOT / "solutions" / f"{name}.ipynb").read_text())
-    cell = nb["cells"][next(i for i, c in enumerate(nb["cells"]) if "mi.testing.your_answers(" in build.cell_source(c))]
+    asks = "mi.course.checks.your_answers("
+    cell = nb["cells"][next(i for i, c in enumerate(nb["cells"]) if asks in build.cell_source(c))]
     text = "".join("".join(o.get("text", "")) for o in cell["outputs"])
     assert ": True" in text and "False" not in text, text  # the stored run; nbval re-runs it
 

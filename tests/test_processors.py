@@ -12,7 +12,7 @@ from test_engine import run_steps
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 import miniinfer as mi
-from miniinfer.processors import min_p_mask, penalize
+from miniinfer.worker.logits_processors import min_p_mask, penalize
 
 
 def random_history(gen, B, V):

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniinfer as mi
-from miniinfer import quant
 from miniinfer.kernels.quant import int_matmul
+from miniinfer.layers import quantization as quant
 
 ct = pytest.importorskip("compressed_tensors")
 

@@ -22,8 +22,8 @@ import pytest
 from conftest import hf_greedy
 
 import miniinfer as mi
-from miniinfer.bench import one_request, read_metrics, sse_data
-from miniinfer.server import build_app, chat_prompt
+from miniinfer.serving.bench import one_request, read_metrics, sse_data
+from miniinfer.serving.server import build_app, chat_prompt
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# café 日本 🙂\n"]
 
@@ -109,13 +109,13 @@ def test_bench_cli_within_the_served_vocabulary(url):
 
 
 def test_bench_with_model_name_and_vocab_does_not_ask_for_the_models(url, monkeypatch, capsys):
-    import miniinfer.bench
+    import miniinfer.serving.bench
     from miniinfer import cli
 
     def refuse(*args):
         raise AssertionError("/v1/models was asked for")
 
-    monkeypatch.setattr(miniinfer.bench, "served_model", refuse)
+    monkeypatch.setattr(miniinfer.serving.bench, "served_model", refuse)
     cli.main(["bench", "--url", url, "--model-name", "pycoder", "--vocab", "4096", "--num-prompts", "2",
               "--input-len", "4", "--output-len", "2"])
     assert capsys.readouterr().out.startswith("2/2 requests")
@@ -802,7 +802,9 @@ def test_ctrl_c_drains_then_ends_what_is_left_cleanly_and_exits_in_time(tmp_path
 
 def test_a_served_request_is_checked_once(course_model, monkeypatch):
     """The server's door checks each prompt; the engine then takes it without checking again."""
-    from miniinfer import async_engine, engine, server
+    from miniinfer.engine import async_engine
+    from miniinfer.engine import llm_engine as engine
+    from miniinfer.serving import server
     calls, check = [], engine.check_request
 
     def counted(*args):

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import miniinfer as mi
-import miniinfer.speculative as spec
-from miniinfer.sampler import sampling_probs, sampling_row
+import miniinfer.worker.speculative as spec
+from miniinfer.worker.sampler import sampling_probs, sampling_row
 
 
 def prompts_with_repeats(n: int, vocab: int, seed: int = 0) -> list[list[int]]:

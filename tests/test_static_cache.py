@@ -59,7 +59,7 @@ def test_seeded_sampling_is_reproducible_and_matches_naive():
 def test_prompt_longer_than_the_cache_fails_before_any_work(monkeypatch):
     model = mi.load_model()
     monkeypatch.setattr(model, "forward", lambda *a, **k: pytest.fail("the model ran"))
-    monkeypatch.setattr(mi.static_cache, "StaticKVCache", lambda *a, **k: pytest.fail("allocated"))
+    monkeypatch.setattr(mi.course.static_cache, "StaticKVCache", lambda *a, **k: pytest.fail("allocated"))
     with pytest.raises(ValueError, match="exceeds the KV cache of 16 tokens"):
         mi.generate_cached(model, list(range(10)), mi.SamplingParams(max_tokens=7), cache_len=16)
     with pytest.raises(ValueError, match="the prompt is empty"):

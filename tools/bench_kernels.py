@@ -112,7 +112,8 @@ def bench_rope(compiled: dict) -> list:
     for tokens in (1, 64, 4096, 32768):
         q = torch.randn(tokens, Hq, D, device="cuda", dtype=DT)
         k = torch.randn(tokens, Hk, D, device="cuda", dtype=DT)
-        cos, sin = mi.model.rope_cos_sin(torch.arange(tokens, device="cuda"), mi.model.rope_inv_freq(D, 5e5).cuda())
+        tf = mi.model.transformer
+        cos, sin = tf.rope_cos_sin(torch.arange(tokens, device="cuda"), tf.rope_inv_freq(D, 5e5).cuda())
         cos, sin = cos.to(DT), sin.to(DT)
         cos_full, sin_full = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
         check(mi.kernels.apply_rope(q, k, cos, sin), hf_rope(q, k, cos_full, sin_full))

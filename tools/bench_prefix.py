@@ -156,7 +156,7 @@ def noregress(model) -> dict:
 def step_profile(model) -> dict:
     """Device time of one forward for the step shapes of the shared-prefix run: whole prompts,
     pieces after a cached 1,024-token prefix, and those with 200 decoders beside them."""
-    from miniinfer.varlen import VarlenKVCache
+    from miniinfer.worker.kv_cache import VarlenKVCache
 
     bs, rng = 16, random.Random(2)
     cache = VarlenKVCache(model.cfg, 40000, bs, "cuda", torch.bfloat16)

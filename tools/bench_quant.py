@@ -29,8 +29,8 @@ from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
 import miniinfer as mi
-from miniinfer import quant
 from miniinfer.kernels import quant as kq
+from miniinfer.layers import quantization as quant
 
 DT = torch.bfloat16
 # (name, N, K) of each projection: out_features, in_features

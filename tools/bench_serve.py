@@ -1,5 +1,5 @@
 """Chapter 08 GPU benchmark: our OpenAI-compatible server under load, measured from the client side
-by `miniinfer.bench` (the `miniinfer bench` load generator), against the in-process engine on the
+by `miniinfer.serving.bench` (the `miniinfer bench` load generator), against the in-process engine on the
 same requests.
 
 Hand-written tool. On the Llama-3.2-1B shape (random bf16 weights) with a word-level tokenizer of the
@@ -34,7 +34,7 @@ from bench_engine import greedy, workload
 from bench_static_decode import LLAMA_3_2_1B
 
 import miniinfer as mi
-from miniinfer.bench import read_metrics, run_bench
+from miniinfer.serving.bench import read_metrics, run_bench
 
 MAX_MODEL_LEN = 2048
 RATES = [2, 4, 8, 16, 32, 64]

@@ -1,6 +1,6 @@
 """Course machinery: export the package from the lessons, and generate exercises from solutions.
 
-    python tools/build.py export [--check]      notebooks/*.ipynb  -> miniinfer/*.py
+    python tools/build.py export [--check]      notebooks/*.ipynb  -> miniinfer/<folder>/*.py
     python tools/build.py exercises [--check]   solutions/*.ipynb  -> exercises/*.ipynb
 
 With --check nothing is written: the command fails and names every file that is out of date.

@@ -136,8 +136,8 @@ def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
     calibration = [stream[i * 512:(i + 1) * 512][None] for i in range(64)]
 
     def fp8_kv(layer, q, k, v, scale):  # causal attention over K/V as the e4m3 pool holds them
-        k, v = (mi.varlen.to_pool(t, torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
-        return mi.model.causal_attention(q, k, v, scale)
+        k, v = (mi.worker.kv_cache.to_pool(t, torch.float8_e4m3fn).to(q.dtype) for t in (k, v))
+        return mi.model.transformer.causal_attention(q, k, v, scale)
 
     class HFView:  # bits_per_byte calls a transformers model
         def __init__(self, model, attn=None):
@@ -160,7 +160,7 @@ def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
         t0 = time.perf_counter()
         model = mi.load_model()
         if scheme is not None:
-            mi.quant.quantize_model(model, scheme, calib)
+            mi.layers.quantization.quantize_model(model, scheme, calib)
         with torch.no_grad():
             bpb = bits_per_byte(HFView(model, fp8_kv if kv else None), tokenizer, docs, seq_len, "cpu",
                                 contextlib.nullcontext())

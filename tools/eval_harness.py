@@ -23,7 +23,7 @@ import transformers
 from bench_serve import start_server
 
 import miniinfer as mi
-from miniinfer.loader import course_model_path
+from miniinfer.model.loader import course_model_path
 
 # Python a small code model has seen: which continuation does it find likeliest?
 CHOICES = [

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miniinfer.varlen import AttentionKernels
+from miniinfer.worker.kv_cache import AttentionKernels
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
 

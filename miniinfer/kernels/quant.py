@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.attention import _multiprocessors
-from miniinfer.quant import FP8, FP8_MAX, QuantKernels
+from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
 
 
 @triton.jit

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miniinfer.sampling import GREEDY_BELOW, SamplingParams, top_p_filter
-from miniinfer.varlen import to_device
+from miniinfer.core.sampling_params import GREEDY_BELOW, SamplingParams, top_p_filter
+from miniinfer.worker.kv_cache import to_device
 
 _MASK32 = 0xFFFFFFFF
 # Logits at most this large stay finite (float32) divided by the smallest temperature, GREEDY_BELOW;

@@ -5,11 +5,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from miniinfer.loader import checkpoint_config
+from miniinfer.model.loader import checkpoint_config
+
+
+class Limits(NamedTuple):
+    """What an engine can serve at all: its requests are checked against these (chapter 06's door)."""
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
 
 
 def setting(default: Any, group: str, help: str, choices: tuple = ()) -> Any:

@@ -6,41 +6,34 @@ import itertools
 import time
 from collections import abc
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 from tqdm.auto import tqdm
 
-from miniinfer.block_manager import BlockManager, blocks_needed
-from miniinfer.config import EngineConfig
-from miniinfer.executor import EXECUTORS, Executor
-from miniinfer.loader import load_tokenizer
-from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import Launched, SpecStats
-from miniinfer.sampling import FieldError, SamplingParams
-from miniinfer.scheduler import POLICIES, Scheduler, SchedulerOutput
-from miniinfer.sequence import RequestDataError, RequestOutput, Sequence
+from miniinfer.core.block_manager import BlockManager, blocks_needed
+from miniinfer.core.config import EngineConfig, Limits
+from miniinfer.core.sampling_params import FieldError, SamplingParams
+from miniinfer.core.scheduler import POLICIES, Scheduler, SchedulerOutput
+from miniinfer.core.sequence import RequestDataError, RequestOutput, Sequence
+from miniinfer.engine.executor import EXECUTORS, Executor
+from miniinfer.model.loader import load_tokenizer
+from miniinfer.model.transformer import Registry, Transformer
+from miniinfer.worker.model_runner import Launched, SpecStats
 
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07's caches prefixes.
 BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching",
-                          {False: BlockManager, True: "miniinfer.prefix_cache:PrefixCachingBlockManager"})
-
-
-class Limits(NamedTuple):
-    """What an engine can serve at all."""
-    vocab_size: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
+                          {False: BlockManager, True: "miniinfer.core.prefix_cache:PrefixCachingBlockManager"})
 
 
 # Chapter 12's checks of a request against the model's tokenizer (a grammar must compile), each
 # fn(params, tokenizer, limits) raising ValueError.
-REQUEST_CHECKS = Registry("request check", {"structured_output": "miniinfer.processors:check_structure"})
+REQUEST_CHECKS = Registry("request check", {"structured_output": "miniinfer.worker.logits_processors:check_structure"})
 # Work a request needs before its first step that can take long (chapter 12 compiles its grammar),
-# each fn(engine, params) -> a function to run first, or None. The engine's loop in a server runs them
+# each fn(params, tokenizer, info, config) -> a function to run first, or None. The engine's loop in a server runs them
 # in a thread (chapter 08's run_engine), so that the running requests' steps go on meanwhile.
-REQUEST_PREPARES = Registry("request preparation", {"structured_output": "miniinfer.processors:prepare_structure"})
+REQUEST_PREPARES = Registry("request preparation",
+                            {"structured_output": "miniinfer.worker.logits_processors:prepare_structure"})
 
 
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits) -> list[int]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from miniinfer.block_manager import BlockManager, OutOfBlocks, blocks_needed
-from miniinfer.generate import check_prompt, is_finished
-from miniinfer.model import ModelConfig, Registry, Transformer, attention, attention_mask
-from miniinfer.sampling import SamplingParams, sample
+from miniinfer.core.block_manager import BlockManager, OutOfBlocks, blocks_needed
+from miniinfer.core.sampling_params import SamplingParams, sample
+from miniinfer.model.transformer import ModelConfig, Registry, Transformer, attention, attention_mask
+from miniinfer.worker.generate import check_prompt, is_finished
 
 
 def block_slots(block_tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -94,7 +94,7 @@ def _batch(rows: list[list[int]], fill: int, device) -> torch.Tensor:
 
 # Paged attention backends by name: this chapter's, and chapter 05's varlen cache (generate_paged's default).
 PAGED_BACKENDS = Registry("paged attention backend", {"gather": PagedKVCache,
-                                                       "varlen": "miniinfer.varlen:VarlenKVCache"})
+                                                       "varlen": "miniinfer.worker.kv_cache:VarlenKVCache"})
 
 
 @torch.no_grad()

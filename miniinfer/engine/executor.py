@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from miniinfer.config import EngineConfig
-from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
-from miniinfer.scheduler import SchedulerOutput
-
-# The runner for each EngineConfig.speculative_method: chapter 09's verifies a proposer's guesses.
-RUNNERS = Registry("speculative_method", {None: ModelRunner, "draft": "miniinfer.speculative:SpeculativeRunner",
-                                          "ngram": "miniinfer.speculative:SpeculativeRunner"})
+from miniinfer.core.config import EngineConfig
+from miniinfer.core.scheduler import SchedulerOutput
+from miniinfer.model.transformer import Registry, Transformer
+from miniinfer.worker.model_runner import RUNNERS, Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
 
 
 class Executor(Protocol):
@@ -55,5 +51,5 @@ class InProcessExecutor:
 
 
 # The executor for tensor_parallel_size > 1: chapter 11's, a worker process per rank.
-EXECUTORS = Registry("executor for tensor_parallel_size > 1", {False: InProcessExecutor,
-                                                               True: "miniinfer.parallel:MultiProcessExecutor"})
+EXECUTORS = Registry("executor for tensor_parallel_size > 1",
+                     {False: InProcessExecutor, True: "miniinfer.engine.multiprocess:MultiProcessExecutor"})

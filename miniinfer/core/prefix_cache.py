@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from miniinfer.block_manager import BlockManager, OutOfBlocks
-from miniinfer.sequence import Sequence
+from miniinfer.core.block_manager import BlockManager, OutOfBlocks
+from miniinfer.core.sequence import Sequence
 
 
 def chain_hash(parent: int, tokens: tuple[int, ...]) -> int:

@@ -18,11 +18,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from miniinfer.block_manager import BlockManager, OutOfBlocks
-from miniinfer.model import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
-from miniinfer.paged_cache import gather_kv, slot_mapping
-from miniinfer.sampling import top_p_filter
-from miniinfer.static_cache import left_pad, static_batch_waste, write_kv
+from miniinfer.core.block_manager import BlockManager, OutOfBlocks
+from miniinfer.core.sampling_params import top_p_filter
+from miniinfer.course.static_cache import left_pad, static_batch_waste, write_kv
+from miniinfer.model.transformer import apply_rope, causal_attention, rms_norm, rope_cos_sin, rope_inv_freq
+from miniinfer.worker.paged_cache import gather_kv, slot_mapping
 
 Inputs = Callable[[torch.Generator, int], tuple]  # (generator, case number) -> the arguments
 
@@ -486,7 +486,7 @@ def check_merge_splits(fn: Callable) -> None:
 def check_store_kv(fn: Callable) -> None:
     """fn(k, v [N, Hk, D], k_cache, v_cache [num_blocks, block_size, Hk, D], slot_mapping [N]) writes
     in place (slot -1: written nowhere)."""
-    from miniinfer.varlen import store_kv_ref
+    from miniinfer.worker.kv_cache import store_kv_ref
 
     def caches_after(store):
         return lambda k, v, kc, vc, slots: (store(k, v, kc, vc, slots), kc, vc)[1:]
@@ -601,7 +601,7 @@ def check_sample_rows(fn: Callable) -> None:
 
 
 def _varlen_ref(tokens, tables, num_cached, block_size):
-    from miniinfer.varlen import VarlenBatch
+    from miniinfer.worker.kv_cache import VarlenBatch
     b = VarlenBatch.build(tokens, tables, num_cached, block_size)
     return tuple(t.long() for t in (b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens))
 
@@ -622,7 +622,7 @@ def check_varlen_metadata(fn: Callable) -> None:
 
 
 def _chain_hashes_ref(tokens, block_size):
-    from miniinfer.prefix_cache import block_keys
+    from miniinfer.core.prefix_cache import block_keys
     return [h for h, _ in block_keys(tokens, block_size)]
 
 
@@ -728,7 +728,7 @@ def check_prefill_plan(fn: Callable) -> None:
 @exercise("08", 1, "sse_event")
 def check_sse_event(fn: Callable) -> None:
     """fn(data) -> the text of one Server-Sent Event carrying `data` (any string, newlines included)."""
-    from miniinfer.server import sse_event
+    from miniinfer.serving.server import sse_event
     gen = torch.Generator().manual_seed(0)
     cases = ['{"text":"hi"}', "[DONE]", "", "two\nlines", "\n", "data: inside", "a\n\nb"]
     cases += ["".join("ab\n: {}"[_randint(gen, 0, 6)] for _ in range(_randint(gen, 0, 12))) for _ in range(40)]
@@ -744,7 +744,7 @@ def check_detokenizer(cls: Callable) -> None:
     """cls(tokenizer) with add(new_ids) -> str and finish() -> str: fed the course tokenizer's ids of
     text with multi-byte characters, one to three at a time, no piece holds a broken character, text
     comes out as soon as the ids so far decode to whole characters, and the pieces add up exactly."""
-    from miniinfer.loader import load_tokenizer
+    from miniinfer.model.loader import load_tokenizer
     tok = load_tokenizer(None)
     gen = torch.Generator().manual_seed(0)
     words = ["def", " x", "=", "é", "日本", "🙂", " ", "\n", "ü", "語", "(", "ok"]
@@ -878,7 +878,7 @@ def check_ngram_guesses(fn: Callable) -> None:
     """fn(tokens, k, max_n) -> up to k guesses: for n from max_n down to 1, the tokens that followed
     the latest earlier occurrence of the last n tokens (one that is followed by a token), the first
     n that has one; [] when none has."""
-    from miniinfer.speculative import ngram_guesses
+    from miniinfer.worker.speculative import ngram_guesses
 
     def inputs(gen, case):
         vocab = _randint(gen, 1, 4)
@@ -937,7 +937,7 @@ def check_fake_quantize(fn: Callable) -> None:
 def check_pack_int4(fn: Callable) -> None:
     """fn(codes [N, K] int8 in [-8, 7]) -> int32 [N, K/8]: eight codes to a word, the first in the
     lowest 4 bits, each plus 8 (compressed-tensors' pack-quantized layout)."""
-    from miniinfer.quant import pack
+    from miniinfer.layers.quantization import pack
 
     def inputs(gen, case):
         shape = (_randint(gen, 1, 6), 8 * _randint(gen, 1, 5))
@@ -960,7 +960,7 @@ def check_group_scales(fn: Callable) -> None:
 
 
 def _dequant_matmul_ref(x, packed, scale):
-    from miniinfer.quant import dequantize
+    from miniinfer.layers.quantization import dequantize
     return x @ dequantize(packed, scale, 4).T
 
 
@@ -968,7 +968,7 @@ def _dequant_matmul_ref(x, packed, scale):
 def check_dequant_matmul(fn: Callable) -> None:
     """fn(x [M, K], packed int32 [N, K/8], scale [N, K/group]) -> x @ W^T [M, N], W the int4 weight
     that the packed codes and their group scales stand for."""
-    from miniinfer.quant import pack, quantize_int
+    from miniinfer.layers.quantization import pack, quantize_int
 
     def inputs(gen, case):
         g = (8, 16, 32)[case % 3]
@@ -981,7 +981,7 @@ def check_dequant_matmul(fn: Callable) -> None:
 def check_fp8_quantize(fn: Callable) -> None:
     """fn(x [M, K]) -> (values [M, K] float8_e4m3fn, scales [M, 1] float32): each row divided by its
     max|x| / 448 (e4m3's largest value), so that the row's largest value lands on 448."""
-    from miniinfer.quant import quantize_fp8
+    from miniinfer.layers.quantization import quantize_fp8
 
     def inputs(gen, case):
         return (_weights(gen, case) * 100,)
@@ -997,7 +997,7 @@ def check_fp8_quantize(fn: Callable) -> None:
 
 
 def _shard_linear_ref(w, rank, size, by):
-    from miniinfer.parallel import Shard
+    from miniinfer.layers.parallel import Shard
 
     share = Shard(rank, size).part(w.shape[0 if by == "output" else 1])
     return w[share] if by == "output" else w[:, share]
@@ -1019,7 +1019,7 @@ def check_vocab_lookup(fn: Callable) -> None:
     """fn(ids [B, T], share [V/size, H], start) -> [B, T, H]: the embedding of each id that falls in
     this rank's rows start .. start + len(share) - 1, and zeros for every other id (the ranks' results
     are then added up)."""
-    from miniinfer.parallel import share_lookup
+    from miniinfer.layers.parallel import share_lookup
 
     def inputs(gen, case):
         size, per = _randint(gen, 2, 4), _randint(gen, 1, 9)
@@ -1054,7 +1054,7 @@ def check_collective_after(fn: Callable) -> None:
 def check_kv_heads_for(fn: Callable) -> None:
     """fn(rank, size, num_kv_heads) -> (start, stop): the KV heads rank keeps: its even share, or, with
     fewer KV heads than ranks, the one head that its query heads read."""
-    from miniinfer.parallel import Shard
+    from miniinfer.layers.parallel import Shard
 
     cases = [(r, s, n) for s in (1, 2, 4, 8) for n in (1, 2, 4, 8, 16) if n % s == 0 or s % n == 0 for r in range(s)]
     for rank, size, n in cases:
@@ -1075,7 +1075,7 @@ def simulated_ranks(model, size: int, answers: dict[str, Callable], prompt: list
     for an all-reduce, a concatenation for an all-gather, nothing for None)."""
     import torch.nn.functional as F
 
-    from miniinfer.model import add_rms_norm, silu_and_mul
+    from miniinfer.model.transformer import add_rms_norm, silu_and_mul
 
     shard, lookup, after, kv_for = (answers[k] for k in ("shard_linear", "vocab_lookup", "collective_after",
                                                         "kv_heads_for"))
@@ -1145,7 +1145,7 @@ def _histories(gen, case):
 def check_openai_penalties(fn: Callable) -> None:
     """fn(logits [B, V], counts [B, V] int32, presence [B], frequency [B]) -> logits after OpenAI's
     presence and frequency penalties, each row with its own: l - frequency x count - presence x (count > 0)."""
-    from miniinfer.processors import penalize
+    from miniinfer.worker.logits_processors import penalize
 
     def inputs(gen, case):
         logits, counts, in_prompt = _histories(gen, case)
@@ -1163,7 +1163,7 @@ def check_repetition_penalty(fn: Callable) -> None:
     """fn(logits [B, V], counts [B, V], in_prompt [B, V] bool, penalty [B]) -> logits after transformers'
     repetition penalty: a token seen in the prompt or the output has its logit divided by the row's
     penalty if positive, multiplied if not."""
-    from miniinfer.processors import penalize
+    from miniinfer.worker.logits_processors import penalize
 
     def inputs(gen, case):
         logits, counts, in_prompt = _histories(gen, case)
@@ -1179,7 +1179,7 @@ def check_repetition_penalty(fn: Callable) -> None:
 def check_min_p_filter(fn: Callable) -> None:
     """fn(logits [B, V], min_p [B], temperature [B]) -> logits with -inf for each token whose probability
     at the row's temperature is below min_p times the row's top token's (the others unchanged)."""
-    from miniinfer.processors import min_p_mask
+    from miniinfer.worker.logits_processors import min_p_mask
 
     def inputs(gen, case):
         logits = torch.randn(_randint(gen, 1, 6), _randint(gen, 5, 40), generator=gen) * 3
@@ -1192,7 +1192,7 @@ def check_min_p_filter(fn: Callable) -> None:
 def check_top_logprobs(fn: Callable) -> None:
     """fn(logits [R, V], tokens [R], k) -> (the token's log-probability [R] float32, its rank [R] int64
     (1: the most likely), the k best log-probabilities [R, k] float32 and their token ids [R, k] int64)."""
-    from miniinfer.processors import top_logprobs
+    from miniinfer.worker.logits_processors import top_logprobs
 
     def inputs(gen, case):
         logits = torch.randn(_randint(gen, 1, 6), _randint(gen, 5, 40), generator=gen) * 3
@@ -1204,7 +1204,7 @@ def check_top_logprobs(fn: Callable) -> None:
 @exercise("12", 5, "apply_bitmask")
 def check_apply_bitmask(fn: Callable) -> None:
     """fn(logits [R, V], bitmask [R, ceil(V / 32)] int32) -> logits with -inf where a token's bit is 0."""
-    from miniinfer.processors import apply_bitmask
+    from miniinfer.worker.logits_processors import apply_bitmask
 
     def inputs(gen, case):
         V = (33, 64, 95)[case] if case < 3 else _randint(gen, 1, 200)  # a last word part used; all 32 bits

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from miniinfer.course_model import course_model_path
-from miniinfer.model import ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
+from miniinfer.model.course_model import course_model_path
+from miniinfer.model.transformer import ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
 
 
 class CheckpointError(ValueError):
@@ -75,10 +75,10 @@ class Quantization(Protocol):
 
 # Name (load_model's `quantization`, or a checkpoint's quant_method) -> factory(the checkpoint's
 # quantization_config, or None when quantizing on load) -> Quantization.
-QUANTIZATIONS = Registry("quantization", {"int8": "miniinfer.quant:int8_on_load",
-                                          "int4": "miniinfer.quant:int4_on_load",
-                                          "fp8": "miniinfer.quant:fp8_on_load",
-                                          "compressed-tensors": "miniinfer.quant:CompressedTensors"})
+QUANTIZATIONS = Registry("quantization", {"int8": "miniinfer.layers.quantization:int8_on_load",
+                                          "int4": "miniinfer.layers.quantization:int4_on_load",
+                                          "fp8": "miniinfer.layers.quantization:fp8_on_load",
+                                          "compressed-tensors": "miniinfer.layers.quantization:CompressedTensors"})
 
 
 def _quantization(folder: Path, hf: dict, asked: str | None) -> Quantization | None:

@@ -9,15 +9,15 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from miniinfer.block_manager import blocks_needed
-from miniinfer.config import EngineConfig
-from miniinfer.loader import QUANTIZATIONS, load_model
-from miniinfer.model import ModelConfig, Registry, Transformer
-from miniinfer.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
-from miniinfer.sampling import SamplingParams
-from miniinfer.scheduler import SchedulerOutput
-from miniinfer.sequence import RequestDataError
-from miniinfer.varlen import VarlenBatch, VarlenKVCache, to_device
+from miniinfer.core.block_manager import blocks_needed
+from miniinfer.core.config import EngineConfig
+from miniinfer.core.sampling_params import SamplingParams
+from miniinfer.core.scheduler import SchedulerOutput
+from miniinfer.core.sequence import RequestDataError
+from miniinfer.model.loader import QUANTIZATIONS, load_model
+from miniinfer.model.transformer import ModelConfig, Registry, Transformer
+from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache, to_device
+from miniinfer.worker.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
 
 CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
 
@@ -129,10 +129,9 @@ class RunnerInfo:
 # this order: the log-probabilities of the model's own logits, the penalties, the bias, then the masks,
 # min-p's last (its floor is the top allowed token's).
 LOGITS_PROCESSORS = Registry("logits processor", {
-    "logprobs": "miniinfer.processors:Logprobs", "prompt_logprobs": "miniinfer.processors:PromptLogprobs",
-    "penalties": "miniinfer.processors:Penalties", "logit_bias": "miniinfer.processors:LogitBias",
-    "min_tokens": "miniinfer.processors:MinTokens", "structured": "miniinfer.processors:Structured",
-    "min_p": "miniinfer.processors:MinP"})
+    name: f"miniinfer.worker.logits_processors:{cls}" for name, cls in (
+        ("logprobs", "Logprobs"), ("prompt_logprobs", "PromptLogprobs"), ("penalties", "Penalties"),
+        ("logit_bias", "LogitBias"), ("min_tokens", "MinTokens"), ("structured", "Structured"), ("min_p", "MinP"))})
 
 
 class ModelRunner:
@@ -475,3 +474,8 @@ class DecodeGraphs:
         self.seq_lens[B:b] = self.L
         self.graphs[b].replay()
         return self.logits[b][:N]
+
+
+# The runner for each EngineConfig.speculative_method: chapter 09's verifies a proposer's guesses.
+RUNNERS = Registry("speculative_method", {None: ModelRunner, "draft": "miniinfer.worker.speculative:SpeculativeRunner",
+                                          "ngram": "miniinfer.worker.speculative:SpeculativeRunner"})

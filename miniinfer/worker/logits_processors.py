@@ -10,12 +10,12 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from miniinfer.engine import Limits, LLMEngine
-from miniinfer.loader import load_tokenizer
-from miniinfer.model_runner import ModelRunner, StepBatch, to_host
-from miniinfer.sampler import F32_MAX
-from miniinfer.sampling import SamplingParams, StructuredOutput
-from miniinfer.varlen import to_device
+from miniinfer.core.config import EngineConfig, Limits
+from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
+from miniinfer.model.loader import load_tokenizer
+from miniinfer.worker.kv_cache import to_device
+from miniinfer.worker.model_runner import ModelRunner, RunnerInfo, StepBatch, to_host
+from miniinfer.worker.sampler import F32_MAX
 
 
 def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor,
@@ -355,14 +355,14 @@ def compile_structure(s: StructuredOutput, compiler):
         raise ValueError(f"structured_output: the {what} does not compile: {detail}") from None
 
 
-def prepare_structure(engine: LLMEngine, params: SamplingParams) -> Callable[[], Any] | None:
+def prepare_structure(params: SamplingParams, tokenizer, info: RunnerInfo,
+                      config: EngineConfig) -> Callable[[], Any] | None:
     """The grammar's compile, to run before the request's first step (beside the engine's loop in a
     server), with the compiler its runner uses: the runner then finds it compiled."""
-    structure, info = params.structured_output, engine.info
-    if structure is None or engine.config.tensor_parallel_size > 1:  # ranks compile their own
+    structure = params.structured_output
+    if structure is None or config.tensor_parallel_size > 1:  # ranks compile their own
         return None
-    return lambda: compile_structure(structure, grammar_compiler(engine.tokenizer, info.vocab_size,
-                                                                 info.eos_token_ids))
+    return lambda: compile_structure(structure, grammar_compiler(tokenizer, info.vocab_size, info.eos_token_ids))
 
 
 def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:

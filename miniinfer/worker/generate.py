@@ -2,8 +2,8 @@
 
 import torch
 
-from miniinfer.model import Transformer
-from miniinfer.sampling import SamplingParams, sample
+from miniinfer.core.sampling_params import SamplingParams, sample
+from miniinfer.model.transformer import Transformer
 
 
 def check_prompt(model: Transformer, prompt_ids: list[int], params: SamplingParams,

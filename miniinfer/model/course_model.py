@@ -7,7 +7,7 @@ Hand-written module (not exported from a notebook). The checkpoints are trained 
 from pathlib import Path
 
 COURSE_MODEL_NAME = "pycoder"
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parent.parent / "assets"  # miniinfer/assets
 
 
 def course_model_path(name: str = COURSE_MODEL_NAME) -> Path:

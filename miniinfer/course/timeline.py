@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miniinfer.engine import LLMEngine
-from miniinfer.sampling import SamplingParams
+from miniinfer.core.sampling_params import SamplingParams
+from miniinfer.engine.llm_engine import LLMEngine
 
 
 @dataclass

@@ -6,9 +6,9 @@ import bisect
 import dataclasses
 from dataclasses import dataclass, field
 
-from miniinfer.block_manager import BlockManager, OutOfBlocks
-from miniinfer.sampling import SamplingParams
-from miniinfer.sequence import Sequence, Status
+from miniinfer.core.block_manager import BlockManager, OutOfBlocks
+from miniinfer.core.sampling_params import SamplingParams
+from miniinfer.core.sequence import Sequence, Status
 
 
 class SchedulingPolicy:

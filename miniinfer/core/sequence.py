@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from miniinfer.sampling import SamplingParams
+from miniinfer.core.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

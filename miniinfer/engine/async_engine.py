@@ -15,11 +15,11 @@ import weakref
 from dataclasses import dataclass
 from typing import AsyncGenerator, Callable, Union
 
-from miniinfer.config import EngineConfig
-from miniinfer.engine import REQUEST_PREPARES, Limits, LLMEngine, check_request
-from miniinfer.loader import load_tokenizer
-from miniinfer.sampling import SamplingParams
-from miniinfer.sequence import RequestOutput
+from miniinfer.core.config import EngineConfig
+from miniinfer.core.sampling_params import SamplingParams
+from miniinfer.core.sequence import RequestOutput
+from miniinfer.engine.llm_engine import REQUEST_PREPARES, Limits, LLMEngine, check_request
+from miniinfer.model.loader import load_tokenizer
 
 
 @dataclass
@@ -140,7 +140,8 @@ def admit(engine: LLMEngine, add: AddRequest, pool: concurrent.futures.Executor,
     """Queue a request, or first start its long work in the pool (chapter 12's grammar compile):
     meanwhile the loop steps the others."""
     try:
-        jobs = [work for prepare in REQUEST_PREPARES.all() if (work := prepare(engine, add.params))]
+        jobs = [work for prepare in REQUEST_PREPARES.all()
+                if (work := prepare(add.params, engine.tokenizer, engine.info, engine.config))]
     except Exception as err:  # this request's fault, not the loop's
         return enqueue(engine, add, err)
     if not jobs:

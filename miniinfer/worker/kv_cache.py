@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miniinfer.model import ModelConfig, Registry, Transformer, attention, attention_mask
-from miniinfer.paged_cache import PagedKVCache, gather_kv, paged_attention_ref
+from miniinfer.model.transformer import ModelConfig, Registry, Transformer, attention, attention_mask
+from miniinfer.worker.paged_cache import PagedKVCache, gather_kv, paged_attention_ref
 
 
 @dataclass

@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from miniinfer.generate import check_prompt, is_finished
-from miniinfer.model import ModelConfig, Transformer, attention, attention_mask
-from miniinfer.sampling import SamplingParams, sample
+from miniinfer.core.sampling_params import SamplingParams, sample
+from miniinfer.model.transformer import ModelConfig, Transformer, attention, attention_mask
+from miniinfer.worker.generate import check_prompt, is_finished
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miniinfer.loader import CheckpointError, _checkpoint_names
-from miniinfer.model import Linear, Registry, Transformer
+from miniinfer.model.loader import CheckpointError, _checkpoint_names
+from miniinfer.model.transformer import Linear, Registry, Transformer
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity, and its largest finite value is 1.75 * 2^8

@@ -23,7 +23,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from miniinfer.testing import EXERCISES, Exercise, problem_set
+from miniinfer.course.checks import EXERCISES, Exercise, problem_set
 
 STATUSES = ("passed", "failed", "error", "unanswered", "timeout")
 COLUMNS = ("notebook", "chapter", "exercise", "status", "message")
@@ -65,7 +65,7 @@ def chapter_of(nb, path: Path) -> str | None:
 
 def check_source(ex: Exercise) -> str:
     """The canonical check cell: its own import, in case the student's code rebound `mi`."""
-    return f"import miniinfer.testing as _grading\n_grading.EXERCISES[{ex.id!r}].check({ex.argument})"
+    return f"import miniinfer.course.checks as _grading\n_grading.EXERCISES[{ex.id!r}].check({ex.argument})"
 
 
 def outcome(ex: Exercise, outputs: list) -> tuple[str, str]:

@@ -23,14 +23,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from miniinfer import protocol
-from miniinfer.async_engine import AsyncLLMEngine, EngineClosed, RequestFailed, Shutdown
-from miniinfer.config import EngineConfig
-from miniinfer.detokenize import IncrementalDetokenizer
-from miniinfer.engine import REQUEST_CHECKS
-from miniinfer.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from miniinfer.sampling import FieldError, SamplingParams, StructuredOutput
-from miniinfer.sequence import RequestOutput
+from miniinfer.core.config import EngineConfig
+from miniinfer.core.sampling_params import FieldError, SamplingParams, StructuredOutput
+from miniinfer.core.sequence import RequestOutput
+from miniinfer.engine.async_engine import AsyncLLMEngine, EngineClosed, RequestFailed, Shutdown
+from miniinfer.engine.llm_engine import REQUEST_CHECKS
+from miniinfer.serving import openai_schema
+from miniinfer.serving.detokenize import IncrementalDetokenizer
+from miniinfer.serving.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 def sse_event(data: str) -> str:
@@ -674,14 +674,14 @@ def _token_ids_below(schema, vocab_size: int) -> None:
 
 
 def openapi_schema(app: FastAPI, server: Server) -> dict:
-    """FastAPI's schema of the routes, with the request bodies and responses of protocol.py and
+    """FastAPI's schema of the routes, with the request bodies and responses of openai_schema.py and
     this engine's limits: the endpoints read their bodies themselves (size limit, nesting, a
     worker thread). One limit is left out, as JSON Schema cannot relate two fields: the prompt's
     tokens and max_tokens together must fit the context."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    models: list[type[BaseModel]] = [protocol.CompletionRequest, protocol.ChatCompletionRequest,
-                                     protocol.CompletionResponse, protocol.ChatCompletionResponse,
-                                     protocol.ErrorResponse, protocol.ModelList, protocol.Health]
+    models: list[type[BaseModel]] = [openai_schema.CompletionRequest, openai_schema.ChatCompletionRequest,
+                                     openai_schema.CompletionResponse, openai_schema.ChatCompletionResponse,
+                                     openai_schema.ErrorResponse, openai_schema.ModelList, openai_schema.Health]
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for model in models:
         s = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -698,22 +698,22 @@ def openapi_schema(app: FastAPI, server: Server) -> dict:
     for form in prompt["anyOf"]:  # a list of prompts: one sequence each at least
         if form.get("type") == "array" and form.get("maxItems", 0) > server.max_seqs:
             form["maxItems"] = server.max_seqs
-    errors = {str(code): {"description": why, **_json_schema(protocol.ErrorResponse)} for code, why in [
+    errors = {str(code): {"description": why, **_json_schema(openai_schema.ErrorResponse)} for code, why in [
         (400, "a bad request"), (404, "no such model"), (413, "the body is too large"),
         (429, "too many slow grammars are compiling"), (500, "the server failed"),
         (503, "the server is shutting down (Retry-After says when to try again)")]}
     routes: list[tuple[str, type[BaseModel], type[BaseModel]]] = [
-        ("/v1/completions", protocol.CompletionRequest, protocol.CompletionResponse),
-        ("/v1/chat/completions", protocol.ChatCompletionRequest, protocol.ChatCompletionResponse)]
+        ("/v1/completions", openai_schema.CompletionRequest, openai_schema.CompletionResponse),
+        ("/v1/chat/completions", openai_schema.ChatCompletionRequest, openai_schema.ChatCompletionResponse)]
     for path, request, response in routes:
         op = schema["paths"][path]["post"]
         op["requestBody"] = {"required": True, **_json_schema(request)}
         op["responses"] = {"200": {"description": "the response, or with stream=true its events",
                                    **_json_schema(response, event_stream=True)}, **errors}
     gets: list[tuple[str, type[BaseModel], dict]] = [
-        ("/v1/models", protocol.ModelList, {}),
-        ("/health", protocol.Health,
-         {"503": {"description": "the engine has stopped, or is shutting down", **_json_schema(protocol.Health)}})]
+        ("/v1/models", openai_schema.ModelList, {}),
+        ("/health", openai_schema.Health,
+         {"503": {"description": "the engine has stopped, or is shutting down", **_json_schema(openai_schema.Health)}})]
     for path, model, extra in gets:
         schema["paths"][path]["get"]["responses"] = {"200": {"description": "OK", **_json_schema(model)}, **extra}
     return schema

@@ -9,12 +9,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from miniinfer.block_manager import blocks_needed
-from miniinfer.config import EngineConfig
-from miniinfer.course_model import course_model_path
-from miniinfer.loader import checkpoint_config, load_model, load_tokenizer
-from miniinfer.model import Registry, Transformer
-from miniinfer.model_runner import (
+from miniinfer.core.block_manager import blocks_needed
+from miniinfer.core.config import EngineConfig
+from miniinfer.core.scheduler import SchedulerOutput
+from miniinfer.core.sequence import RequestDataError
+from miniinfer.model.course_model import course_model_path
+from miniinfer.model.loader import checkpoint_config, load_model, load_tokenizer
+from miniinfer.model.transformer import Registry, Transformer
+from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache, to_device
+from miniinfer.worker.model_runner import (
     DecodeGraphs,
     Launched,
     ModelRunner,
@@ -23,10 +26,7 @@ from miniinfer.model_runner import (
     StepBatch,
     gather_reports,
 )
-from miniinfer.sampler import SamplingBatch, exponential_noise, sampling_probs
-from miniinfer.scheduler import SchedulerOutput
-from miniinfer.sequence import RequestDataError
-from miniinfer.varlen import VarlenBatch, VarlenKVCache, to_device
+from miniinfer.worker.sampler import SamplingBatch, exponential_noise, sampling_probs
 
 # Each request's seed XOR one of these gives the noise of the draft's choice and of the acceptance
 # test: independent of the noise that samples the token itself, as the proof of exactness needs.
