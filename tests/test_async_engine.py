@@ -227,7 +227,7 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
     with the reason."""
     import time
 
-    def slow(engine, params):
+    def slow(params, tokenizer, info, config):
         if params.seed == 1:
             return lambda: time.sleep(1.0)
         if params.seed == 2:

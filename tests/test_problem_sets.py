@@ -44,6 +44,6 @@ def test_last_part_names_the_unanswered_exercise(name, missing, tmp_path):
     path = tmp_path / f"{name}.ipynb"
     path.write_text(build.dump_notebook(nb))
     ran = execute(path)
-    label = __import__("miniinfer").testing.EXERCISES[missing].label
+    label = __import__("miniinfer.course.checks").course.checks.EXERCISES[missing].label
     assert errors(ran.cells[last_part(ran)]) == [
         f"NotAnswered: {label} is not answered yet: finish it (and run its check) before this part"]
