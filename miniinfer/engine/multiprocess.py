@@ -14,7 +14,7 @@ import torch
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
-from miniinfer.layers.parallel import check_parallel
+from miniinfer.layers.parallel import check_parallel, check_quantized_split
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig, Transformer
 from miniinfer.worker.model_runner import RUNNERS, ModelRunnerOutput, RunnerInfo
@@ -35,6 +35,7 @@ class MultiProcessExecutor:
         cfg = ModelConfig.from_hf(checkpoint_config(config.model)[1])
         size = config.tensor_parallel_size
         check_parallel(cfg, size)
+        check_quantized_split(cfg, size, config.quantization)
         if torch.device(config.device).type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
                              f"{torch.cuda.device_count()}")

@@ -145,12 +145,17 @@ def _split_k_sum(part_ptr, bias_ptr, out_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=i < MN)
 
 
+def pow2_at_most(n: int) -> int:
+    """Tiles are powers of two (tl.arange's rule): one scale for all 192 inputs of a row takes tiles of 128."""
+    return 1 << (n.bit_length() - 1)
+
+
 def gemv_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: int) -> dict:
     """The GEMV kernel's tile and K-splits for M <= GEMV_ROWS rows: a tile of 128 inputs (one int4
     group) by 256 channels, and K split as the tiled kernel's sweep found best, until the GPU has
     about 4 programs per multiprocessor. Not yet swept for this kernel (tools/bench_quant.py
     gemv_sweep does that)."""
-    words = min(16 if bits == 4 else 32, group * bits // 32)
+    words = pow2_at_most(min(16 if bits == 4 else 32, group * bits // 32))
     block_n = 256
     programs = M * -(-N // block_n)
     split = max(1, min(16, -(-K // (words * 32 // bits)), 4 * multiprocessors // programs))
@@ -162,7 +167,7 @@ def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: i
     (docs/benchmarks/quant_h200.json): tensor cores (16 rows at least), and K split as in gemv_config."""
     block_m = 16 if M <= 16 else 32
     block_n = 128 if N >= 4096 else 64
-    block_k = min(128 if bits == 4 else 256, group)
+    block_k = pow2_at_most(min(128 if bits == 4 else 256, group))
     tiles = -(-M // block_m) * -(-N // block_n)
     split = max(1, min(8, -(-K // block_k), 4 * multiprocessors // tiles))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=2)

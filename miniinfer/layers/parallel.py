@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from miniinfer.layers.quantization import FP8Linear, IntLinear
+from miniinfer.layers.quantization import SCHEMES, FP8Linear, IntLinear
 from miniinfer.model.transformer import DecoderLayer, Linear, ModelConfig, Transformer
 
 
@@ -179,6 +179,20 @@ def cut_to_columns(layer: nn.Module, columns: slice) -> None:
         fp8 = cast(FP8Linear, layer)
         fp8.weight = fp8.weight[:, columns].contiguous()
     layer.in_features = columns.stop - columns.start
+
+
+def check_quantized_split(cfg: ModelConfig, size: int, quantization: str | None) -> None:
+    """ValueError unless each rank's input columns of o and down start on a whole packed word and group
+    of the scheme that quantizes on load: `cut_to_columns` cuts there."""
+    scheme = SCHEMES.get(quantization) if quantization else None
+    if scheme is None or scheme.kind != "int":
+        return
+    align = max(scheme.group_size or 1, 32 // scheme.bits)
+    for what, n in (("attention output's", cfg.num_heads * cfg.head_dim), ("MLP's", cfg.intermediate_size)):
+        if (n // size) % align:
+            raise ValueError(f"quantization={quantization!r} on {size} ranks: each rank's {n // size} of the "
+                             f"{what} {n} inputs do not make whole {align}-input groups; choose another "
+                             "tensor_parallel_size or quantization")
 
 
 def cut_row_parallel(model: Transformer, cfg: ModelConfig, shard: Shard) -> None:
