@@ -1,4 +1,6 @@
-"""The `miniinfer` command (also `python -m miniinfer`): serve, generate, chat, bench, grade.
+"""Hand-written, not from a notebook: the command line over every floor, which no chapter teaches.
+
+The `miniinfer` command (also `python -m miniinfer`): serve, generate, chat, bench, grade.
 Hand-written module (chapter 08). PyTorch and the engine are imported by the commands that need them,
 so that `--help`, `bench` and `grade` start at once."""
 

@@ -1,4 +1,6 @@
-"""A load generator for any OpenAI-compatible completions endpoint, in the spirit of `vllm bench
+"""Hand-written, not from a notebook: a measuring tool that chapter 08 runs but does not teach.
+
+A load generator for any OpenAI-compatible completions endpoint, in the spirit of `vllm bench
 serve`: requests sent at a Poisson rate or at a fixed concurrency, each streamed, and the time to
 first token (TTFT), the gaps between streamed chunks (inter-token latency, ITL) and the throughput
 measured from the client's side. Hand-written module (chapter 08); `miniinfer bench` runs it."""

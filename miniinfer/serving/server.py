@@ -1,4 +1,6 @@
-"""An OpenAI-compatible HTTP server over AsyncLLMEngine (FastAPI + uvicorn): /v1/models,
+"""Hand-written, not from a notebook: HTTP plumbing that chapter 08 runs but does not teach.
+
+An OpenAI-compatible HTTP server over AsyncLLMEngine (FastAPI + uvicorn): /v1/models,
 /v1/completions and /v1/chat/completions (Server-Sent Events or whole), /health, /metrics.
 Hand-written module (chapter 08); `miniinfer serve` runs it."""
 
