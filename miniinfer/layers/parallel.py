@@ -165,13 +165,11 @@ def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False) -> N
 
 
 def cut_to_columns(layer: nn.Module, columns: slice) -> None:
-    """A row-parallel layer loaded and quantized whole, cut to this rank's input columns in place."""
+    """A row-parallel layer loaded and quantized whole, cut to this rank's input columns in place (on whole
+    words and groups: `check_quantized_split` refused any other split before the ranks started)."""
     if isinstance(layer, IntLinear):
         word, groups = 32 // layer.bits, layer.weight_scale.shape[0]
         group = layer.in_features // groups
-        if columns.start % word or (groups > 1 and columns.start % group):
-            raise ValueError(f"a rank's input columns {columns.start}..{columns.stop - 1} do not start on a whole "
-                             f"word and group of int{layer.bits}: choose another tensor_parallel_size")
         layer.weight_packed = layer.weight_packed[columns.start // word:columns.stop // word].contiguous()
         if groups > 1:
             layer.weight_scale = layer.weight_scale[columns.start // group:columns.stop // group].contiguous()
