@@ -147,7 +147,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     if args.url:
         reply = lambda: asyncio.run(chat_remote(args, history))
     else:
-        from miniinfer.serving.server import chat_prompt
+        from miniinfer.serving.openai.chat import chat_prompt
         engine = make_engine(args)
         reply = lambda: stream_text(engine, chat_prompt(engine.tokenizer, history), sampling(args))[0]
     print("Type a message; an empty line or Ctrl-D ends the chat.")

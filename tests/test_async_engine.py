@@ -19,7 +19,7 @@ def engine(request, course_model):
     yield eng
     eng.close()
     assert not eng.client.is_alive()
-    assert isinstance(eng.client, mi.engine.async_engine.InprocClient) or not eng.client.process.is_alive()
+    assert isinstance(eng.client, mi.engine.core_client.InprocClient) or not eng.client.process.is_alive()
 
 
 async def collect(engine, prompt, params, leave_after=None):
@@ -64,7 +64,7 @@ def test_clients_that_leave_free_their_blocks(engine):
         return got
 
     assert all(len(t) >= 2 for t in asyncio.run(main()))
-    if isinstance(engine.client, mi.engine.async_engine.InprocClient):
+    if isinstance(engine.client, mi.engine.core_client.InprocClient):
         assert engine.client.engine.block_manager.num_free_blocks == 64 and not engine.client.engine.requests
 
 
@@ -183,11 +183,11 @@ def test_shutdown_answers_every_command_taken_before_it(course_model):
     why, and the one queued before Shutdown ends as aborted, its blocks back."""
     engine = mi.LLMEngine(mi.EngineConfig(num_blocks=16, block_size=4), model=course_model)
     params = mi.SamplingParams(max_tokens=4)
-    add = mi.engine.async_engine.AddRequest
+    add = mi.engine.core.AddRequest
     script = [add("a", [1, 2], params), add("a", [3], params),
-              mi.engine.async_engine.Shutdown()]
+              mi.engine.core.Shutdown()]
     emitted = []
-    mi.engine.async_engine.run_engine(engine, lambda block: script.pop(0) if script else None,
+    mi.engine.core.run_engine(engine, lambda block: script.pop(0) if script else None,
                                lambda outputs, stats: emitted.append(outputs))
     [outputs] = emitted
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error"), ("a", "abort")]
@@ -197,16 +197,16 @@ def test_shutdown_answers_every_command_taken_before_it(course_model):
 
 def test_outputs_of_several_steps_go_as_one():
     """What piles up while the front end reads slowly crosses the pipe as one message."""
-    E, S = mi.engine.async_engine.EngineOutput, mi.engine.async_engine.EngineStats
+    E, S = mi.engine.core.EngineOutput, mi.engine.core.EngineStats
     steps = [([E("a", [1]), E("b", [2], num_cached_tokens=16)], S(running=2, new_tokens=2, step_seconds=0.1, steps=1)),
              ([E("a", [3], "stop"), E("b", [4], num_cached_tokens=16)], S(running=1, new_tokens=2, step_seconds=0.2,
                                                                         steps=1)),
              ([E("b", [], "error", error="boom")], S(running=0, step_seconds=0.3, steps=1))]
-    outputs, stats = mi.engine.async_engine.coalesce(steps)
+    outputs, stats = mi.engine.core_client.coalesce(steps)
     assert [(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens, o.error) for o in outputs] == [
         ("a", [1, 3], "stop", 0, None), ("b", [2, 4], "error", 0, "boom")]
     assert (stats.running, stats.new_tokens, stats.steps, round(stats.step_seconds, 6)) == (0, 4, 3, 0.6)
-    assert steps[0][0][0].new_token_ids == [1] and mi.engine.async_engine.coalesce(steps[:1]) == steps[0]
+    assert steps[0][0][0].new_token_ids == [1] and mi.engine.core_client.coalesce(steps[:1]) == steps[0]
 
 
 @settings(max_examples=200, deadline=None)
@@ -216,8 +216,8 @@ def test_outputs_of_several_steps_go_as_one():
                           st.one_of(st.none(), st.lists(st.tuples(st.integers(0, 9), st.floats(-9, 0)), max_size=3))),
                 max_size=8))
 def test_outputs_cross_the_pipe_packed_unchanged(rows):
-    outputs = [mi.engine.async_engine.EngineOutput(*row) for row in rows]
-    assert mi.engine.async_engine.unpack(pickle.loads(pickle.dumps(mi.engine.async_engine.pack(outputs)))) == outputs
+    outputs = [mi.engine.core.EngineOutput(*row) for row in rows]
+    assert mi.engine.core_client.unpack(pickle.loads(pickle.dumps(mi.engine.core_client.pack(outputs)))) == outputs
 
 
 def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, monkeypatch):
@@ -236,7 +236,7 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
 
     prepares = mi.model.transformer.Registry("request preparation", {"slow": slow})
     monkeypatch.setattr(mi.engine.llm_engine, "REQUEST_PREPARES", prepares)
-    monkeypatch.setattr(mi.engine.async_engine, "REQUEST_PREPARES", prepares)
+    monkeypatch.setattr(mi.engine.core, "REQUEST_PREPARES", prepares)
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model))
     queued, enqueue = [], eng.client.engine.enqueue
     eng.client.engine.enqueue = lambda *a, **k: queued.append(enqueue(*a, **k))

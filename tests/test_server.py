@@ -23,7 +23,8 @@ from conftest import hf_greedy
 
 import miniinfer as mi
 from miniinfer.serving.bench import one_request, read_metrics, sse_data
-from miniinfer.serving.server import build_app, chat_prompt
+from miniinfer.serving.openai.chat import chat_prompt
+from miniinfer.serving.server import ENDPOINTS, build_app
 
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "for i in range(10):\n", "# café 日本 🙂\n"]
 
@@ -817,7 +818,7 @@ def test_a_served_request_is_checked_once(course_model, monkeypatch):
     eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4), model=course_model,
                                          tokenizer=mi.load_tokenizer(None)))
     try:
-        body = asyncio.run(server.Server(eng, "pycoder").run(b'{"prompt": "def f(x):", "max_tokens": 4}', chat=False))
+        body = asyncio.run(server.Server(eng, "pycoder").run(b'{"prompt": "def f(x):", "max_tokens": 4}', ENDPOINTS[0]))
     finally:
         eng.close()
     assert body["usage"]["completion_tokens"] == 4 and len(calls) == 1

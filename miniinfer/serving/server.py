@@ -1,52 +1,56 @@
 """Hand-written, not from a notebook: HTTP plumbing that chapter 08 runs but does not teach.
 
 An OpenAI-compatible HTTP server over AsyncLLMEngine (FastAPI + uvicorn): /v1/models,
-/v1/completions and /v1/chat/completions (Server-Sent Events or whole), /health, /metrics.
-Hand-written module (chapter 08); `miniinfer serve` runs it."""
+/v1/completions and /v1/chat/completions (Server-Sent Events or whole), /health, /metrics. The
+path a request shares across endpoints is here: the door's limits, each choice's stream (detokenized,
+cut at stop strings), the response whole or as events, the app and its shutdown. What differs per
+endpoint, and the body's mapping onto SamplingParams, is in `openai/`. Hand-written module (chapter 08);
+`miniinfer serve` runs it."""
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import json
-import math
 import sys
 import time
 import uuid
-from typing import AsyncGenerator, AsyncIterator, Awaitable, TypeVar
+from typing import AsyncGenerator, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from miniinfer.core.config import EngineConfig
-from miniinfer.core.sampling_params import FieldError, SamplingParams, StructuredOutput
+from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
 from miniinfer.core.sequence import RequestOutput
-from miniinfer.engine.async_engine import AsyncLLMEngine, EngineClosed, RequestFailed, Shutdown
+from miniinfer.engine.async_engine import AsyncLLMEngine
+from miniinfer.engine.core import EngineClosed, RequestFailed, Shutdown
 from miniinfer.engine.llm_engine import REQUEST_CHECKS
-from miniinfer.serving import openai_schema
 from miniinfer.serving.detokenize import IncrementalDetokenizer
-from miniinfer.serving.openai_schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from miniinfer.serving.openai.chat import CHAT_MAX_TOKENS, Chat
+from miniinfer.serving.openai.completions import Completions, TextOffsets
+from miniinfer.serving.openai.metrics import metrics
+from miniinfer.serving.openai.openapi import openapi_schema
+from miniinfer.serving.openai.params import (
+    APIError,
+    check_model,
+    load_body,
+    param_of,
+    sampling_params,
+    structure,
+    validate,
+)
+from miniinfer.serving.openai.schema import SamplingFields
 
+ENDPOINTS: list[Completions] = [Completions(), Chat()]
 
 def sse_event(data: str) -> str:
     """One Server-Sent Event carrying `data`: a `data:` line per line of it, then a blank line."""
     return "".join(f"data: {line}\n" for line in data.split("\n")) + "\n"
-
-
-def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation: the tokenizer's chat template, or for a model without one (the
-    course model) one "role: content" line per message and then "assistant:" as the cue."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:").input_ids
 
 
 def text_token_ids(out: RequestOutput, eos: set[int]) -> list[int]:
@@ -55,41 +59,6 @@ def text_token_ids(out: RequestOutput, eos: set[int]) -> list[int]:
     return new[:-1] if out.finish_reason == "stop" and new and new[-1] in eos else new
 
 
-class APIError(Exception):
-    """A request the server refuses, answered as OpenAI does: {"error": {...}} with an HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.param, self.type, self.code, self.headers = status, param, type, code, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-
-
-Body = TypeVar("Body", bound=BaseModel)
-
-def validate(model: type[Body], body: dict) -> Body:
-    """body as a request model, or an APIError naming the first field at fault."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        errors = err.errors(include_url=False)
-        said = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors[:3])
-        first = errors[0]
-        got = repr(first.get("input"))
-        raise APIError(f"{said} (got {got[:80] + '...' if len(got) > 80 else got})",
-                       param=str(first["loc"][0]) if first["loc"] else None) from None
-
-
-MAX_DEPTH = 32  # OpenAI's request bodies nest a few levels; a deeper one is refused, not walked
-# A grammar's schema is counted by the grammar's own limit (MAX_GRAMMAR_DEPTH, 64), not the body's:
-# one 14 levels deep was refused for the body's 32 before that limit could say why.
-GRAMMAR_FIELDS = {("guided_json",), ("response_format", "json_schema", "schema")}
-# A chat request without max_tokens gets at most this many (and the rest of the context): OpenAI's
-# "up to the context" let one request of the course model run 40 s on a 2-core CPU; 512 tokens hold
-# a long answer. A completion without it gets 16, as OpenAI's API says.
-CHAT_MAX_TOKENS = 512
 DISCONNECT_POLL_S = 0.25  # how often a whole request checks that its client is still there
 # A request body larger than this is refused (413) before it is read: a 20 MB prompt used to hold
 # the event loop for 25 s while it was tokenized, only to be refused for the context anyway.
@@ -110,13 +79,6 @@ GRAMMAR_COMPILE_S = 2.0
 GRAMMAR_COMPILES = 4  # compiles past that limit (each runs on to its end) the door lets run at once
 
 
-def param_of(err: ValueError) -> str | None:
-    """The request's field that a refusal names (the engine's names are the API's, but one)."""
-    if not isinstance(err, FieldError):
-        return None
-    return "logprobs" if err.field == "prompt_logprobs" else err.field  # echo's prompt logprobs: `logprobs`
-
-
 def shutting_down(what: str) -> APIError:
     """503 for a request the server will not finish because it is shutting down (Ctrl-C or SIGTERM)."""
     return APIError(f"the server is shutting down: {what}; try again later, or another server", 503,
@@ -131,48 +93,6 @@ def generation_failed(err: Exception, what: str) -> APIError:
     if isinstance(err, RequestFailed):
         return APIError(f"generation failed: {err}")
     return APIError(f"generation failed: {err}", 500, type="server_error")
-
-
-class TextOffsets:
-    """Where each token's text starts in a choice's text, in characters: the tokens' bytes decoded as
-    one stream, so that a token whose bytes continue a character begun by the token before gets the
-    offset of that character, as OpenAI's API gives it."""
-
-    def __init__(self):
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
-
-    def next(self, data: bytes) -> int:
-        at = self.chars
-        self.chars += len(self.decoder.decode(data))
-        return at
-
-
-def check_body(body: dict) -> None:
-    """Refuse a body nested deeper than MAX_DEPTH (a grammar's schema aside), or holding a string that
-    is not text (a lone UTF-16 surrogate, which JSON's \\u escapes can carry but no tokenizer can
-    encode), naming where."""
-    todo: list[tuple[object, tuple, float]] = [(body, (), 1)]  # a value, the keys to it, its depth
-    while todo:
-        value, path, depth = todo.pop()
-        if depth > MAX_DEPTH:
-            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep", param=path[0] if path else None)
-        if isinstance(value, str):
-            try:
-                value.encode()
-            except UnicodeEncodeError as err:
-                where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" if i else k for i, k in enumerate(path))
-                raise APIError(f"{where} is not valid Unicode text: {err.reason} at index {err.start}",
-                               param=where) from None
-        elif isinstance(value, dict):
-            todo += [(v, (*path, k), -math.inf if (*path, k) in GRAMMAR_FIELDS else depth + 1)
-                     for k, v in value.items()]
-        elif isinstance(value, list):  # numbers need no look (a prompt of token ids is a long list of them)
-            todo += [(v, (*path, i), depth + 1) for i, v in enumerate(value) if isinstance(v, (str, list, dict))]
-
-
-# Accepted by OpenAI's API but not implemented here: refused unless left at their "off" value.
-UNSUPPORTED = ("suffix", "tools", "functions")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,92 +165,7 @@ class Server:
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
         self.max_prompt_chars = self.max_model_len * longest
 
-    # ----- parsing: a body -> a request model, token ids and sampling parameters, or APIError -----
-
-    def parse(self, raw: bytes, chat: bool) -> tuple[SamplingFields, list[list[int]]]:
-        """A request body, validated, and its prompts' token ids. A large body runs in a worker thread:
-        it takes a while to parse and tokenize, and the event loop must keep answering meanwhile."""
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise APIError(f"the body is not valid JSON: {err}") from None
-        except RecursionError:
-            raise APIError(f"the body nests more than {MAX_DEPTH} levels deep") from None
-        if not isinstance(body, dict):
-            raise APIError("the body must be a JSON object")
-        check_body(body)
-        for key in UNSUPPORTED + (("echo",) if chat else ()):
-            if body.get(key) not in (None, False, 0, [], {}):
-                raise APIError(f"'{key}' is not supported by this server", param=key)
-        if body.get("best_of") not in (None, 1):
-            raise APIError("'best_of' is not supported by this server", param="best_of")
-        if chat:
-            chat_req = validate(ChatCompletionRequest, body)
-            return chat_req, [self.chat_ids(chat_req)]
-        req = validate(CompletionRequest, body)
-        prompt = req.prompt
-        prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
-        return req, [self.tokenize(p) if isinstance(p, str) else p for p in prompts]
-
-    def params(self, req: SamplingFields, default_max_tokens: int,
-               structure: StructuredOutput | None = None) -> tuple[SamplingParams, int, list[str]]:
-        """Sampling parameters, the number of choices and the stop strings of a request."""
-        if (req.model or self.model_name) != self.model_name:
-            raise APIError(f"the model {req.model!r} does not exist; this server has {self.model_name!r}",
-                           status=404, param="model", code="model_not_found")
-        max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None) or default_max_tokens
-        if isinstance(req, ChatCompletionRequest):
-            if req.top_logprobs is not None and not req.logprobs:
-                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        else:
-            logprobs = req.logprobs if isinstance(req, CompletionRequest) else None
-        # echo with logprobs: the prompt's tokens are scored too, as evaluation harnesses ask
-        prompt_logprobs = logprobs if isinstance(req, CompletionRequest) and req.echo else None
-        bias = None
-        if req.logit_bias:
-            if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
-                raise APIError("logit_bias keys must be token ids (strings of digits)", param="logit_bias")
-            bias = {int(k): v for k, v in req.logit_bias.items()}
-        try:
-            params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
-                                    max_tokens=max_tokens, ignore_eos=req.ignore_eos, seed=req.seed,
-                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                    repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
-                                    min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids, logprobs=logprobs,
-                                    prompt_logprobs=prompt_logprobs, structured_output=structure)
-        except ValueError as err:
-            raise APIError(str(err), param=param_of(err)) from None
-        return params, req.n, [req.stop] if isinstance(req.stop, str) else req.stop or []
-
-    def structure(self, req: SamplingFields) -> tuple[str, StructuredOutput] | None:
-        """The grammar a request's output follows and the field it came from: response_format or a
-        guided_* field (one at most)."""
-        given: list[tuple[str, dict]] = []  # (field, what StructuredOutput takes)
-        fmt = req.response_format
-        if fmt is not None and fmt.type == "json_object":
-            given.append(("response_format", {"json_object": True}))
-        elif fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None:
-                raise APIError("response_format of type json_schema needs 'json_schema'", param="response_format")
-            schema = fmt.json_schema.schema_
-            given.append(("response_format", {"json_object": True} if schema is None else {"json": json.dumps(schema)}))
-        if req.guided_json is not None:
-            text = req.guided_json if isinstance(req.guided_json, str) else json.dumps(req.guided_json)
-            given.append(("guided_json", {"json": text}))
-        if req.guided_regex is not None:
-            given.append(("guided_regex", {"regex": req.guided_regex}))
-        if req.guided_choice is not None:
-            given.append(("guided_choice", {"choice": tuple(req.guided_choice)}))
-        if len(given) > 1:
-            raise APIError(f"give one of {', '.join(name for name, _ in given)}, not several", param=given[1][0])
-        if not given:
-            return None
-        field, kwargs = given[0]
-        try:  # too large or too deep to compile in time
-            return field, StructuredOutput(**kwargs)
-        except ValueError as err:
-            raise APIError(str(err), param=field) from None
+    # ----- the door: a request's limits and its grammar, or APIError -----
 
     async def compile(self, field: str, structure: StructuredOutput) -> None:
         """Compile a grammar in a thread of the door's (xgrammar lets go of the interpreter lock: the loop
@@ -354,17 +189,6 @@ class Server:
             self.slow_grammars.add(hash(structure))
             self.overdue.append(compiling)
             raise APIError(f"the grammar takes over {GRAMMAR_COMPILE_S:g} s to compile", param=field) from None
-
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        """The token ids of a chat request's messages."""
-        if self.tokenizer is None:
-            raise APIError("this model has no tokenizer: use /v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        self.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages")
-        try:
-            return chat_prompt(self.tokenizer, messages)
-        except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
-            raise APIError(f"the chat template failed: {err}", param="messages") from None
 
     def check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -445,25 +269,6 @@ class Server:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
 
-    def logprobs_json(self, items: list, chat: bool, offsets: TextOffsets) -> dict:
-        """Chapter 12's TokenLogprobs in OpenAI's form: chat's `content` list, or the completions
-        endpoint's parallel lists (offsets: the choice's, advanced by these tokens; a bare token id:
-        an echoed prompt's first token, which has no log-probability)."""
-        def entry(token: int, logprob: float) -> dict:
-            text, data = self.token_piece(token)
-            return {"token": text, "logprob": logprob, "bytes": list(data)}
-
-        if chat:
-            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
-                                for lp in items]}
-        pieces = [self.token_piece(lp if isinstance(lp, int) else lp.token) for lp in items]
-        scored = [None if isinstance(lp, int) else lp for lp in items]
-        return {"tokens": [text for text, _ in pieces],
-                "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
-                "top_logprobs": [None if lp is None else {self.token_piece(t)[0]: p for t, p in lp.top}
-                                 for lp in scored],
-                "text_offset": [offsets.next(data) for _, data in pieces]}
-
     def admit(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
         """Refuse a request larger than this server takes in one: its sequences (prompts x n), and the
         tokens they may hold together."""
@@ -478,24 +283,31 @@ class Server:
                            f"this server takes at most {self.max_tokens} in one request (--max-tokens-per-request)",
                            param="max_tokens")
 
-    async def run(self, raw: bytes, chat: bool) -> dict | AsyncIterator[str]:
-        """A request's response: a JSON body, or (stream=true) an iterator of SSE events."""
-        req, prompts = self.parse(raw, chat) if len(raw) <= INLINE_BODY_BYTES else \
-            await asyncio.to_thread(self.parse, raw, chat)
-        default = max(min(self.chat_max_tokens, self.max_model_len - len(prompts[0])), 1) if chat else 16
-        grammar = self.structure(req)
-        params, n, stops = self.params(req, default, grammar and grammar[1])
+    def parse(self, raw: bytes, endpoint: Completions) -> tuple[SamplingFields, list[list[int]]]:
+        """A request body, validated against its endpoint's model, and its prompts' token ids."""
+        req = validate(endpoint.request, load_body(raw, endpoint.unsupported))
+        assert isinstance(req, SamplingFields)
+        return req, endpoint.prompts(self, req)
+
+    async def run(self, raw: bytes, endpoint: Completions) -> dict | AsyncIterator[str]:
+        """A request's response: a JSON body, or (stream=true) an iterator of SSE events. A large body
+        is parsed and tokenized in a worker thread: the event loop must keep answering meanwhile."""
+        req, prompts = self.parse(raw, endpoint) if len(raw) <= INLINE_BODY_BYTES else \
+            await asyncio.to_thread(self.parse, raw, endpoint)
+        grammar = structure(req)
+        check_model(req, self.model_name)
+        params, n, stops = sampling_params(req, endpoint.max_tokens(self, req, prompts), endpoint.logprobs(req),
+                                           grammar and grammar[1])
         self.admit(prompts, params, n)
         if params.logprobs is not None and self.tokenizer is not None and "vocab_bytes" not in self.__dict__:
             await asyncio.to_thread(getattr, self, "vocab_bytes")  # the first time: seconds, off the event loop
         if grammar is not None:
             await self.compile(*grammar)
-        choices = merge(self.requests(prompts, params, n, stops, isinstance(req, CompletionRequest) and req.echo))
+        choices = merge(self.requests(prompts, params, n, stops, endpoint.echo(req)))
         prompt_tokens = sum(map(len, prompts))
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": self.model_name}
+        head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self.events(choices, head, prompt_tokens, chat, n * len(prompts),
+            return self.events(endpoint, choices, head, prompt_tokens, n * len(prompts),
                                req.stream_options is not None and req.stream_options.include_usage)
         texts: dict[int, str] = {}
         reasons: dict[int, str | None] = {}
@@ -509,76 +321,38 @@ class Server:
                     logprobs.setdefault(d.index, []).extend(d.logprobs)
         except RuntimeError as err:
             raise generation_failed(err, "request") from None
-        usage = _usage(prompt_tokens, tokens)
-        lp = {i: self.logprobs_json(items, chat, TextOffsets()) for i, items in logprobs.items()}
-        if chat:
-            out = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp.get(i),
-                    "finish_reason": reasons[i]} for i in sorted(texts)]
-            return {**head, "object": "chat.completion", "choices": out, "usage": usage}
-        out = [{"index": i, "text": texts[i], "logprobs": lp.get(i), "finish_reason": reasons[i]}
-               for i in sorted(texts)]
-        return {**head, "object": "text_completion", "choices": out, "usage": usage}
+        lp = {i: endpoint.logprobs_json(items, self.token_piece, TextOffsets()) for i, items in logprobs.items()}
+        out = [endpoint.choice(i, texts[i], reasons[i], lp.get(i)) for i in sorted(texts)]
+        return {**head, "object": endpoint.object, "choices": out, "usage": _usage(prompt_tokens, tokens)}
 
-    async def events(self, choices: AsyncIterator[ChoiceDelta], head: dict, prompt_tokens: int, chat: bool,
-                     num_choices: int, include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
+    async def events(self, endpoint: Completions, choices: AsyncIterator[ChoiceDelta], head: dict,
+                     prompt_tokens: int, num_choices: int, include_usage: bool) -> AsyncIterator[str]:
         # Every chunk of this response starts the same: its JSON is written once, the choice per chunk.
-        start = f"data: {_json({**head, 'object': obj})[:-1]},\"choices\":["
+        start = f"data: {_json({**head, 'object': endpoint.chunk_object})[:-1]},\"choices\":["
 
-        def chunk(index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else {"content": text} if text else {}
-                c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            else:
-                c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-            return f"{start}{_json(c)}]}}\n\n"  # one SSE line: JSON escapes its newlines
+        def chunk(choice: dict) -> str:
+            return f"{start}{_json(choice)}]}}\n\n"  # one SSE line: JSON escapes its newlines
 
         tokens: dict[int, int] = {}
         offsets: dict[int, TextOffsets] = {}  # where each choice's next token's text starts
         try:
-            if chat:
-                for i in range(num_choices):
-                    yield chunk(i, None, None, role=True)
+            for i in range(num_choices):
+                if (opening := endpoint.opening(i)) is not None:
+                    yield chunk(opening)
             async for d in choices:
                 tokens[d.index] = d.tokens
-                lp = self.logprobs_json(d.logprobs, chat, offsets.setdefault(d.index, TextOffsets())) \
+                lp = endpoint.logprobs_json(d.logprobs, self.token_piece, offsets.setdefault(d.index, TextOffsets())) \
                     if d.logprobs else None
                 if d.text or d.finish_reason or lp:
-                    yield chunk(d.index, d.text, d.finish_reason, logprobs=lp)
+                    yield chunk(endpoint.delta(d.index, d.text, d.finish_reason, lp))
         except Exception as err:  # the status line is long gone: an error event, then the end as usual
             yield sse_event(_json(generation_failed(err, "stream").body()))
             yield sse_event("[DONE]")
             return
         if include_usage:
-            yield sse_event(_json({**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, tokens)}))
+            usage = _usage(prompt_tokens, tokens)
+            yield sse_event(_json({**head, "object": endpoint.chunk_object, "choices": [], "usage": usage}))
         yield sse_event("[DONE]")
-
-    def metrics(self) -> str:
-        """Prometheus text exposition of the engine's state."""
-        s, lines = self.engine.stats, []
-        for name, kind, value, help in [
-            ("requests_running", "gauge", s.running, "Requests in the running batch."),
-            ("requests_waiting", "gauge", s.waiting, "Requests waiting to be admitted."),
-            ("requests_swapped", "gauge", s.swapped, "Preempted requests whose KV is in CPU memory."),
-            ("kv_blocks_used", "gauge", s.blocks_used, "KV cache blocks in use."),
-            ("kv_blocks_total", "gauge", s.blocks_total, "KV cache blocks in the pool."),
-            ("prompt_tokens_total", "counter", self.prompt_tokens, "Prompt tokens of accepted requests."),
-            ("generation_tokens_total", "counter", self.engine.generated_tokens, "Tokens generated."),
-            ("generation_tokens_per_second", "gauge", round(self.engine.tokens_per_second(), 3),
-             "Tokens generated per second over the last 10 s."),
-            ("engine_steps_total", "counter", self.engine.totals["steps"], "Engine steps."),
-            ("engine_step_seconds_total", "counter", round(self.engine.totals["step_seconds"], 6),
-             "Seconds the engine spent in steps."),
-            ("engine_wait_seconds_total", "counter", round(self.engine.totals["wait_seconds"], 6),
-             "Seconds the engine's output thread waited to hand outputs to this server (it reads too slowly)."),
-            ("spec_decode_proposed_tokens_total", "counter", s.spec_proposed, "Speculative guesses verified."),
-            ("spec_decode_accepted_tokens_total", "counter", s.spec_accepted, "Speculative guesses kept."),
-            ("spec_decode_verifying_steps_total", "counter", s.spec_verified,
-             "Request-steps that verified guesses (each yields the kept ones and one token more)."),
-        ]:
-            lines += [f"# HELP miniinfer_{name} {help}", f"# TYPE miniinfer_{name} {kind}", f"miniinfer_{name} {value}"]
-        return "\n".join(lines) + "\n"
 
 
 def _usage(prompt_tokens: int, tokens: dict[int, int]) -> dict[str, int]:
@@ -653,74 +427,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _json_schema(model: type[BaseModel] | None, event_stream: bool = False) -> dict:
-    content: dict[str, dict] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}} \
-        if model else {}
-    if event_stream:  # stream=true: Server-Sent Events, each carrying a chunk of the response
-        data = {"type": "string", "description": "a chunk of the response as JSON, or [DONE] at the end"}
-        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
-                                                   "properties": {"data": data}}}
-    return {"content": content}
-
-
-def _token_ids_below(schema, vocab_size: int) -> None:
-    """Give every token id (an integer >= 0) in a prompt's schema this vocabulary's bound."""
-    if isinstance(schema, dict):
-        if schema.get("type") == "integer" and schema.get("minimum") == 0:
-            schema["maximum"] = vocab_size - 1
-        for value in schema.values():
-            _token_ids_below(value, vocab_size)
-    elif isinstance(schema, list):
-        for value in schema:
-            _token_ids_below(value, vocab_size)
-
-
-def openapi_schema(app: FastAPI, server: Server) -> dict:
-    """FastAPI's schema of the routes, with the request bodies and responses of openai_schema.py and
-    this engine's limits: the endpoints read their bodies themselves (size limit, nesting, a
-    worker thread). One limit is left out, as JSON Schema cannot relate two fields: the prompt's
-    tokens and max_tokens together must fit the context."""
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    models: list[type[BaseModel]] = [openai_schema.CompletionRequest, openai_schema.ChatCompletionRequest,
-                                     openai_schema.CompletionResponse, openai_schema.ChatCompletionResponse,
-                                     openai_schema.ErrorResponse, openai_schema.ModelList, openai_schema.Health]
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in models:
-        s = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(s.pop("$defs", {}))
-        components[model.__name__] = s
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        fields = components[name]["properties"]
-        fields["n"]["maximum"] = server.max_seqs
-        for key in ("max_tokens", "max_completion_tokens"):
-            if key in fields:
-                fields[key]["anyOf"][0]["maximum"] = server.max_model_len
-    prompt = components["CompletionRequest"]["properties"]["prompt"]
-    _token_ids_below(prompt, server.vocab_size)
-    for form in prompt["anyOf"]:  # a list of prompts: one sequence each at least
-        if form.get("type") == "array" and form.get("maxItems", 0) > server.max_seqs:
-            form["maxItems"] = server.max_seqs
-    errors = {str(code): {"description": why, **_json_schema(openai_schema.ErrorResponse)} for code, why in [
-        (400, "a bad request"), (404, "no such model"), (413, "the body is too large"),
-        (429, "too many slow grammars are compiling"), (500, "the server failed"),
-        (503, "the server is shutting down (Retry-After says when to try again)")]}
-    routes: list[tuple[str, type[BaseModel], type[BaseModel]]] = [
-        ("/v1/completions", openai_schema.CompletionRequest, openai_schema.CompletionResponse),
-        ("/v1/chat/completions", openai_schema.ChatCompletionRequest, openai_schema.ChatCompletionResponse)]
-    for path, request, response in routes:
-        op = schema["paths"][path]["post"]
-        op["requestBody"] = {"required": True, **_json_schema(request)}
-        op["responses"] = {"200": {"description": "the response, or with stream=true its events",
-                                   **_json_schema(response, event_stream=True)}, **errors}
-    gets: list[tuple[str, type[BaseModel], dict]] = [
-        ("/v1/models", openai_schema.ModelList, {}),
-        ("/health", openai_schema.Health,
-         {"503": {"description": "the engine has stopped, or is shutting down", **_json_schema(openai_schema.Health)}})]
-    for path, model, extra in gets:
-        schema["paths"][path]["get"]["responses"] = {"200": {"description": "OK", **_json_schema(model)}, **extra}
-    return schema
-
-
 def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = ServerOptions()) -> FastAPI:
     """The FastAPI application: the OpenAI routes, /health and /metrics."""
     server = Server(engine, model_name, options)
@@ -729,7 +435,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = 
 
     def cached_openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, server)
+            app.openapi_schema = openapi_schema(app, server, ENDPOINTS)
         return app.openapi_schema
 
     app.openapi = cached_openapi  # type: ignore[method-assign]  # FastAPI's documented way to replace it
@@ -762,26 +468,23 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = 
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics():
-        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+    async def prometheus():
+        return PlainTextResponse(metrics(server), media_type="text/plain; version=0.0.4")
 
-    async def generate(request: Request, chat: bool):
-        if server.draining:
-            raise shutting_down("it takes no new requests")
-        raw = await read_body(request, server.max_body_bytes)
-        result = await until_disconnected(request, server.run(raw, chat))
-        if isinstance(result, (dict, Response)):
-            return result
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def route(endpoint: Completions):
+        async def generate(request: Request):
+            if server.draining:
+                raise shutting_down("it takes no new requests")
+            raw = await read_body(request, server.max_body_bytes)
+            result = await until_disconnected(request, server.run(raw, endpoint))
+            if isinstance(result, (dict, Response)):
+                return result
+            return StreamingResponse(result, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        app.post(endpoint.path)(generate)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, chat=True)
+    for endpoint in ENDPOINTS:
+        route(endpoint)
 
     return app
 

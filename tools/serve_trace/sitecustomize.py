@@ -11,9 +11,10 @@ if os.environ.get("MI_TRACE"):
     import threading
     import time
 
-    import miniinfer.async_engine as ae
-    import miniinfer.bench as bench
-    import miniinfer.server as server
+    import miniinfer.engine.async_engine as ae
+    import miniinfer.engine.core_client as clients
+    import miniinfer.serving.bench as bench
+    import miniinfer.serving.server as server
 
     file, lock = open(os.path.join(os.environ["MI_TRACE"], f"trace.{os.getpid()}.txt"), "w", buffering=1), \
         threading.Lock()
@@ -21,7 +22,7 @@ if os.environ.get("MI_TRACE"):
     def log(line: str) -> None:  # from several threads of one process (the HTTP loop, the receiver)
         with lock:
             file.write(line)
-    run_engine, receive, run, one_request = ae.run_engine, ae.AsyncLLMEngine._receive, server.Server.run, \
+    run_engine, receive, run, one_request = clients.run_engine, ae.AsyncLLMEngine._receive, server.Server.run, \
         bench.one_request
 
     def traced_run_engine(engine, next_command, emit):
@@ -48,9 +49,9 @@ if os.environ.get("MI_TRACE"):
         receive(self, outputs, stats)
         log(f"R {time.time():.6f} {stats.new_tokens if stats else 0} {stats.steps if stats else 0}\n")
 
-    async def traced_run(self, raw, chat):
+    async def traced_run(self, raw, endpoint):
         log(f"H {time.time():.6f}\n")
-        return await run(self, raw, chat)
+        return await run(self, raw, endpoint)
 
     async def traced_one_request(*args, **kwargs):
         log(f"Q {time.time():.6f}\n")
@@ -58,5 +59,5 @@ if os.environ.get("MI_TRACE"):
         log(f"D {time.time():.6f}\n")
         return result
 
-    ae.run_engine, ae.AsyncLLMEngine._receive = traced_run_engine, traced_receive
+    clients.run_engine, ae.AsyncLLMEngine._receive = traced_run_engine, traced_receive  # where the clients call it
     server.Server.run, bench.one_request = traced_run, traced_one_request

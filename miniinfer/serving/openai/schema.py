@@ -1,7 +1,8 @@
 """Hand-written, not from a notebook: OpenAI's API as data, which chapter 08 uses but does not teach.
 
 The OpenAI request and response bodies the server speaks, as pydantic models: they validate each
-request at the door and describe the API in /openapi.json. Hand-written module (chapter 08)."""
+request at the door (params.py) and describe the API in /openapi.json (openapi.py). Hand-written
+module (chapter 08)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,123 @@
+"""The checks of problem set 06 (continuous batching): each answer against the reference, on random inputs.
+
+Hand-written module (chapter 06)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from miniinfer.core.sampling_params import top_p_filter
+from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, random_block_size
+
+
+def _admit_ref(prompt_lens, free_blocks, block_size, seats, budget):
+    n = 0
+    for length in prompt_lens:
+        need = -(-length // block_size)
+        if n == seats or length > budget or need > free_blocks:
+            break
+        free_blocks, budget, n = free_blocks - need, budget - length, n + 1
+    return n
+
+
+@exercise("06", 1, "admit")
+def check_admit(fn: Callable) -> None:
+    """fn(prompt_lens, free_blocks, block_size, seats, budget) -> how many waiting sequences, in
+    queue order, are admitted (each: a seat, its prompt within the token budget, blocks for it)."""
+    def inputs(gen, case):
+        n = randint(gen, 0, 8)
+        return ([randint(gen, 1, 60) for _ in range(n)], randint(gen, 0, 40), random_block_size(gen, case, 16),
+                randint(gen, 0, 8), randint(gen, 1, 200))
+    check("admit", as_tensor(fn), as_tensor(_admit_ref), inputs, cases=40)
+
+
+def _schedule_decodes_ref(lens, free_blocks, block_size):
+    queue, decode, preempted = list(range(len(lens))), [], []
+    while queue:
+        i = queue.pop(0)
+        needs_block = lens[i] % block_size == 0
+        while needs_block and free_blocks == 0:
+            victim = queue.pop() if queue else i
+            preempted.append(victim)
+            free_blocks += -(-lens[victim] // block_size)
+            if victim == i:
+                break
+        else:
+            free_blocks -= needs_block
+            decode.append(i)
+    return decode, preempted
+
+
+@exercise("06", 2, "schedule_decodes")
+def check_schedule_decodes(fn: Callable) -> None:
+    """fn(lens, free_blocks, block_size) -> (decoding indices, preempted indices in order): running
+    sequences (most urgent first, lens[i] tokens each in the pool) each decode a token, preempting
+    the least urgent one (recompute) whenever a needed block is not free."""
+    def inputs(gen, case):
+        bs = random_block_size(gen, case, 5)
+        return [randint(gen, 1, 4 * bs) for _ in range(randint(gen, 0, 9))], randint(gen, 0, 3), bs
+    check("schedule_decodes", as_tensor(fn), as_tensor(_schedule_decodes_ref), inputs, cases=60)
+
+
+def _preempt_for_ref(head, head_blocks, running, running_blocks, free_blocks):
+    n = 0
+    while n < len(running) and head_blocks > free_blocks and tuple(head) < tuple(running[-1 - n]):
+        free_blocks += running_blocks[-1 - n]
+        n += 1
+    return n
+
+
+@exercise("06", 3, "preempt_for")
+def check_preempt_for(fn: Callable) -> None:
+    """fn(head, head_blocks, running, running_blocks, free_blocks) -> how many of the least urgent
+    running sequences (keys (priority, arrival), most urgent first) the waiting head preempts."""
+    def inputs(gen, case):
+        n = randint(gen, 0, 7)
+        keys = sorted((randint(gen, 0, 3), a) for a in torch.randperm(20, generator=gen)[:n + 1].tolist())
+        head = keys.pop(randint(gen, 0, n))
+        return (head, randint(gen, 1, 12), keys, [randint(gen, 1, 6) for _ in keys], randint(gen, 0, 6))
+    check("preempt_for", as_tensor(fn), as_tensor(_preempt_for_ref), inputs, cases=60)
+
+
+def _sample_rows_ref(logits, temperature, top_p, noise):
+    scaled = logits / temperature.clamp(min=1e-5)[:, None]
+    probs = top_p_filter(scaled, top_p[:, None]).softmax(-1)
+    return torch.where(temperature > 0, (probs / noise).argmax(-1), logits.argmax(-1))
+
+
+@exercise("06", 4, "sample_rows")
+def check_sample_rows(fn: Callable) -> None:
+    """fn(logits [B, V], temperature [B], top_p [B], noise [B, V]) -> tokens [B] int64: each row by
+    its own parameters (temperature 0: argmax), top-p, then argmax(probs / noise)."""
+    def inputs(gen, case):
+        B, V = randint(gen, 1, 7), randint(gen, 2, 300)
+        temperature = torch.rand(B, generator=gen) * 1.5
+        temperature[torch.rand(B, generator=gen) < 0.3] = 0
+        top_p = torch.rand(B, generator=gen) * 0.9 + 0.1
+        top_p[torch.rand(B, generator=gen) < 0.3] = 1.0
+        noise = -torch.rand(B, V, generator=gen).clamp(min=1e-7).log()
+        return torch.randn(B, V, generator=gen) * 3, temperature, top_p, noise
+    check("sample_rows", fn, _sample_rows_ref, inputs, cases=20)
+
+
+def _varlen_ref(tokens, tables, num_cached, block_size):
+    from miniinfer.worker.kv_cache import VarlenBatch
+    b = VarlenBatch.build(tokens, tables, num_cached, block_size)
+    return tuple(t.long() for t in (b.positions, b.slot_mapping, b.query_start_loc, b.seq_lens))
+
+
+@exercise("06", 5, "varlen_metadata")
+def check_varlen_metadata(fn: Callable) -> None:
+    """fn(tokens, block_tables, num_cached, block_size) -> (positions [N], slot_mapping [N],
+    query_start_loc [B+1], seq_lens [B]) as int64 tensors."""
+    def inputs(gen, case):
+        bs, B = random_block_size(gen, case, 5), randint(gen, 1, 6)
+        cached = [randint(gen, 0, 12) for _ in range(B)]
+        tokens = [[randint(gen, 0, 99) for _ in range(randint(gen, 1, 9))] for _ in range(B)]
+        pool = torch.randperm(200, generator=gen).tolist()
+        tables = [[pool.pop() for _ in range(-(-(c + len(t)) // bs))] for c, t in zip(cached, tokens)]
+        return tokens, tables, cached, bs
+    check("varlen_metadata", lambda *a: tuple(torch.as_tensor(x).long() for x in fn(*a)), _varlen_ref,
+          inputs, cases=20)

@@ -1,0 +1,194 @@
+"""The harness of the exercise checks: the registry, the answer's context and the comparison on random inputs.
+
+Hand-written module. Each `check_*` (in `chNN.py`, one module per problem set) is the check of one
+exercise, registered in EXERCISES under an id that the notebooks' cells carry in their metadata, so a
+grader finds it by id. It runs the answer on randomly drawn inputs of odd shapes, prints one line
+starting with `passed:` when everything matches, and otherwise raises:
+- AssertionError: a wrong result, naming the case, its inputs and what differs;
+- AnswerError: the student's code raised, naming the case and its inputs (the original error is its cause);
+- NotAnswered: the exercise still raises its NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from miniinfer.model.transformer import rope_cos_sin, rope_inv_freq
+
+Inputs = Callable[[torch.Generator, int], tuple]  # (generator, case number) -> the arguments
+
+
+class NotAnswered(NotImplementedError):
+    """An exercise that still raises the NotImplementedError it was handed out with."""
+
+
+class AnswerError(Exception):
+    """The student's code raised an exception (its __cause__) on a case the check names."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str          # "01.rms_norm": chapter + the answer's name; stored in the notebook cells' metadata
+    chapter: str     # "01"
+    number: int      # as the problem set's heading says ("Exercise 1")
+    answer: str      # what the student writes (a function, kernel or class)
+    argument: str    # what the check cell passes to the check (the answer, or the wrapper that launches it)
+    check: Callable
+
+    @property
+    def label(self) -> str:
+        return f"exercise {self.number} ({self.answer})"
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def problem_set(chapter: str) -> list[Exercise]:
+    """The exercises of one chapter's problem set, in order."""
+    return sorted((e for e in EXERCISES.values() if e.chapter == chapter), key=lambda e: e.number)
+
+
+def unanswered(err: BaseException | None) -> bool:
+    """Whether err is (or was caused by) an exercise's `raise NotImplementedError()`. A compiled Triton
+    kernel cannot raise: its compiler's error only names the statement."""
+    while err is not None:
+        if isinstance(err, NotImplementedError) or "NotImplementedError" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def exercise(chapter: str, number: int, answer: str, argument: str | None = None):
+    """Register a check as the check of exercise `number` of chapter's problem set."""
+    def register(check_fn: Callable) -> Callable:
+        label = f"exercise {number} ({answer})"
+
+        @functools.wraps(check_fn)
+        def run(*args, **kwargs):
+            try:
+                return check_fn(*args, **kwargs)
+            except (AssertionError, AnswerError):
+                raise
+            except Exception as err:
+                if unanswered(err):
+                    raise NotAnswered(f"{label} is not answered yet: write your code where it says "
+                                      "# YOUR CODE HERE and delete the `raise NotImplementedError()`") from None
+                raise AnswerError(f"{label}: your code raised {type(err).__name__}: {err}") from err
+        ex = Exercise(f"{chapter}.{answer}", chapter, number, answer, argument or answer, run)
+        EXERCISES[ex.id] = ex
+        return run
+    return register
+
+
+@contextlib.contextmanager
+def your_answers(chapter: str) -> Iterator[None]:
+    """Run a problem set's last part, which calls the student's answers: an unanswered one it reaches
+    fails naming its exercise (found by the function the NotImplementedError was raised in)."""
+    try:
+        yield
+    except Exception as err:
+        if not unanswered(err):
+            raise
+        names = {e.answer: e for e in problem_set(chapter)}
+        cause: BaseException = err
+        while (inner := cause.__cause__ or cause.__context__) is not None:  # the NotImplementedError itself
+            cause = inner
+        tb, hit = cause.__traceback__, None
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            hit = names.get(code.co_name) or names.get(code.co_qualname.split(".")[0]) or hit
+            tb = tb.tb_next
+        which = hit.label if hit else "an exercise of this problem set"
+        raise NotAnswered(f"{which} is not answered yet: finish it (and run its check) before this part") from None
+
+
+def _describe(args: tuple) -> str:
+    return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
+                     if isinstance(a, torch.Tensor) else repr(a)[:80] for a in args)
+
+
+def run_answer(fn: Callable, args, where: str):
+    """fn(*args), with an exception from the student's code reported with the case it failed on."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        if unanswered(err):
+            raise
+        raise AnswerError(f"{where}: your code raised {type(err).__name__}: {err}") from err
+
+
+# Half-precision answers may round differently from the reference by an ulp or two.
+TOLERANCES = {torch.float16: (4e-3, 1e-4), torch.bfloat16: (3e-2, 1e-3)}  # (rtol, atol)
+
+
+def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8,
+          rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0, device: str = "cpu") -> None:
+    """Compare fn(*args) with ref(*args) for `cases` random draws of inputs(generator, case), drawn
+    on the CPU and handed to fn on `device` (the reference runs on the CPU)."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(cases):
+        args = inputs(gen, case)
+        where = f"{name}, case {case + 1} (inputs: {_describe(args)})"
+        # Each side gets its own copy, so that a function that writes in place is checked too.
+        fresh = lambda dev, args=args: [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
+        expected = ref(*fresh("cpu"))
+        got = run_answer(fn, fresh(device), where)
+        if isinstance(expected, torch.Tensor):
+            expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
+        if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+            raise AssertionError(f"{where}: expected {len(expected)} tensor(s), got {type(got).__name__}")
+        for i, (e, g) in enumerate(zip(expected, got)):
+            at = where + (f", output {i}" if len(expected) > 1 else "")
+            if not isinstance(g, torch.Tensor):
+                raise AssertionError(f"{at}: expected a tensor, got {type(g).__name__}")
+            if g.shape != e.shape:
+                raise AssertionError(f"{at}: shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+            if g.dtype != e.dtype:
+                raise AssertionError(f"{at}: dtype {g.dtype}, expected {e.dtype}")
+            try:
+                tol = TOLERANCES.get(e.dtype, (rtol, atol))
+                torch.testing.assert_close(g.cpu(), e, rtol=tol[0], atol=tol[1])
+            except AssertionError as err:
+                raise AssertionError(f"{at}: values differ from the reference.\n{err}") from None
+    print(f"passed: {name} matches the reference on {cases} random inputs")
+
+
+def randint(gen: torch.Generator, lo: int, hi: int) -> int:
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def random_block_size(gen: torch.Generator, case: int, hi: int = 6) -> int:
+    """Block sizes 1 and 3 first (where off-by-ones show), then random ones."""
+    return (1, 3)[case] if case < 2 else randint(gen, 1, hi)
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def rope_inputs(gen: torch.Generator, case: int, dtypes=(torch.float32,), batch: bool = False) -> tuple:
+    T, Hk, D = randint(gen, 1, 40), randint(gen, 1, 4), 2 * randint(gen, 1, 40)
+    Hq = Hk * randint(gen, 1, 3)
+    dtype = dtypes[case % len(dtypes)]
+    lead = (randint(gen, 1, 3),) if batch and case % 2 else ()  # the model's [B, T, ...] as well
+    cos, sin = rope_cos_sin(torch.randint(0, 4096, (*lead, T), generator=gen), rope_inv_freq(D, 10000.0))
+    return (torch.randn(*lead, T, Hq, D, generator=gen).to(dtype),
+            torch.randn(*lead, T, Hk, D, generator=gen).to(dtype), cos, sin)
+
+
+def device() -> str:
+    """Where the problem sets' Triton kernels run: the GPU when there is one, else Triton's interpreter."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def as_tensor(fn: Callable) -> Callable:
+    """fn with its list arguments copied and its int or list result as a tensor, for `check`."""
+    def run(*args):
+        result = fn(*[list(a) if isinstance(a, list) else a for a in args])
+        return tuple(torch.tensor(r, dtype=torch.int64) for r in result) if isinstance(result, tuple) \
+            else torch.tensor(result, dtype=torch.int64)
+    return run
