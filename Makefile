@@ -40,7 +40,7 @@ test: $(STAMP)
 	$(PY) tools/build.py export --check
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
-	$(PY) -m pytest --nbval -n 2 --dist loadfile
+	$(PY) -m pytest --nbval -n 2 --dist loadfile --durations=25
 
 grade: $(STAMP)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS='folder or notebooks' [JOBS=2] [TIMEOUT=600] [GRADES=grades.csv]"; exit 2; }

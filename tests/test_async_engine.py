@@ -2,6 +2,7 @@
 blocks of clients that leave, refuses bad requests at once and keeps serving."""
 
 import asyncio
+import dataclasses
 import pickle
 
 import pytest
@@ -234,10 +235,9 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
             return lambda: (_ for _ in ()).throw(ValueError("it does not prepare"))
         return None
 
-    prepares = mi.model.transformer.Registry("request preparation", {"slow": slow})
-    monkeypatch.setattr(mi.engine.llm_engine, "REQUEST_PREPARES", prepares)
-    monkeypatch.setattr(mi.engine.core, "REQUEST_PREPARES", prepares)
-    eng = mi.AsyncLLMEngine(mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=course_model))
+    config = mi.EngineConfig(num_blocks=64)
+    components = dataclasses.replace(mi.worker.model_runner.build_components(config), prepares=(slow,))
+    eng = mi.AsyncLLMEngine(mi.LLMEngine(config, model=course_model, components=components))
     queued, enqueue = [], eng.client.engine.enqueue
     eng.client.engine.enqueue = lambda *a, **k: queued.append(enqueue(*a, **k))
     free = mi.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

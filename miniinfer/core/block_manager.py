@@ -11,6 +11,16 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def cut_table(table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """Cut a block table back to the blocks that hold its first num_tokens tokens; the blocks cut off.
+    The one rule by which a sequence gives tokens back, wherever a copy of its table lives (chapter
+    09's runner cuts its own by it, in step with this manager)."""
+    keep = blocks_needed(num_tokens, block_size)
+    cut = table[keep:]
+    del table[keep:]
+    return cut
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has too few free blocks for the request; nothing was changed."""
 
@@ -110,9 +120,7 @@ class BlockManager:
         table = self._table(seq_id)
         if not 1 <= num_tokens <= self.lengths[seq_id]:
             raise ValueError(f"num_tokens must be in 1..{self.lengths[seq_id]}, got {num_tokens}")
-        keep = self.blocks_for(num_tokens)
-        self._release(table[keep:])
-        del table[keep:]
+        self._release(cut_table(table, num_tokens, self.block_size))
         self.lengths[seq_id] = num_tokens
 
     def fork(self, parent_id, child_id) -> list[int]:

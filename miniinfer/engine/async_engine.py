@@ -18,6 +18,7 @@ from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutp
 from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient
 from miniinfer.engine.llm_engine import LLMEngine, check_request
 from miniinfer.model.loader import load_tokenizer
+from miniinfer.worker.model_runner import build_components
 
 
 @dataclass
@@ -49,9 +50,10 @@ class AsyncLLMEngine:
         self.recent: collections.deque = collections.deque()  # (time, tokens) of the last minute's steps
         self.client: EngineClient
         if isinstance(engine, LLMEngine):
-            self.tokenizer = engine.tokenizer
+            self.tokenizer, self.checks = engine.tokenizer, engine.components.checks
             self.client = InprocClient(engine, self._receive)
-        else:
+        else:  # the engine's process builds the same components from the same config
+            self.checks = build_components(engine).checks
             self.client = MultiprocClient(engine, self._receive)
             try:
                 self.tokenizer = load_tokenizer(engine.model)
@@ -64,7 +66,7 @@ class AsyncLLMEngine:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The door: the prompt's token ids, or ValueError if the engine can never serve the request."""
-        return check_request(prompt, params, self.tokenizer, self.limits)
+        return check_request(prompt, params, self.tokenizer, self.limits, self.checks)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                  request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:

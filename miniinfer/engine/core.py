@@ -8,7 +8,7 @@ from typing import Callable, Union
 
 from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.sequence import RequestOutput
-from miniinfer.engine.llm_engine import REQUEST_PREPARES, Limits, LLMEngine
+from miniinfer.engine.llm_engine import Limits, LLMEngine
 
 
 @dataclass
@@ -134,7 +134,7 @@ def admit(engine: LLMEngine, add: AddRequest, pool: concurrent.futures.Executor,
     """Queue a request, or first start its long work in the pool (chapter 12's grammar compile):
     meanwhile the loop steps the others."""
     try:
-        jobs = [work for prepare in REQUEST_PREPARES.all()
+        jobs = [work for prepare in engine.components.prepares
                 if (work := prepare(add.params, engine.tokenizer, engine.info, engine.config))]
     except Exception as err:  # this request's fault, not the loop's
         return enqueue(engine, add, err)

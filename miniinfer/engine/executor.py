@@ -7,7 +7,7 @@ from typing import Any, Protocol
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.model.transformer import Registry, Transformer
-from miniinfer.worker.model_runner import RUNNERS, Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
+from miniinfer.worker.model_runner import Components, Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
 
 
 class Executor(Protocol):
@@ -28,8 +28,9 @@ class Executor(Protocol):
 class InProcessExecutor:
     """One runner, in the engine's own process."""
 
-    def __init__(self, config: EngineConfig, model: Transformer | None = None, tokenizer=None):
-        self.runner: ModelRunner = RUNNERS[config.speculative_method](config, model)
+    def __init__(self, config: EngineConfig, components: Components, model: Transformer | None = None,
+                 tokenizer=None):
+        self.runner: ModelRunner = components.runner(config, model, processors=components.processors)
         self.runner.tokenizer = tokenizer
         self.model: Transformer | None = self.runner.model
 

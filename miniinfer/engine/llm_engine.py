@@ -6,7 +6,7 @@ import itertools
 import time
 from collections import abc
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -19,25 +19,18 @@ from miniinfer.core.sequence import RequestDataError, RequestOutput, Sequence
 from miniinfer.engine.executor import EXECUTORS, Executor
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.model.transformer import Registry, Transformer
-from miniinfer.worker.model_runner import Launched, SpecStats
+from miniinfer.worker.model_runner import Components, Launched, SpecStats, build_components
 
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07's caches prefixes.
 BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching",
                           {False: BlockManager, True: "miniinfer.core.prefix_cache:PrefixCachingBlockManager"})
 
 
-# Chapter 12's checks of a request against the model's tokenizer (a grammar must compile), each
-# fn(params, tokenizer, limits) raising ValueError.
-REQUEST_CHECKS = Registry("request check", {"structured_output": "miniinfer.worker.logits_processors:check_structure"})
-# Work a request needs before its first step that can take long (chapter 12 compiles its grammar),
-# each fn(params, tokenizer, info, config) -> a function to run first, or None. The engine's loop in a server runs them
-# in a thread (chapter 08's run_engine), so that the running requests' steps go on meanwhile.
-REQUEST_PREPARES = Registry("request preparation",
-                            {"structured_output": "miniinfer.worker.logits_processors:prepare_structure"})
 
-
-def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits) -> list[int]:
-    """The prompt's token ids, or ValueError if an engine with these limits can never serve it."""
+def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits,
+                  checks: tuple[Callable, ...] = ()) -> list[int]:
+    """The prompt's token ids, or ValueError if an engine with these limits and checks (its
+    components') can never serve it."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
     if isinstance(prompt, str):
@@ -65,7 +58,7 @@ def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, li
     if blocks_needed(total, limits.block_size) > limits.num_blocks:
         raise FieldError(too_long, f"prompt + max_tokens need {blocks_needed(total, limits.block_size)} KV "
                                    f"blocks; the whole pool has {limits.num_blocks}")
-    for check in REQUEST_CHECKS.all():  # last: a grammar's compile costs more than the checks above
+    for check in checks:  # last: a grammar's compile costs more than the checks above
         check(params, tokenizer, limits)
     return ids
 
@@ -90,17 +83,19 @@ class StepStats:
 class LLMEngine:
     """Continuous batching over a paged KV pool: add requests at any time, step, read outputs."""
 
-    def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None,
+                 components: Components | None = None):
+        """components: what runs around the model (default: `build_components(config)`)."""
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
         executor = EXECUTORS[config.tensor_parallel_size > 1]
-        self.config = config
+        self.config, self.components = config, components or build_components(config)
         if model is None:
             try:
                 tokenizer = load_tokenizer(config.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
                 tokenizer = None
-        self.executor: Executor = executor(config, model, tokenizer)
+        self.executor: Executor = executor(config, self.components, model, tokenizer)
         self.model, self.tokenizer = self.executor.model, tokenizer
         self.detokenize = tokenizer.decode if tokenizer is not None else None
         num_blocks = config.num_blocks or self.executor.num_blocks_that_fit()
@@ -138,7 +133,7 @@ class LLMEngine:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, or ValueError if this request can never be served."""
-        return check_request(prompt, params, self.tokenizer, self.limits)
+        return check_request(prompt, params, self.tokenizer, self.limits, self.components.checks)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
                     request_id: str | None = None) -> str:

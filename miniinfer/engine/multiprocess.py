@@ -17,7 +17,7 @@ from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.layers.parallel import check_parallel, check_quantized_split
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig, Transformer
-from miniinfer.worker.model_runner import RUNNERS, ModelRunnerOutput, RunnerInfo
+from miniinfer.worker.model_runner import Components, ModelRunnerOutput, RunnerInfo
 from miniinfer.worker.worker import run_worker
 
 
@@ -28,7 +28,9 @@ class MultiProcessExecutor:
     engine's."""
     model = None  # each rank holds its part
 
-    def __init__(self, config: EngineConfig, model: Transformer | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, components: Components, model: Transformer | None = None,
+                 tokenizer=None):
+        """components: the engine's, sent to every rank (pickled by name: they must be importable)."""
         if model is not None:
             raise ValueError("tensor_parallel_size > 1 loads the model in each worker process: give the "
                              "checkpoint (EngineConfig.model), not a model object")
@@ -40,7 +42,7 @@ class MultiProcessExecutor:
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
                              f"{torch.cuda.device_count()}")
         self.vocab_size = cfg.vocab_size
-        self.runner_class = RUNNERS[config.speculative_method]  # the ranks' own, for checking steps here
+        self.runner_class = components.runner  # the ranks' own, for checking steps here
         self.failure: str | None = None
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-tp-")
         os.close(fd)
@@ -48,7 +50,7 @@ class MultiProcessExecutor:
         self.conns, self.procs = [], []
         for rank in range(size):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=run_worker, args=(rank, config, self.init_file, child), daemon=True,
+            proc = ctx.Process(target=run_worker, args=(rank, config, components, self.init_file, child), daemon=True,
                                name=f"miniinfer-tp{rank}")
             proc.start()
             child.close()

@@ -29,7 +29,6 @@ from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
 from miniinfer.core.sequence import RequestOutput
 from miniinfer.engine.async_engine import AsyncLLMEngine
 from miniinfer.engine.core import EngineClosed, RequestFailed, Shutdown
-from miniinfer.engine.llm_engine import REQUEST_CHECKS
 from miniinfer.serving.detokenize import IncrementalDetokenizer
 from miniinfer.serving.openai.chat import CHAT_MAX_TOKENS, Chat
 from miniinfer.serving.openai.completions import Completions, TextOffsets
@@ -179,7 +178,7 @@ class Server:
             raise APIError("the server is busy compiling slow grammars: try again later", status=429, param=field)
         # The door's checks of the grammar alone (chapter 12's compile it), in the thread.
         probe, tokenizer, limits = SamplingParams(structured_output=structure), self.tokenizer, self.engine.limits
-        checks = REQUEST_CHECKS.all()
+        checks = self.engine.checks
         compiling = self.grammar_pool.submit(lambda: [check(probe, tokenizer, limits) for check in checks])
         try:
             await asyncio.wait_for(asyncio.wrap_future(compiling), GRAMMAR_COMPILE_S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -125,25 +126,17 @@ class RunnerInfo:
     num_blocks: int  # the KV pool's
 
 
-# The logits processors every runner applies, each made for the runner by its factory (chapter 12's), in
-# this order: the log-probabilities of the model's own logits, the penalties, the bias, then the masks,
-# min-p's last (its floor is the top allowed token's).
-LOGITS_PROCESSORS = Registry("logits processor", {
-    name: f"miniinfer.worker.logits_processors:{cls}" for name, cls in (
-        ("logprobs", "Logprobs"), ("prompt_logprobs", "PromptLogprobs"), ("penalties", "Penalties"),
-        ("logit_bias", "LogitBias"), ("min_tokens", "MinTokens"), ("structured", "Structured"), ("min_p", "MinP"))})
-
-
 class ModelRunner:
     """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
     sampler = staticmethod(sample_batch)  # the token choice: any function of (logits, SamplingBatch)
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
-                 prepare: Callable[[Transformer], None] | None = None):
+                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] = ()):
         """model: one built by the caller, else the config's checkpoint is loaded; prepare changes
-        the empty model before its tensors are read (chapter 11 keeps a rank's part of it)."""
-        self.config = config
+        the empty model before its tensors are read (chapter 11 keeps a rank's part of it);
+        processors: the factories of its logits processors, in the order they apply (`Components`)."""
+        self.config, self.processor_factories = config, processors
         if model is None:
             model = load_model(config.model, config.device, config.dtype, config.quantization, prepare)
         elif config.quantization is not None:  # a model built by the caller: quantized here, in place
@@ -340,7 +333,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
                        if use_graphs else None)
         self.rows = BatchRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
-        self.processors: list[LogitsProcessor] = [make(self) for make in LOGITS_PROCESSORS.all()]
+        self.processors: list[LogitsProcessor] = [make(self) for make in self.processor_factories]
         self.last_token = torch.zeros(config.max_num_seqs, dtype=torch.int32, device=self.device)  # by row
 
     def info(self) -> RunnerInfo:
@@ -371,6 +364,11 @@ class BatchRows:
 
     def release(self, row: int) -> None:
         self.free.append(row)
+
+    def shorten(self, row: int, width: int) -> None:
+        """The row's table was cut back to `width` blocks (chapter 09): a block given back may come
+        back as another, so the row copies its entries again from there."""
+        self.widths[row] = min(self.widths[row], width)
 
     def gather(self, rows: list[int], tables: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """The tables of the requests in rows, padded into [B, W], and their widths [B]."""
@@ -479,3 +477,26 @@ class DecodeGraphs:
 # The runner for each EngineConfig.speculative_method: chapter 09's verifies a proposer's guesses.
 RUNNERS = Registry("speculative_method", {None: ModelRunner, "draft": "miniinfer.worker.speculative:SpeculativeRunner",
                                           "ngram": "miniinfer.worker.speculative:SpeculativeRunner"})
+
+
+@dataclass(frozen=True)
+class Components:
+    """What an engine runs around its model, each list in the order it runs: made for each engine
+    (`build_components`, or the caller's own), never a table that an import could change."""
+    runner: type[ModelRunner]
+    checks: tuple[Callable, ...]  # at the door: fn(params, tokenizer, limits), raising ValueError
+    prepares: tuple[Callable, ...]  # before the first step: fn(params, tokenizer, info, config) -> work, or None
+    processors: tuple[Callable, ...]  # the runner's logits processors: fn(runner) -> LogitsProcessor
+
+
+def build_components(config: EngineConfig) -> Components:
+    """The components of an engine with this config. Chapter 12's are imported here, when an engine
+    is built."""
+    lp = importlib.import_module("miniinfer.worker.logits_processors")
+    return Components(
+        RUNNERS[config.speculative_method],
+        checks=(lp.check_structure,),  # a grammar must compile
+        prepares=(lp.prepare_structure,),  # its compile, in a thread beside the running steps (chapter 08)
+        # The log-probabilities of the model's own logits first, then the penalties, the bias, then the
+        # masks, min-p's last (its floor is the top allowed token's).
+        processors=(lp.Logprobs, lp.PromptLogprobs, lp.Penalties, lp.LogitBias, lp.MinTokens, lp.Structured, lp.MinP))

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from miniinfer.core.block_manager import blocks_needed
+from miniinfer.core.block_manager import cut_table
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.core.sequence import RequestDataError
@@ -279,9 +279,9 @@ class SpeculativeRunner(ModelRunner):
     """Chapter 06's runner, with a proposer's guesses verified in the step's one forward."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
-                 prepare: Callable[[Transformer], None] | None = None):
+                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] = ()):
         self.proposer = PROPOSERS[config.speculative_method](config)  # its checks before any loading
-        super().__init__(config, model, prepare)
+        super().__init__(config, model, prepare, processors)
         if isinstance(self.proposer, DraftProposer):
             self.proposer.load(self)
 
@@ -400,10 +400,9 @@ class SpeculativeRunner(ModelRunner):
                 emitted += range(f, f + a + 1)
                 r.token_ids[known[i]:] = sampled[rid]
                 r.num_computed_tokens = known[i] + a
-                # The scheduler truncates its table by the same rule.
-                r.block_ids = r.block_ids[:blocks_needed(r.num_computed_tokens, self.config.block_size)]
-                # Its row in BatchRows too: a block given back may come back as another.
-                self.rows.widths[r.row] = min(self.rows.widths[r.row], len(r.block_ids))
+                # The scheduler's block manager cuts its table by the same rule when it reads the output.
+                cut_table(r.block_ids, r.num_computed_tokens, self.config.block_size)
+                self.rows.shorten(r.row, len(r.block_ids))
                 self.proposer.rewind(rid, r.num_computed_tokens)
                 if m[i]:
                     spec.add(SpecStats(int(m[i]), a, 1))

@@ -15,7 +15,7 @@ from miniinfer.core.config import EngineConfig
 from miniinfer.layers.parallel import Shard, cut_row_parallel, shard_model
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig
-from miniinfer.worker.model_runner import RUNNERS
+from miniinfer.worker.model_runner import Components
 
 # NVLink multicast stays off in every rank (see the H200 notes): set before NCCL starts.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -25,7 +25,7 @@ class Worker:
     """One rank: its part of the model in the runner the config names, doing the executor's calls in
     order (rank 0's collect answers for all: every rank samples the same tokens)."""
 
-    def __init__(self, rank: int, config: EngineConfig, init_file: str):
+    def __init__(self, rank: int, config: EngineConfig, components: Components, init_file: str):
         os.environ.update(NCCL_ENV)
         size, cuda = config.tensor_parallel_size, torch.device(config.device).type == "cuda"
         if cuda:
@@ -37,8 +37,8 @@ class Worker:
         config = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device)
         self.rank = rank
         shard, whole = Shard(rank, size), config.quantization is not None
-        self.runner = RUNNERS[config.speculative_method](
-            config, prepare=functools.partial(shard_model, shard=shard, whole_rows=whole))
+        self.runner = components.runner(config, prepare=functools.partial(shard_model, shard=shard, whole_rows=whole),
+                                        processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
         self.launched: deque = deque()
@@ -53,10 +53,10 @@ class Worker:
         return getattr(self.runner, method)(*args)
 
 
-def run_worker(rank: int, config: EngineConfig, init_file: str, conn) -> None:
+def run_worker(rank: int, config: EngineConfig, components: Components, init_file: str, conn) -> None:
     """A worker process: a reply to each call, ("ok", value) or ("error", why)."""
     try:
-        worker = Worker(rank, config, init_file)
+        worker = Worker(rank, config, components, init_file)
     except BaseException as err:
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
