@@ -132,11 +132,13 @@ class ModelRunner:
     sampler = staticmethod(sample_batch)  # the token choice: any function of (logits, SamplingBatch)
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
-                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] = ()):
+                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] | None = None):
         """model: one built by the caller, else the config's checkpoint is loaded; prepare changes
         the empty model before its tensors are read (chapter 11 keeps a rank's part of it);
-        processors: the factories of its logits processors, in the order they apply (`Components`)."""
-        self.config, self.processor_factories = config, processors
+        processors: the factories of its logits processors, in the order they apply (default: the
+        config's `build_components`)."""
+        self.config = config
+        self.processor_factories = build_components(config).processors if processors is None else processors
         if model is None:
             model = load_model(config.model, config.device, config.dtype, config.quantization, prepare)
         elif config.quantization is not None:  # a model built by the caller: quantized here, in place

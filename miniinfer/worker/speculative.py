@@ -279,7 +279,7 @@ class SpeculativeRunner(ModelRunner):
     """Chapter 06's runner, with a proposer's guesses verified in the step's one forward."""
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
-                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] = ()):
+                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] | None = None):
         self.proposer = PROPOSERS[config.speculative_method](config)  # its checks before any loading
         super().__init__(config, model, prepare, processors)
         if isinstance(self.proposer, DraftProposer):
