@@ -682,11 +682,13 @@ def test_a_schema_within_the_grammars_depth_passes_the_bodys_and_grammar_errors_
 
 def test_one_request_of_many_sequences_waits_its_turns_beside_a_request_of_one(tmp_path):
     """The largest request the server admits (--max-num-seqs sequences of the most tokens the pool
-    takes) arrives first; a request of one sequence after it is served within 2x of its time alone:
+    takes) arrives first; a request of one sequence after it is served within 3x of its time alone:
     the scheduler serves every request's first sequence before anyone's second (it used to wait for
     all of the large one's)."""
-    # 8 sequences: on a 2-core CPU a step of 16 takes twice one of 1 (compute, not waiting); on a GPU
-    # the step time hardly grows with the batch.
+    # 8 sequences: on a 2-core CPU a step of 8 takes up to twice one of 1 (compute, not waiting); on a
+    # GPU the step time hardly grows with the batch. Waiting for the large request instead would take
+    # its 398 tokens' time, over 6x the small one's 60 alone: the bound is 3x, with room for a busy machine
+    # (2.03x was seen once beside the parallel suite).
     proc, url = start_server(tmp_path / "server.log", "--num-blocks", "400", "--block-size", "8",
                              "--max-num-seqs", "8")
     try:
@@ -708,7 +710,7 @@ def test_one_request_of_many_sequences_waits_its_turns_beside_a_request_of_one(t
                 time.sleep(0.05)
             beside = timed()
             assert hostile.result().status_code == 200
-        assert beside < 2 * alone, (beside, alone)
+        assert beside < 3 * alone, (beside, alone)
         assert wait_idle(url)["kv_blocks_used"] == 0
     finally:
         proc.terminate()
