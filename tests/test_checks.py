@@ -19,6 +19,14 @@ def rejected(check, wrong) -> None:
 
 # Chapter 01 ------------------------------------------------------------------------------------
 
+def attention_softmax_without_max(q, k, v, scale):
+    """Right for small scores; exp overflows to inf (and inf / inf is NaN) once scores pass ~88."""
+    T, group = q.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    e = torch.einsum("bthd,bshd->bhts", q, k).mul(scale).exp() * torch.ones(T, T).tril()
+    return torch.einsum("bhts,bshd->bthd", e / e.sum(-1, keepdim=True), v)
+
+
 def rms_norm_without_upcast(x, weight, eps):
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -107,6 +115,7 @@ def top_p_zeroing_instead_of_minus_inf(logits, top_p):
     (testing.check_attention, attention_mask_off_by_one),
     (testing.check_attention, attention_heads_tiled_not_interleaved),
     (testing.check_attention, attention_without_scale),
+    (testing.check_attention, attention_softmax_without_max),
     (testing.check_top_p, top_p_excluding_the_crossing_token),
     (testing.check_top_p, top_p_without_sorting),
     (testing.check_top_p, top_p_zeroing_instead_of_minus_inf),
@@ -400,6 +409,13 @@ def merge_with_swapped_weights(o1, lse1, o2, lse2):
     return o1 * (lse2 - lse).exp()[..., None] + o2 * (lse1 - lse).exp()[..., None], lse
 
 
+def decode_program_softmax_without_max(q, k_cache, v_cache, table, start, end, scale):
+    bs, pos = k_cache.shape[1], torch.arange(start, end)
+    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+    e = ((q @ k_cache.flatten(0, 1)[slots].T) * scale).exp()
+    return (e / e.sum(-1, keepdim=True)) @ v_cache.flatten(0, 1)[slots], e.sum(-1).log()
+
+
 def decode_program_one_token_too_far(q, k_cache, v_cache, table, start, end, scale):
     end = min(end + 1, len(table) * k_cache.shape[1])
     return testing._decode_program_ref(q, k_cache, v_cache, table, start, end, scale)
@@ -450,6 +466,7 @@ def store_kv_block_and_offset_swapped(k, v, k_cache, v_cache, slot_mapping):
     (testing.check_decode_program, decode_program_one_token_too_far),
     (testing.check_decode_program, decode_program_from_zero),
     (testing.check_decode_program, decode_program_lse_in_base_2),
+    (testing.check_decode_program, decode_program_softmax_without_max),
     (testing.check_merge_splits, merge_splits_by_mean),
     (testing.check_merge_splits, merge_splits_counting_empty_as_zero),
     (testing.check_merge_splits, merge_splits_first_only),
@@ -916,6 +933,13 @@ def logprobs_of_the_raw_logits(logits, tokens, k):  # no log-softmax
     return own, (logits > own[:, None]).sum(-1) + 1, top, ids
 
 
+def rank_counting_ties_as_ahead(logits, tokens, k):
+    """`>=` counts the token itself and every token tied with it: logits [1, 1, 0, -1], token 1 -> 2."""
+    own, _, top, ids = mi.worker.logits_processors.top_logprobs(logits, tokens, k)
+    logprobs = logits.float().log_softmax(-1)
+    return own, (logprobs >= own[:, None]).sum(-1), top, ids
+
+
 def rank_from_zero(logits, tokens, k):
     own, rank, top, ids = mi.worker.logits_processors.top_logprobs(logits, tokens, k)
     return own, rank - 1, top, ids
@@ -940,6 +964,7 @@ def bitmask_kept_where_zero(logits, bitmask):
     (testing.check_min_p_filter, min_p_of_the_total),
     (testing.check_top_logprobs, logprobs_of_the_raw_logits),
     (testing.check_top_logprobs, rank_from_zero),
+    (testing.check_top_logprobs, rank_counting_ties_as_ahead),
     (testing.check_apply_bitmask, bitmask_most_significant_first),
     (testing.check_apply_bitmask, bitmask_kept_where_zero),
 ])
@@ -951,9 +976,12 @@ def test_an_exception_in_the_answer_names_the_case_and_its_inputs():
     def shape_error(x, weight, eps):
         return x @ weight[:-1]
 
-    with pytest.raises(testing.AnswerError, match=r"rms_norm, case 1 \(inputs: \(\d+(, \d+)*\) float32, "
-                                                  r"\(\d+,\) float32, 1e-05\): your code raised RuntimeError"):
+    with pytest.raises(testing.AnswerError, match=r"rms_norm, case 1 of \d+\n  inputs: tensor \(\d+(, \d+)*\) "
+                                                  r"float32, tensor \(\d+,\) float32, 1e-05\n.*\n  your code raised "
+                                                  r"RuntimeError"):
         testing.check_rms_norm(shape_error)
+    x, weight, eps = testing.last_failure["inputs"]  # the case, to call the answer on again
+    assert isinstance(x, torch.Tensor) and eps == 1e-05
 
 
 def test_an_unanswered_exercise_says_which():

@@ -132,3 +132,17 @@ def test_a_notebook_of_no_chapter_is_one_error_row(tmp_path):
     [row] = grade.grade_notebook(path)
     assert (row.chapter, row.exercise, row.status) == ("", "", "error")
     assert "no exercise of the course" in row.message
+
+
+def test_a_check_that_runs_over_the_time_names_its_exercise(tmp_path):
+    """The row of a check cell that times out names the exercise, not the grader's own line."""
+    nb = solution()
+    answer = cell(nb, "exercise", "01.rms_norm")
+    answer["source"] = "def rms_norm(x, weight, eps):\n    while True:\n        pass\n"
+    keep = [c for c in nb["cells"] if c["cell_type"] == "code" and not c["metadata"].get("miniinfer")][:1]
+    nb["cells"] = keep + [answer, cell(nb, "check", "01.rms_norm")]
+    path = tmp_path / "01_slow.ipynb"
+    path.write_text(json.dumps(nb))
+    rows = grade.grade_notebook(path, timeout=20)
+    assert [r.status for r in rows] == ["timeout"] * 4
+    assert "the check of exercise 1 (rms_norm)" in rows[0].message and "_grading" not in rows[0].message

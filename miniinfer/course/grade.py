@@ -116,15 +116,18 @@ def grade_notebook(path: Path, timeout: float = 600, name: str | None = None) ->
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     deadline = time.monotonic() + timeout
 
-    def run(cell, index: int) -> str | None:
-        """Execute a cell; why grading of this notebook must stop, or None."""
+    def run(cell, index: int, graded: Exercise | None = None) -> str | None:
+        """Execute a cell; why grading of this notebook must stop, or None. A check cell is named by
+        its exercise (its source is the grader's own line), any other by its first line."""
         client.timeout = max(1, int(deadline - time.monotonic()))
+        where = f"cell {index + 1}, the check of {graded.label}" if graded else \
+            f"cell {index + 1}: {first_line(cell.source)}"
         try:
             client.execute_cell(cell, index)
         except CellTimeoutError:
-            return f"timeout: the notebook ran over {timeout:g} s (in cell {index + 1}: {first_line(cell.source)})"
+            return f"timeout: the notebook ran over {timeout:g} s (in {where})"
         except DeadKernelError:
-            return f"error: the kernel died in cell {index + 1} ({first_line(cell.source)}); nothing after it ran"
+            return f"error: the kernel died in {where}; nothing after it ran"
         return None
 
     stop = None
@@ -136,7 +139,7 @@ def grade_notebook(path: Path, timeout: float = 600, name: str | None = None) ->
             graded = ex if ex is not None and ex.chapter == chapter and ex.id not in results else None
             if graded:
                 cell.source = check_source(graded)
-            if stop := run(cell, index):
+            if stop := run(cell, index, graded):
                 break
             if graded:
                 results[graded.id] = outcome(graded, cell.outputs)
@@ -145,7 +148,7 @@ def grade_notebook(path: Path, timeout: float = 600, name: str | None = None) ->
                 continue
             cell = nbformat.v4.new_code_cell(check_source(ex))
             nb.cells.append(cell)
-            if stop := run(cell, len(nb.cells) - 1):
+            if stop := run(cell, len(nb.cells) - 1, ex):
                 break
             status, message = outcome(ex, cell.outputs)
             results[ex.id] = status, f"(its check cell is missing: checked at the end) {message}"

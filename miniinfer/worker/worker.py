@@ -17,7 +17,8 @@ from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig
 from miniinfer.worker.model_runner import Components
 
-# NVLink multicast stays off in every rank (see the H200 notes): set before NCCL starts.
+# NVLink multicast stays off in every rank, set before NCCL starts: on the shared GPU hosts this course
+# was measured on, a program using it can put the host's GPUs out of service for everyone.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

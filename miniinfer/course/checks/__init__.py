@@ -12,12 +12,14 @@ from miniinfer.course.checks.harness import (
     Exercise,
     NotAnswered,
     device,
+    last_failure,
     problem_set,
     your_answers,
 )
 
 CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12)
-__all__ = ["EXERCISES", "AnswerError", "Exercise", "NotAnswered", "device", "problem_set", "your_answers"]
+__all__ = ["EXERCISES", "AnswerError", "Exercise", "NotAnswered", "device", "last_failure", "problem_set",
+           "your_answers"]
 
 
 def __getattr__(name: str):

@@ -70,13 +70,21 @@ def check_min_p_filter(fn: Callable) -> None:
 @exercise("12", 4, "top_logprobs")
 def check_top_logprobs(fn: Callable) -> None:
     """fn(logits [R, V], tokens [R], k) -> (the token's log-probability [R] float32, its rank [R] int64
-    (1: the most likely), the k best log-probabilities [R, k] float32 and their token ids [R, k] int64)."""
+    (1: the most likely), the k best log-probabilities [R, k] float32 and their token ids [R, k] int64).
+    From case 9 on, each row's token shares its logit with another token below the k best: its rank
+    counts only the tokens strictly more likely than it (logits [1, 1, 0, -1], token 1: rank 1)."""
     from miniinfer.worker.logits_processors import top_logprobs
 
     def inputs(gen, case):
-        logits = torch.randn(randint(gen, 1, 6), randint(gen, 5, 40), generator=gen) * 3
+        logits = torch.randn(randint(gen, 1, 6), randint(gen, 8, 40), generator=gen) * 3
         tokens = torch.randint(0, logits.shape[1], (logits.shape[0],), generator=gen)
-        return logits, tokens, randint(gen, 1, min(5, logits.shape[1]))
+        k = randint(gen, 1, 5)
+        if case >= 8:  # ties, placed where the k best stay unambiguous
+            for row, order in enumerate(logits.argsort(-1, descending=True)):
+                pick = torch.randperm(len(order) - k, generator=gen)[:2] + k
+                twin, token = order[pick[0]], order[pick[1]]
+                logits[row, twin], tokens[row] = logits[row, token], token
+        return logits, tokens, k
     check("top_logprobs", fn, top_logprobs, inputs, cases=12)
 
 

@@ -70,6 +70,7 @@ def exercise(chapter: str, number: int, answer: str, argument: str | None = None
 
         @functools.wraps(check_fn)
         def run(*args, **kwargs):
+            __tracebackhide__ = True  # IPython shows the student the message, not the checker's frames
             try:
                 return check_fn(*args, **kwargs)
             except (AssertionError, AnswerError):
@@ -89,6 +90,7 @@ def exercise(chapter: str, number: int, answer: str, argument: str | None = None
 def your_answers(chapter: str) -> Iterator[None]:
     """Run a problem set's last part, which calls the student's answers: an unanswered one it reaches
     fails naming its exercise (found by the function the NotImplementedError was raised in)."""
+    __tracebackhide__ = True
     try:
         yield
     except Exception as err:
@@ -107,19 +109,36 @@ def your_answers(chapter: str) -> Iterator[None]:
         raise NotAnswered(f"{which} is not answered yet: finish it (and run its check) before this part") from None
 
 
+# The inputs of the last case a check failed on, for the student to call their answer on again.
+last_failure: dict = {}
+SHOWN_CHARS = 300  # of a non-tensor input's repr in a message; the whole is in last_failure
+
+
 def _describe(args: tuple) -> str:
-    return ", ".join(f"{tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
-                     if isinstance(a, torch.Tensor) else repr(a)[:80] for a in args)
+    def one(a) -> str:
+        if isinstance(a, torch.Tensor):
+            return f"tensor {tuple(a.shape)} {str(a.dtype).removeprefix('torch.')}"
+        text = repr(a)
+        return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+    return ", ".join(map(one, args))
+
+
+def failing(where: str, args: tuple) -> str:
+    """The failed case named, its inputs kept in last_failure, and how to call the answer on them."""
+    last_failure.clear()
+    last_failure.update(case=where, inputs=args)
+    return f"{where}\n  inputs: {_describe(args)}\n  (all of them: mi.course.checks.last_failure['inputs'])"
 
 
 def run_answer(fn: Callable, args, where: str):
     """fn(*args), with an exception from the student's code reported with the case it failed on."""
+    __tracebackhide__ = True
     try:
         return fn(*args)
     except Exception as err:
         if unanswered(err):
             raise
-        raise AnswerError(f"{where}: your code raised {type(err).__name__}: {err}") from err
+        raise AnswerError(f"{where}\n  your code raised {type(err).__name__}: {err}") from err
 
 
 # Half-precision answers may round differently from the reference by an ulp or two.
@@ -130,32 +149,58 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
           rtol: float = 1e-4, atol: float = 1e-5, seed: int = 0, device: str = "cpu") -> None:
     """Compare fn(*args) with ref(*args) for `cases` random draws of inputs(generator, case), drawn
     on the CPU and handed to fn on `device` (the reference runs on the CPU)."""
+    __tracebackhide__ = True
     gen = torch.Generator().manual_seed(seed)
     for case in range(cases):
         args = inputs(gen, case)
-        where = f"{name}, case {case + 1} (inputs: {_describe(args)})"
+        where = f"{name}, case {case + 1} of {cases}"
         # Each side gets its own copy, so that a function that writes in place is checked too.
         fresh = lambda dev, args=args: [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
         expected = ref(*fresh("cpu"))
-        got = run_answer(fn, fresh(device), where)
+        got = run_answer(fn, fresh(device), failing(where, args))
         if isinstance(expected, torch.Tensor):
             expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
-            raise AssertionError(f"{where}: expected {len(expected)} tensor(s), got {type(got).__name__}")
+            raise AssertionError(f"{failing(where, args)}\n  expected {len(expected)} tensor(s), received "
+                                 f"{type(got).__name__}")
         for i, (e, g) in enumerate(zip(expected, got)):
-            at = where + (f", output {i}" if len(expected) > 1 else "")
+            at = failing(where + (f", output {i + 1} of {len(expected)}" if len(expected) > 1 else ""), args)
             if not isinstance(g, torch.Tensor):
-                raise AssertionError(f"{at}: expected a tensor, got {type(g).__name__}")
+                raise AssertionError(f"{at}\n  expected a tensor, received {type(g).__name__}")
             if g.shape != e.shape:
-                raise AssertionError(f"{at}: shape {tuple(g.shape)}, expected {tuple(e.shape)}")
+                raise AssertionError(f"{at}\n  expected shape {tuple(e.shape)}, received {tuple(g.shape)}")
             if g.dtype != e.dtype:
-                raise AssertionError(f"{at}: dtype {g.dtype}, expected {e.dtype}")
-            try:
-                tol = TOLERANCES.get(e.dtype, (rtol, atol))
-                torch.testing.assert_close(g.cpu(), e, rtol=tol[0], atol=tol[1])
-            except AssertionError as err:
-                raise AssertionError(f"{at}: values differ from the reference.\n{err}") from None
+                raise AssertionError(f"{at}\n  expected dtype {e.dtype}, received {g.dtype}")
+            if (difference := differs(g.cpu(), e, *TOLERANCES.get(e.dtype, (rtol, atol)))) is not None:
+                raise AssertionError(f"{at}\n{difference}")
     print(f"passed: {name} matches the reference on {cases} random inputs")
+
+
+SHOWN_VALUES = 16  # a result this small is shown whole in a message
+
+
+def differs(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> str | None:
+    """None if got matches expected (exactly for integers and booleans; within rtol and atol for
+    floats, NaN and infinities where the reference has them), else what differs: both whole when
+    small, else the count and the first place they differ, with torch's summary for floats."""
+    exact = not (expected.is_floating_point() or expected.is_complex())
+    close = got == expected if exact else torch.isclose(got, expected, rtol=rtol, atol=atol, equal_nan=True)
+    if bool(close.all()):
+        return None
+    if expected.numel() <= SHOWN_VALUES:
+        return f"  values differ:\n  expected {expected.tolist()}\n  received {got.tolist()}"
+    first = tuple(int(i) for i in (~close).nonzero()[0])
+    text = (f"  {int((~close).sum())} of {expected.numel()} values differ; the first at index {list(first)}: "
+            f"expected {expected[first].item()}, received {got[first].item()}")
+    if not exact:
+        wrong = ~close & expected.isfinite()
+        broken = int((wrong & ~got.isfinite()).sum())
+        error = (got.double() - expected.double()).abs()[wrong & got.isfinite()]
+        if error.numel():
+            text += f"\n  largest difference {error.max().item():.4g} (allowed: {atol:g} + {rtol:g} x |expected|)"
+        if broken:
+            text += f"\n  {broken} received values are NaN or infinite where the reference's are finite"
+    return text
 
 
 def randint(gen: torch.Generator, lo: int, hi: int) -> int:
