@@ -130,15 +130,17 @@ def failing(where: str, args: tuple) -> str:
     return f"{where}\n  inputs: {_describe(args)}\n  (all of them: mi.course.checks.last_failure['inputs'])"
 
 
-def run_answer(fn: Callable, args, where: str):
-    """fn(*args), with an exception from the student's code reported with the case it failed on."""
+def run_answer(fn: Callable, args, where: str, inputs: tuple | None = None):
+    """fn(*args), with an exception from the student's code reported with the case it failed on
+    (and, given the case's inputs, with them: `failing`)."""
     __tracebackhide__ = True
     try:
         return fn(*args)
     except Exception as err:
         if unanswered(err):
             raise
-        raise AnswerError(f"{where}\n  your code raised {type(err).__name__}: {err}") from err
+        case = where if inputs is None else failing(where, inputs)
+        raise AnswerError(f"{case}\n  your code raised {type(err).__name__}: {err}") from err
 
 
 # Half-precision answers may round differently from the reference by an ulp or two.
@@ -157,22 +159,25 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
         # Each side gets its own copy, so that a function that writes in place is checked too.
         fresh = lambda dev, args=args: [a.clone().to(dev) if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
         expected = ref(*fresh("cpu"))
-        got = run_answer(fn, fresh(device), failing(where, args))
+        got = run_answer(fn, fresh(device), where, args)
         if isinstance(expected, torch.Tensor):
             expected, got = (expected,), (got,) if isinstance(got, torch.Tensor) else got
         if not isinstance(got, (tuple, list)) or len(got) != len(expected):
             raise AssertionError(f"{failing(where, args)}\n  expected {len(expected)} tensor(s), received "
                                  f"{type(got).__name__}")
         for i, (e, g) in enumerate(zip(expected, got)):
-            at = failing(where + (f", output {i + 1} of {len(expected)}" if len(expected) > 1 else ""), args)
+            at = where + (f", output {i + 1} of {len(expected)}" if len(expected) > 1 else "")
+            wrong: str | None
             if not isinstance(g, torch.Tensor):
-                raise AssertionError(f"{at}\n  expected a tensor, received {type(g).__name__}")
-            if g.shape != e.shape:
-                raise AssertionError(f"{at}\n  expected shape {tuple(e.shape)}, received {tuple(g.shape)}")
-            if g.dtype != e.dtype:
-                raise AssertionError(f"{at}\n  expected dtype {e.dtype}, received {g.dtype}")
-            if (difference := differs(g.cpu(), e, *TOLERANCES.get(e.dtype, (rtol, atol)))) is not None:
-                raise AssertionError(f"{at}\n{difference}")
+                wrong = f"  expected a tensor, received {type(g).__name__}"
+            elif g.shape != e.shape:
+                wrong = f"  expected shape {tuple(e.shape)}, received {tuple(g.shape)}"
+            elif g.dtype != e.dtype:
+                wrong = f"  expected dtype {e.dtype}, received {g.dtype}"
+            else:
+                wrong = differs(g.cpu(), e, *TOLERANCES.get(e.dtype, (rtol, atol)))
+            if wrong is not None:  # only a failed case's inputs are kept (last_failure)
+                raise AssertionError(f"{failing(at, args)}\n{wrong}")
     print(f"passed: {name} matches the reference on {cases} random inputs")
 
 
