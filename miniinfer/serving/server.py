@@ -285,7 +285,6 @@ class Server:
     def parse(self, raw: bytes, endpoint: Completions) -> tuple[SamplingFields, list[list[int]]]:
         """A request body, validated against its endpoint's model, and its prompts' token ids."""
         req = validate(endpoint.request, load_body(raw, endpoint.unsupported))
-        assert isinstance(req, SamplingFields)
         return req, endpoint.prompts(self, req)
 
     async def run(self, raw: bytes, endpoint: Completions) -> dict | AsyncIterator[str]:

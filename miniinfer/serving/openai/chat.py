@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from miniinfer.serving.openai.completions import Completions, Piece, TextOffsets
 from miniinfer.serving.openai.params import UNSUPPORTED, APIError
-from miniinfer.serving.openai.schema import ChatCompletionRequest, ChatCompletionResponse
+from miniinfer.serving.openai.schema import ChatCompletionRequest, ChatCompletionResponse, SamplingFields
 
 if TYPE_CHECKING:
     from miniinfer.serving.server import Server
@@ -34,7 +34,7 @@ def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 class Chat(Completions):
     """POST /v1/chat/completions: one conversation, n assistant messages."""
     path = "/v1/chat/completions"
-    request: type[BaseModel] = ChatCompletionRequest
+    request: type[SamplingFields] = ChatCompletionRequest
     response: type[BaseModel] = ChatCompletionResponse
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from pydantic import BaseModel
 
 from miniinfer.serving.openai.params import UNSUPPORTED
-from miniinfer.serving.openai.schema import CompletionRequest, CompletionResponse
+from miniinfer.serving.openai.schema import CompletionRequest, CompletionResponse, SamplingFields
 
 if TYPE_CHECKING:
     from miniinfer.serving.server import Server
@@ -39,7 +39,7 @@ class TextOffsets:
 class Completions:
     """POST /v1/completions: one prompt or many (text or token ids), n choices each, echo."""
     path = "/v1/completions"
-    request: type[BaseModel] = CompletionRequest
+    request: type[SamplingFields] = CompletionRequest
     response: type[BaseModel] = CompletionResponse
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
