@@ -3,6 +3,7 @@ n-gram, k = 1..8, three architectures, under preemption, prefix caching and chun
 output follows the target's distribution (chi-square, thousands of seeded requests), and the test
 that shows it fails when the residual is replaced by p; bad configurations are refused."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -113,11 +114,13 @@ def tiny_pair(tmp_path_factory):
     return folders
 
 
-def sampled_tokens(target, draft, params, n: int) -> torch.Tensor:
+def sampled_tokens(target, draft, params, n: int, runner: type | None = None) -> torch.Tensor:
     """The first 3 of the 4 tokens of n seeded requests of prompt [1, 2]: [n, 3]. The first is
     sampled after the prompt; the next two are guesses verified in one step (then one token more)."""
-    engine = mi.LLMEngine(mi.EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2,
-                                          max_num_seqs=256, num_blocks=512, block_size=4))
+    config = mi.EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2,
+                             max_num_seqs=256, num_blocks=512, block_size=4)
+    components = mi.worker.model_runner.build_components(config)
+    engine = mi.LLMEngine(config, components=dataclasses.replace(components, runner=runner or components.runner))
     prompts = [[1, 2]] * n
     each = [mi.SamplingParams(**{**params, "seed": i}) for i in range(n)]
     outs = torch.tensor(run_all(engine, prompts, each))
@@ -158,16 +161,17 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_pair, params):
     assert chi_square_p_value(joint_counts(tokens), exact_joint(target, params)) > 1e-3
 
 
-def test_the_chi_square_test_catches_a_wrong_residual(tiny_pair, monkeypatch):
-    """The same test fails when a rejected guess is replaced by a sample from p instead of from
-    norm(max(0, p - q)): the check has the power to see the residual."""
-    target, draft = tiny_pair
-    right = spec.verify
+class ResidualIsP(spec.SpeculativeRunner):
+    @staticmethod
+    def rejection_sample(p, q, guesses, u, noise):
+        return spec.rejection_sample(p, q, guesses, u, noise)[0], (p / noise).argmax(-1)
 
-    def wrong(logits, s, guesses, q):
-        return right(logits, s, guesses, q)[0], right(logits, s, torch.full_like(guesses, -1), None)[1]
-    monkeypatch.setattr(spec, "verify", wrong)
-    tokens = sampled_tokens(target, draft, PARAMS[0], 3000)
+
+def test_the_chi_square_test_catches_a_wrong_residual(tiny_pair):
+    """The same test fails when a rejected guess is replaced by a sample from p instead of from
+    norm(max(0, p - q)) (a runner with that rule in its seam): the check has the power to see the residual."""
+    target, draft = tiny_pair
+    tokens = sampled_tokens(target, draft, PARAMS[0], 3000, ResidualIsP)
     assert chi_square_p_value(joint_counts(tokens), exact_joint(target, PARAMS[0])) < 1e-6
 
 

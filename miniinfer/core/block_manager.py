@@ -13,8 +13,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 def cut_table(table: list[int], num_tokens: int, block_size: int) -> list[int]:
     """Cut a block table back to the blocks that hold its first num_tokens tokens; the blocks cut off.
-    The one rule by which a sequence gives tokens back, wherever a copy of its table lives (chapter
-    09's runner cuts its own by it, in step with this manager)."""
+    The one rule by which a sequence gives tokens back, wherever a copy of its table lives: the blocks
+    of `blocks_needed` stay (chapter 09's runner cuts its own copy so, in step with this manager)."""
     keep = blocks_needed(num_tokens, block_size)
     cut = table[keep:]
     del table[keep:]

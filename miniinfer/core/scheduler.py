@@ -285,7 +285,7 @@ class Scheduler:
                 # room, guessed into or not, holds no K/V worth keeping.
                 seq.num_computed_tokens -= room - (len(new) - 1)
                 bm.truncate(seq, seq.num_computed_tokens)
-                # The runner cuts its copy of the table by the same rule (`cut_table`), after its last
+                # The runner cuts its copy of the table by the same rule (`blocks_needed`), after its last
                 # accepted token.
                 self.sent[rid] = min(self.sent[rid], len(bm.tables[seq]))
             for token in new or []:

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from miniinfer.core.block_manager import cut_table
+from miniinfer.core.block_manager import blocks_needed
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.core.sequence import RequestDataError
@@ -48,41 +48,51 @@ def draw(greedy: torch.Tensor, probs: torch.Tensor | None, s: SamplingBatch, str
     return torch.where(s.temperature > 0, tokens, greedy)
 
 
-def verify(logits: torch.Tensor, s: SamplingBatch, guesses: torch.Tensor,
-           q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rejection sampling. Row r of logits [R, vocab] is the target's at a position where guesses[r]
-    was proposed (-1: none, the row after a request's last guess), drawn from q[r] [R, vocab] (None:
-    proposed outright, q one-hot). Returns accepted [R]: the guess is kept with probability
-    min(1, p/q); and tokens [R]: what is sampled there when it is not, from norm(max(0, p - q)), or
-    from p where there was no guess. Greedy rows keep a guess equal to the argmax and sample the argmax."""
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, guesses: torch.Tensor, u: torch.Tensor,
+                     noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule, for rows [R] at once. p [R, vocab]: the target's distribution at each row; q [R, vocab]:
+    the one guesses[r] was drawn from (zeros where guesses[r] is -1: the row after a request's last
+    guess); u [R]: uniform in (0, 1); noise [R, vocab]: Exponential(1). Returns accepted [R]: whether
+    u < p/q at the guess; and tokens [R]: what each row samples if its guess is not kept, from
+    norm(max(0, p - q)) (p itself on a row without a guess), by chapter 06's race."""
     has = guesses >= 0
     g = guesses.clamp(min=0)[:, None]
+    # u < p/q without dividing (q may be 0 where p is too).
+    accepted = has & (u * q.gather(-1, g)[:, 0] <= p.gather(-1, g)[:, 0])
+    residual = (p - q).clamp(min=0)
+    # p equal to q up to rounding leaves nothing to correct with: then p is the right law anyway.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    return accepted, (residual / noise).argmax(-1)  # the race needs no normalizing
+
+
+def verify(logits: torch.Tensor, s: SamplingBatch, guesses: torch.Tensor, q: torch.Tensor | None,
+           sample: Callable = rejection_sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling at the rows of a step: row r of logits [R, vocab] is the target's at a position
+    where guesses[r] was proposed (-1: none), drawn from q[r] [R, vocab] (None: every guess proposed
+    outright, q one-hot). Returns accepted [R] and tokens [R] by `sample` (the rule above, or a
+    problem set's); greedy rows keep a guess equal to the argmax and sample the argmax."""
     greedy = logits.argmax(-1)
-    greedy_accept = has & (greedy == g[:, 0])
+    greedy_accept = (guesses >= 0) & (greedy == guesses)
     if not s.any_random:
         return greedy_accept, greedy
     p = sampling_probs(logits, s)
-    p_g = p.gather(-1, g)[:, 0]
     if q is None:
-        q_g = torch.ones_like(p_g)
-        residual = torch.where(has[:, None], p.scatter(-1, g, 0.0), p)
-    else:
-        q_g = q.gather(-1, g)[:, 0]
-        residual = (p - q).clamp(min=0)  # q's rows without a guess are zeros: p itself
-    # u < p/q without dividing (q may be 0 where p is too).
-    accept = has & (uniform(s, ACCEPT_NOISE) * q_g <= p_g)
-    # p equal to q up to rounding leaves nothing to correct with: then p is the right law anyway.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    random = s.temperature > 0
-    return torch.where(random, accept, greedy_accept), draw(greedy, residual, s)
+        q = torch.zeros_like(p).scatter_(-1, guesses.clamp(min=0)[:, None], (guesses >= 0).float()[:, None])
+    accepted, tokens = sample(p, q, guesses, uniform(s, ACCEPT_NOISE), exponential_noise(s.seeds, s.steps, p.shape[-1]))
+    random = s.temperature > 0  # the noise of stream 0: the token plain decoding would sample there
+    return torch.where(random, accepted, greedy_accept), torch.where(random, tokens, greedy)
 
 
-def num_accepted(accepted: list[bool]) -> int:
-    """The guesses kept: those before the first rejected one."""
-    n = 0
-    while n < len(accepted) and accepted[n]:
-        n += 1
-    return n
+def keep_accepted(guesses: list[int], accepted: list[bool], tokens: list[int], table: list[int],
+                  num_known: int, block_size: int) -> tuple[list[int], list[int]]:
+    """A request's verified run: guesses [m], accepted [m] and tokens [m + 1] from its m + 1 rows, its
+    block table, and the tokens it had before the guesses. Returns the tokens it keeps (the guesses
+    before the first rejected one, and the token sampled at that row) and its table cut back to the
+    tokens whose K/V stay valid: the known ones and the kept guesses."""
+    a = 0
+    while a < len(guesses) and accepted[a]:
+        a += 1
+    return guesses[:a] + [tokens[a]], table[:blocks_needed(num_known + a, block_size)]
 
 
 def ngram_guesses(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -277,10 +287,14 @@ class Verified(Launched):
 
 class SpeculativeRunner(ModelRunner):
     """Chapter 06's runner, with a proposer's guesses verified in the step's one forward."""
+    # The pieces chapter 09's problem set writes: a subclass puts its own in.
+    proposers: dict = PROPOSERS
+    rejection_sample = staticmethod(rejection_sample)
+    keep_accepted = staticmethod(keep_accepted)
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
                  prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] | None = None):
-        self.proposer = PROPOSERS[config.speculative_method](config)  # its checks before any loading
+        self.proposer = self.proposers[config.speculative_method](config)  # its checks before any loading
         super().__init__(config, model, prepare, processors)
         if isinstance(self.proposer, DraftProposer):
             self.proposer.load(self)
@@ -379,7 +393,7 @@ class SpeculativeRunner(ModelRunner):
                          step.rows[owner], step.rows_on_device[to_device(owner, self.device)])
         for p in self.processors:
             p.apply(logits, view, steps)
-        accepted, tokens = verify(logits, s, to_device(guess_rows, self.device), q_rows)
+        accepted, tokens = verify(logits, s, to_device(guess_rows, self.device), q_rows, self.rejection_sample)
         sampled, view.ends, spec = self.keep(step, room, m, first, known, computed, accepted.tolist(), tokens.tolist())
         reports += [(p, data, view) for p in self.processors if (data := p.accept(view, tokens)) is not None]
         return Verified(step, [], tokens, None, [], ModelRunnerOutput(sampled, gather_reports(reports), spec))
@@ -395,13 +409,14 @@ class SpeculativeRunner(ModelRunner):
         for i, (rid, r, n) in enumerate(zip(step.request_ids, step.requests, step.num_new_tokens)):
             f = first[i]
             if rid in room:
-                a = num_accepted(acc[f:f + m[i]])
-                sampled[rid] = r.token_ids[known[i]:known[i] + a] + [tok[f + a]]
+                # The scheduler's block manager cuts its table by the same rule when it reads the output.
+                sampled[rid], r.block_ids[:] = self.keep_accepted(
+                    r.token_ids[known[i]:known[i] + m[i]], acc[f:f + m[i]], tok[f:f + m[i] + 1], r.block_ids,
+                    known[i], self.config.block_size)
+                a = len(sampled[rid]) - 1
                 emitted += range(f, f + a + 1)
                 r.token_ids[known[i]:] = sampled[rid]
                 r.num_computed_tokens = known[i] + a
-                # The scheduler's block manager cuts its table by the same rule when it reads the output.
-                cut_table(r.block_ids, r.num_computed_tokens, self.config.block_size)
                 self.rows.shorten(r.row, len(r.block_ids))
                 self.proposer.rewind(rid, r.num_computed_tokens)
                 if m[i]:

@@ -1,56 +1,66 @@
-"""The checks of problem set 09 (speculative decoding): each answer against the reference, on random inputs.
+"""The checks of problem set 09 (speculative decoding): each answer against the reference, on random
+inputs, and the last part: the engine run on the student's pieces against the engine without speculation.
 
 Hand-written module (chapter 09)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, random_block_size
+from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, random_block_size, your_answers
 
 
-def _rejection_step_ref(p, q, guess, u):
-    residual = (p - q).clamp(min=0)
-    residual = residual / residual.sum() if residual.sum() > 0 else p
-    return torch.tensor(bool(u * q[guess] <= p[guess])), residual
+def _rejection_sample_inputs(gen: torch.Generator, case: int) -> tuple:
+    """Rows of every kind: a draft's guess, a guess made outright (q one-hot), the row after the last
+    guess (-1, q zeros), q equal to p (nothing left to correct with), and p or q zero at some tokens."""
+    R, V = randint(gen, 1, 12), randint(gen, 2, 9)
+    p = torch.rand(R, V, generator=gen) ** 3
+    p[torch.rand(R, V, generator=gen) < 0.2] = 0.0
+    p[:, randint(gen, 0, V - 1)] += 0.01  # no row all zeros
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.rand(R, V, generator=gen) ** 3
+    q[torch.rand(R, V, generator=gen) < 0.2] = 0.0
+    q[:, randint(gen, 0, V - 1)] += 0.01
+    q = q / q.sum(-1, keepdim=True)
+    kind = torch.randint(0, 4, (R,), generator=gen) if case else torch.arange(R) % 4
+    guesses = torch.multinomial(q, 1, generator=gen)[:, 0]
+    q[kind == 1] = torch.nn.functional.one_hot(guesses, V)[kind == 1].float()  # guessed outright
+    q[kind == 2] = p[kind == 2]
+    guesses = torch.where(kind == 2, torch.multinomial(p, 1, generator=gen)[:, 0], guesses)
+    q[kind == 3], guesses[kind == 3] = 0.0, -1
+    u = torch.rand(R, generator=gen).clamp(1e-6, 1 - 1e-6)
+    noise = -torch.rand(R, V, generator=gen).clamp(min=1e-9).log()
+    return p, q, guesses, u, noise
 
 
-@exercise("09", 1, "rejection_step")
-def check_rejection_step(fn: Callable) -> None:
-    """fn(p, q, guess, u) -> (kept, residual): whether the guess (drawn from q) is kept, given a
-    uniform u in (0, 1): with probability min(1, p[guess] / q[guess]); and the distribution a rejected
-    guess is replaced from, norm(max(0, p - q)) (p itself where p equals q)."""
+@exercise("09", 1, "rejection_sample")
+def check_rejection_sample(fn: Callable) -> None:
+    """fn(p, q, guesses, u, noise) -> (accepted [R] bool, tokens [R] int64): for each row, whether its
+    guess (drawn from q; -1: none) is kept, u * q[guess] <= p[guess]; and the token sampled there,
+    argmax(residual / noise) with residual = max(0, p - q), or p where that is all zeros."""
+    from miniinfer.worker.speculative import rejection_sample
+    check("rejection_sample", fn, rejection_sample, _rejection_sample_inputs, cases=60)
+
+
+@exercise("09", 2, "keep_accepted")
+def check_keep_accepted(fn: Callable) -> None:
+    """fn(guesses, accepted, tokens, table, num_known, block_size) -> (kept tokens, table): the guesses
+    before the first rejected one and the token sampled at that row; the table cut to the blocks that
+    hold the known tokens and the kept guesses."""
+    from miniinfer.worker.speculative import keep_accepted
+
     def inputs(gen, case):
-        V = randint(gen, 2, 9)
-        p = torch.rand(V, generator=gen) ** 3
-        q = p.clone() if case == 0 else torch.rand(V, generator=gen) ** 3
-        if case == 1:  # a token q never proposes but p likes, and one p never takes
-            q[0], p[-1] = 0.0, 0.0
-        return p / p.sum(), q / q.sum(), randint(gen, 1, V - 1), float(torch.rand((), generator=gen))
-
-    def as_tensors(f):
-        def run(p, q, guess, u):
-            kept, residual = f(p, q, guess, u)
-            return torch.tensor(bool(kept)), residual
-        return run
-    check("rejection_step", as_tensors(fn), _rejection_step_ref, inputs, cases=60, atol=1e-6)
-
-
-def _expected_tokens_ref(alpha, k):
-    return torch.tensor(float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha), dtype=torch.float64)
-
-
-@exercise("09", 2, "expected_tokens")
-def check_expected_tokens(fn: Callable) -> None:
-    """fn(alpha, k) -> the tokens a step with k guesses makes on average when each guess is kept with
-    probability alpha (independently): the kept ones before the first rejection, and one token more."""
-    def inputs(gen, case):
-        alpha = (0.0, 1.0)[case] if case < 2 else float(torch.rand((), generator=gen))
-        return alpha, randint(gen, 1, 10)
-    check("expected_tokens", lambda a, k: torch.tensor(float(fn(a, k)), dtype=torch.float64),
-          _expected_tokens_ref, inputs, cases=30, rtol=1e-9, atol=1e-9)
+        bs = random_block_size(gen, case)
+        m = 0 if case == 2 else randint(gen, 1, 6)
+        known = randint(gen, 1, 20)
+        accepted = [True] * m if case == 3 else [bool(randint(gen, 0, 3)) for _ in range(m)]
+        table = torch.randperm(40, generator=gen)[:-(-(known + m) // bs)].tolist()
+        return ([randint(gen, 0, 9) for _ in range(m)], accepted, [randint(gen, 0, 9) for _ in range(m + 1)],
+                table, known, bs)
+    check("keep_accepted", as_tensor(fn), as_tensor(keep_accepted), inputs, cases=60)
 
 
 @exercise("09", 3, "ngram_guesses")
@@ -67,18 +77,107 @@ def check_ngram_guesses(fn: Callable) -> None:
     check("ngram_guesses", as_tensor(fn), as_tensor(lambda t, k, n: ngram_guesses(t, k, n)), inputs, cases=80)
 
 
-def _rollback_ref(table, num_tokens, block_size):
-    keep = -(-num_tokens // block_size)
-    return table[:keep], table[keep:]
+RARE = 10  # categories seen fewer times than this in both samples together are pooled into one (expected 5 each)
 
 
-@exercise("09", 4, "rollback")
-def check_rollback(fn: Callable) -> None:
-    """fn(table, num_tokens, block_size) -> (kept, released): a block table cut to hold only the first
-    num_tokens tokens (the rest were rejected guesses), and the blocks it gives back, in order."""
+def same_law(a: list[int], b: list[int]) -> float:
+    """The chi-square test of homogeneity: the p-value that samples a and b come from one distribution."""
+    counts = torch.stack([torch.bincount(torch.tensor(x, dtype=torch.int64), minlength=max(a + b) + 1)
+                          for x in (a, b)]).double()
+    rare = counts.sum(0) < RARE
+    counts = torch.cat([counts[:, ~rare], counts[:, rare].sum(1, keepdim=True)], 1)
+    counts = counts[:, counts.sum(0) > 0]
+    if counts.shape[1] < 2:
+        return 1.0
+    expected = counts.sum(1, keepdim=True) * counts.sum(0) / counts.sum()
+    stat = ((counts - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((counts.shape[1] - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+@exercise("09", 4, "same_law")
+def check_same_law(fn: Callable) -> None:
+    """fn(a, b) -> the chi-square p-value that the samples a and b (lists of ints) have one law: the
+    values seen, those seen fewer than 10 times in a and b together pooled into one category."""
     def inputs(gen, case):
-        bs = random_block_size(gen, case)
-        n = randint(gen, 1, 30)
-        blocks = torch.randperm(40, generator=gen)[:-(-(n + randint(gen, 0, 8)) // bs)].tolist()
-        return blocks, n, bs
-    check("rollback", as_tensor(fn), as_tensor(_rollback_ref), inputs, cases=40)
+        V = randint(gen, 1, 12)
+        law_a = torch.rand(V, generator=gen) ** 2 + 1e-3
+        law_b = law_a if case % 2 else torch.rand(V, generator=gen) ** 2 + 1e-3
+        na, nb = (1, 1) if case == 0 else (randint(gen, 5, 300), randint(gen, 5, 300))
+        return (torch.multinomial(law_a, na, replacement=True, generator=gen).tolist(),
+                torch.multinomial(law_b, nb, replacement=True, generator=gen).tolist())
+    check("same_law", lambda a, b: torch.tensor(float(fn(a, b)), dtype=torch.float64),
+          lambda a, b: torch.tensor(same_law(a, b), dtype=torch.float64), inputs, cases=40, rtol=1e-4, atol=1e-9)
+
+
+GREEDY_PROMPTS = ["for i in range(10):\n    print(i)\nfor j in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [",
+                  'def add(a, b):\n    """Return a + b."""\n    return a + b\n\n\ndef sub(a, b):\n']
+# Measured with the reference pieces, 400 requests of 4 tokens: p = 0.55-0.99 over four sets of seeds; a
+# replacement drawn from p instead of the residual 5e-9, a guess always kept 1e-35.
+SAMPLED_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n   "
+SAMPLES, SAMPLED_TOKENS = 400, 4
+LEVEL = 1e-3  # the p-value below which the two engines' outputs have different laws
+
+
+def _engine(runner: type | None = None, **config):
+    """The course model's engine: on runner with n-gram speculation (k = 4), or without speculation."""
+    import miniinfer as mi
+    from miniinfer.worker.model_runner import build_components
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    if runner is None:
+        return mi.LLMEngine(mi.EngineConfig(block_size=4, **config), model=model, tokenizer=tok)
+    spec = mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=4, block_size=4, **config)
+    components = dataclasses.replace(build_components(spec), runner=runner)
+    return mi.LLMEngine(spec, model=model, tokenizer=tok, components=components)
+
+
+def _blocks_back(engine, which: str) -> None:
+    bm = engine.block_manager
+    if bm.num_free_blocks != bm.num_blocks:
+        raise AssertionError(f"{which}: {bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} blocks were "
+                             "not given back (a table cut too short leaves blocks no one frees)")
+
+
+@exercise("09", 5, "YourRunner", "YourRunner, same_law")
+def check_speculative_engine(runner: type, law: Callable) -> None:
+    """The last part: the engine on runner (a SpeculativeRunner with the student's pieces) gives the
+    tokens of the engine without speculation, greedy, in as many steps as the package's n-gram runner;
+    sampled at temperature 0.8, SAMPLES seeded requests with it and without speculation pass the
+    student's chi-square test; every block comes back."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    from miniinfer.worker.speculative import SpeculativeRunner
+    greedy = mi.SamplingParams(temperature=0, max_tokens=48)
+    with your_answers("09"):
+        yours, plain, package = (_engine(r, num_blocks=128) for r in (runner, None, SpeculativeRunner))
+        got, expected = ([o.token_ids for o in e.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)]
+                         for e in (yours, plain))
+        for i, (g, e) in enumerate(zip(got, expected)):
+            if g != e:
+                at = next((j for j, (x, y) in enumerate(zip(g, e)) if x != y), min(len(g), len(e)))
+                raise AssertionError(
+                    f"greedy, prompt {i + 1} of {len(expected)} ({GREEDY_PROMPTS[i]!r}): the tokens differ from "
+                    f"token {at + 1} of {len(e)} on\n  expected {e[at:at + 8]}\n  received {g[at:at + 8]}")
+        _blocks_back(yours, "greedy")
+        package.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)
+        mine, theirs = yours.stats.spec, package.stats.spec
+        if (mine.proposed, mine.accepted) != (theirs.proposed, theirs.accepted):
+            raise AssertionError(
+                f"greedy, the right tokens but not the package's guesses: {mine.accepted} of {mine.proposed} "
+                f"guesses kept ({mine.tokens_per_step:.2f} tokens a step), expected {theirs.accepted} of "
+                f"{theirs.proposed} ({theirs.tokens_per_step:.2f}): look at your n-gram lookup")
+        each = [mi.SamplingParams(temperature=0.8, max_tokens=SAMPLED_TOKENS, ignore_eos=True, seed=i)
+                for i in range(SAMPLES)]
+        yours, plain = (_engine(r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES) for r in (runner, None))
+        runs = [[tuple(o.token_ids) for o in e.generate([SAMPLED_PROMPT] * SAMPLES, each, use_tqdm=False)]
+                for e in (yours, plain)]
+        _blocks_back(yours, "sampled")
+        names = {t: n for n, t in enumerate(sorted(set(runs[0] + runs[1])))}  # each sequence a category
+        p_value = float(law([names[t] for t in runs[0]], [names[t] for t in runs[1]]))
+    s = yours.stats.spec
+    if p_value < LEVEL:
+        raise AssertionError(f"sampled at temperature 0.8: the {SAMPLED_TOKENS} tokens of {SAMPLES} seeded requests "
+                             f"with your speculation and without follow different laws (chi-square p = "
+                             f"{p_value:.2g} < {LEVEL:g}); {s.acceptance_rate:.0%} of the guesses were kept")
+    print(f"passed: greedy, the tokens without speculation, {mine.tokens_per_step:.2f} a step as the package's; "
+          f"sampled, the same law (chi-square p = {p_value:.2f}, {s.acceptance_rate:.0%} of the guesses kept); "
+          "every block back")

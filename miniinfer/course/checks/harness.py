@@ -73,7 +73,7 @@ def exercise(chapter: str, number: int, answer: str, argument: str | None = None
             __tracebackhide__ = True  # IPython shows the student the message, not the checker's frames
             try:
                 return check_fn(*args, **kwargs)
-            except (AssertionError, AnswerError):
+            except (AssertionError, AnswerError, NotAnswered):  # NotAnswered: a last part names the exercise
                 raise
             except Exception as err:
                 if unanswered(err):
