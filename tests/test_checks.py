@@ -2,14 +2,17 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import miniinfer as mi
+import miniinfer.worker.logits_processors as lp
 import miniinfer.worker.speculative as spec
 from miniinfer.core.block_manager import OutOfBlocks
 from miniinfer.course import checks as testing
 from miniinfer.course.checks import ch09 as checks09
+from miniinfer.course.checks import ch12 as checks12
 from miniinfer.model.transformer import apply_rope, causal_attention
 
 
@@ -1055,31 +1058,66 @@ def test_chapter_11_checks_reject_wrong_answers(check, wrong):
 
 # Chapter 12 ------------------------------------------------------------------------------------
 
-def penalties_swapped(logits, counts, presence, frequency):
-    return logits - counts * presence[:, None] - (counts > 0) * frequency[:, None]
+def penalize_openai_first(logits, counts, in_prompt, presence, frequency, repetition):  # the order swapped
+    logits = logits - counts * frequency[:, None] - (counts > 0) * presence[:, None]
+    return lp.penalize(logits, counts, in_prompt, presence * 0, frequency * 0, repetition)
 
 
-def penalties_of_the_first_row(logits, counts, presence, frequency):
-    return logits - counts * frequency[0] - (counts > 0) * presence[0]
+def penalize_swapping_presence_and_frequency(logits, counts, in_prompt, presence, frequency, repetition):
+    return lp.penalize(logits, counts, in_prompt, frequency, presence, repetition)
 
 
-def repetition_always_divides(logits, counts, in_prompt, penalty):
-    return torch.where(in_prompt | (counts > 0), logits / penalty[:, None], logits)
+def penalize_always_dividing(logits, counts, in_prompt, presence, frequency, repetition):
+    seen = in_prompt | (counts > 0)
+    logits = torch.where(seen, logits / repetition[:, None], logits)
+    return lp.penalize(logits, counts, in_prompt, presence, frequency, torch.ones_like(repetition))
 
 
-def repetition_output_only(logits, counts, in_prompt, penalty):
-    p = penalty[:, None]
-    return torch.where(counts > 0, torch.where(logits > 0, logits / p, logits * p), logits)
+def penalize_output_only(logits, counts, in_prompt, presence, frequency, repetition):
+    return lp.penalize(logits, counts, torch.zeros_like(in_prompt), presence, frequency, repetition)
 
 
-def min_p_without_temperature(logits, min_p, temperature):
-    probs = logits.softmax(-1)
-    return logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+def prompt_rows_from_the_chunk_start(num_computed, num_new, num_prompt):  # scores token c, not c + 1 first
+    b, t, rows = lp.prompt_rows(num_computed, num_new, num_prompt)
+    return b, t - 1, rows
 
 
-def min_p_of_the_total(logits, min_p, temperature):  # an absolute floor, not relative to the top token
-    probs = (logits / temperature[:, None]).softmax(-1)
-    return logits.masked_fill(probs < min_p[:, None], float("-inf"))
+def prompt_rows_past_the_prompt(num_computed, num_new, num_prompt):  # the first generated token as well
+    return lp.prompt_rows(num_computed, num_new, [p + 1 for p in num_prompt])
+
+
+def prompt_rows_each_request_from_row_0(num_computed, num_new, num_prompt):
+    b, t, rows = lp.prompt_rows(num_computed, num_new, num_prompt)
+    return b, t, t - 1 - np.asarray(num_computed, np.int64)[b]
+
+
+def prompt_rows_by_position(num_computed, num_new, num_prompt):  # as if every chunk started the prompt
+    b, t, rows = lp.prompt_rows(num_computed, num_new, num_prompt)
+    return b, t, rows + np.asarray(num_computed, np.int64)[b]
+
+
+class MatcherWithoutEnd(checks12.ToyMatcher):  # the end token never allowed
+    def fill_next_token_bitmask(self, bitmask, n):
+        super().fill_next_token_bitmask(bitmask, n)
+        for e in self.eos:
+            bitmask[n, e // 32] &= ~(1 << (e % 32)) if e % 32 < 31 else 0x7FFFFFFF
+
+
+class MatcherFirstCharOnly(checks12.ToyMatcher):  # a token allowed when its first character is
+    def walk(self, text):
+        return super().walk(text[:1]) if text else self.state
+
+
+class MatcherEndByItsText(checks12.ToyMatcher):  # the end token judged by its text, as any other
+    def fill_next_token_bitmask(self, bitmask, n):
+        eos, self.eos = self.eos, set()
+        super().fill_next_token_bitmask(bitmask, n)
+        self.eos = eos
+
+
+class MatcherNeverEnding(checks12.ToyMatcher):
+    def is_terminated(self):
+        return False
 
 
 def logprobs_of_the_raw_logits(logits, tokens, k):  # no log-softmax
@@ -1110,21 +1148,63 @@ def bitmask_kept_where_zero(logits, bitmask):
     return logits.masked_fill(bits.flatten(1)[:, :logits.shape[1]].bool(), float("-inf"))
 
 
+def bitmask_without_the_sign_bit(logits, bitmask):  # bit 31 read as 0: token 32w + 31 never allowed
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    bits[:, :, 31] = 0
+    return logits.masked_fill(~bits.flatten(1)[:, :logits.shape[1]].bool(), float("-inf"))
+
+
 @pytest.mark.parametrize("check, wrong", [
-    (testing.check_openai_penalties, penalties_swapped),
-    (testing.check_openai_penalties, penalties_of_the_first_row),
-    (testing.check_repetition_penalty, repetition_always_divides),
-    (testing.check_repetition_penalty, repetition_output_only),
-    (testing.check_min_p_filter, min_p_without_temperature),
-    (testing.check_min_p_filter, min_p_of_the_total),
+    (testing.check_penalize, penalize_openai_first),
+    (testing.check_penalize, penalize_swapping_presence_and_frequency),
+    (testing.check_penalize, penalize_always_dividing),
+    (testing.check_penalize, penalize_output_only),
+    (testing.check_prompt_rows, prompt_rows_from_the_chunk_start),
+    (testing.check_prompt_rows, prompt_rows_past_the_prompt),
+    (testing.check_prompt_rows, prompt_rows_each_request_from_row_0),
+    (testing.check_prompt_rows, prompt_rows_by_position),
+    (testing.check_toy_matcher, MatcherWithoutEnd),
+    (testing.check_toy_matcher, MatcherFirstCharOnly),
+    (testing.check_toy_matcher, MatcherEndByItsText),
+    (testing.check_toy_matcher, MatcherNeverEnding),
     (testing.check_top_logprobs, logprobs_of_the_raw_logits),
     (testing.check_top_logprobs, rank_from_zero),
     (testing.check_top_logprobs, rank_counting_ties_as_ahead),
     (testing.check_apply_bitmask, bitmask_most_significant_first),
     (testing.check_apply_bitmask, bitmask_kept_where_zero),
+    (testing.check_apply_bitmask, bitmask_without_the_sign_bit),
 ])
 def test_chapter_12_checks_reject_wrong_answers(check, wrong):
     rejected(check, wrong)
+
+
+VOCAB = [mi.load_tokenizer().decode([i]) for i in range(4096)]
+
+
+def processor(base: type, **pieces) -> type:
+    return type("Broken", (base,), {k: v if callable(v) and k == "matcher" else staticmethod(v)
+                                    for k, v in pieces.items()})
+
+
+def number_matcher(cls):
+    return lambda self, structure: cls(checks12.NUMBER_DFA, checks12.NUMBER_ACCEPTING, VOCAB, {0})
+
+
+@pytest.mark.parametrize("pieces, says", [
+    ((processor(lp.Penalties, penalize=penalize_openai_first),), "repetition_penalty"),
+    ((processor(lp.Logprobs, scorer=rank_from_zero),), "logprobs of token"),
+    ((processor(lp.PromptLogprobs, rows_for=prompt_rows_from_the_chunk_start),), "prompt_logprobs of token"),
+    ((processor(lp.Structured, mask=bitmask_most_significant_first),), "regex"),
+    ((processor(lp.Structured, matcher=number_matcher(MatcherFirstCharOnly)),), "regex"),
+], ids=["penalize", "top_logprobs", "prompt_rows", "apply_bitmask", "ToyMatcher"])
+def test_chapter_12_last_part_fails_on_each_broken_piece(pieces, says):
+    """The last part runs the engine on the student's processors (the right matcher where the piece
+    broken is not the matcher): each broken piece fails it, naming the request."""
+    right = processor(lp.Structured, matcher=number_matcher(checks12.ToyMatcher))
+    if not any(issubclass(p, lp.Structured) for p in pieces):
+        pieces += (right,)
+    with pytest.raises(AssertionError, match=says):
+        testing.check_sampling_engine(pieces)
 
 
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():

@@ -279,29 +279,41 @@ class Logprobs(Scores):
         return out
 
 
+def prompt_rows(num_computed: list[int], num_new: list[int],
+                num_prompt: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prompt tokens a step scores: request i of the batch computes positions num_computed[i] ..
+    + num_new[i] - 1 at its rows of the batch, and the logits at position p score the token at p + 1 if
+    that is a prompt token. Returns (request index, token position, batch row) for each, in batch order."""
+    c, n, p = (np.asarray(x, np.int64) for x in (num_computed, num_new, num_prompt))
+    first = c + 1
+    count = np.maximum(np.minimum(c + n, p - 1) - first + 1, 0)
+    b = np.repeat(np.arange(len(c)), count)
+    t = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + first[b]
+    return b, t, (np.cumsum(n) - n)[b] + t - 1 - c[b]
+
+
 class PromptLogprobs(Scores):
     """For the requests that ask (SamplingParams.prompt_logprobs = n): each prompt token after the
     first, scored by the logits of the position before it, with the n most likely tokens there."""
     kind = "prompt_logprobs"
+    rows_for = staticmethod(prompt_rows)  # which rows score which tokens: any function with its arguments
 
     def __init__(self, runner: ModelRunner):
         super().__init__(runner)
         self.rows = np.zeros((4, 0), np.int64)  # this step's: batch index, prompt position, its token, n
 
     def wants(self, step: StepBatch) -> np.ndarray:
-        asks = np.flatnonzero(self.n[step.rows] >= 0)
-        if not len(asks):
+        asks = self.n[step.rows] >= 0
+        if not asks.any():
             return np.zeros(0, np.int64)
-        starts = np.cumsum([0] + step.num_new_tokens)  # each request's first token in the batch
-        rows, index = [], []
-        for i in asks:
-            r, c = step.requests[i], step.requests[i].num_computed_tokens  # not advanced yet
-            t = np.arange(c + 1, min(c + step.num_new_tokens[i], r.num_prompt_tokens - 1) + 1)  # tokens it scores
-            rows.append(np.stack([np.full(len(t), i), t, np.array(r.token_ids[c + 1:c + 1 + len(t)], np.int64),
-                                  np.full(len(t), self.n[step.rows[i]])]))
-            index.append(starts[i] + t - 1 - c)  # the batch rows before them
-        self.rows = np.concatenate(rows, 1).astype(np.int64)
-        return np.concatenate(index)
+        reqs = step.requests  # num_computed_tokens not advanced yet
+        b, t, rows = (np.asarray(x, np.int64) for x in self.rows_for(
+            [r.num_computed_tokens for r in reqs], step.num_new_tokens, [r.num_prompt_tokens for r in reqs]))
+        mine = asks[b]
+        b, t, rows = b[mine], t[mine], rows[mine]
+        tokens = np.array([reqs[i].token_ids[p] for i, p in zip(b, t)], np.int64)
+        self.rows = np.stack([b, t, tokens, self.n[step.rows[b]]])
+        return rows
 
     def read(self, logits: torch.Tensor, step: StepBatch) -> torch.Tensor | None:
         b, t, tokens, n = self.rows  # each row's batch index and prompt position head it
@@ -387,16 +399,21 @@ class Structured(Processor):
         self.matchers.pop(row, None)
         if params.structured_output is None:
             return
+        matcher = self.matcher(params.structured_output)
+        for token in output:  # back after a preemption: where it was
+            if not matcher.is_terminated():
+                matcher.accept_token(token)
+        self.matchers[row] = matcher
+
+    def matcher(self, structure: StructuredOutput) -> Any:
+        """xgrammar's matcher for a request's structure. A subclass may make its own: any object with
+        `fill_next_token_bitmask(bitmask, n)`, `accept_token(token)` and `is_terminated()`."""
         import xgrammar as xgr
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.runner.config.model)
         cfg = self.runner.model.cfg
         compiler = grammar_compiler(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
-        matcher = xgr.GrammarMatcher(compile_structure(params.structured_output, compiler))
-        for token in output:  # back after a preemption: where it was
-            if not matcher.is_terminated():
-                matcher.accept_token(token)
-        self.matchers[row] = matcher
+        return xgr.GrammarMatcher(compile_structure(structure, compiler))
 
     def held(self, step: StepBatch) -> list[tuple[int, Any]]:
         """(batch index, matcher) of the step's rows that sample under a grammar."""

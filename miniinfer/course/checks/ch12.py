@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import check, exercise, randint
+from miniinfer.course.checks.harness import check, exercise, randint, your_answers
 
 
 def _histories(gen, case):
@@ -20,54 +20,27 @@ def _histories(gen, case):
     return logits, counts.int(), in_prompt
 
 
-@exercise("12", 1, "openai_penalties")
-def check_openai_penalties(fn: Callable) -> None:
-    """fn(logits [B, V], counts [B, V] int32, presence [B], frequency [B]) -> logits after OpenAI's
-    presence and frequency penalties, each row with its own: l - frequency x count - presence x (count > 0)."""
+@exercise("12", 1, "penalize")
+def check_penalize(fn: Callable) -> None:
+    """fn(logits [B, V], counts [B, V] int32, in_prompt [B, V] bool, presence [B], frequency [B],
+    repetition [B]) -> logits after transformers' repetition penalty (a token seen in the prompt or the
+    output: its logit divided by the row's repetition if positive, multiplied if not), then OpenAI's
+    frequency and presence penalties (l - frequency x count - presence x (count > 0))."""
     from miniinfer.worker.logits_processors import penalize
 
     def inputs(gen, case):
         logits, counts, in_prompt = _histories(gen, case)
         B = logits.shape[0]
-        return logits, counts, torch.rand(B, generator=gen) * 4 - 2, torch.rand(B, generator=gen) * 4 - 2
-
-    def ref(logits, counts, presence, frequency):
-        none = torch.zeros_like(counts, dtype=torch.bool)
-        return penalize(logits, counts, none, presence, frequency, torch.ones_like(presence))
-    check("openai_penalties", fn, ref, inputs, cases=12)
-
-
-@exercise("12", 2, "repetition_penalty")
-def check_repetition_penalty(fn: Callable) -> None:
-    """fn(logits [B, V], counts [B, V], in_prompt [B, V] bool, penalty [B]) -> logits after transformers'
-    repetition penalty: a token seen in the prompt or the output has its logit divided by the row's
-    penalty if positive, multiplied if not."""
-    from miniinfer.worker.logits_processors import penalize
-
-    def inputs(gen, case):
-        logits, counts, in_prompt = _histories(gen, case)
-        return logits, counts, in_prompt, torch.rand(logits.shape[0], generator=gen) * 1.8 + 0.1
-
-    def ref(logits, counts, in_prompt, penalty):
-        zero = torch.zeros_like(penalty)
-        return penalize(logits, counts, in_prompt, zero, zero, penalty)
-    check("repetition_penalty", fn, ref, inputs, cases=12)
+        presence, frequency = torch.rand(B, generator=gen) * 4 - 2, torch.rand(B, generator=gen) * 4 - 2
+        repetition = torch.rand(B, generator=gen) * 1.8 + 0.1
+        if case < 3:  # one penalty at a time
+            presence, frequency, repetition = (presence * (case == 0), frequency * (case == 1),
+                                               repetition if case == 2 else torch.ones(B))
+        return logits, counts, in_prompt, presence, frequency, repetition
+    check("penalize", fn, penalize, inputs, cases=16)
 
 
-@exercise("12", 3, "min_p_filter")
-def check_min_p_filter(fn: Callable) -> None:
-    """fn(logits [B, V], min_p [B], temperature [B]) -> logits with -inf for each token whose probability
-    at the row's temperature is below min_p times the row's top token's (the others unchanged)."""
-    from miniinfer.worker.logits_processors import min_p_mask
-
-    def inputs(gen, case):
-        logits = torch.randn(randint(gen, 1, 6), randint(gen, 5, 40), generator=gen) * 3
-        B = logits.shape[0]
-        return logits, torch.rand(B, generator=gen), torch.rand(B, generator=gen) * 2 + 0.1
-    check("min_p_filter", fn, min_p_mask, inputs, cases=12)
-
-
-@exercise("12", 4, "top_logprobs")
+@exercise("12", 2, "top_logprobs")
 def check_top_logprobs(fn: Callable) -> None:
     """fn(logits [R, V], tokens [R], k) -> (the token's log-probability [R] float32, its rank [R] int64
     (1: the most likely), the k best log-probabilities [R, k] float32 and their token ids [R, k] int64).
@@ -88,7 +61,28 @@ def check_top_logprobs(fn: Callable) -> None:
     check("top_logprobs", fn, top_logprobs, inputs, cases=12)
 
 
-@exercise("12", 5, "apply_bitmask")
+@exercise("12", 3, "prompt_rows")
+def check_prompt_rows(fn: Callable) -> None:
+    """fn(num_computed, num_new, num_prompt) (lists, one entry per request of a step's batch) ->
+    (request index, token position, batch row) of every prompt token the step scores, in batch order:
+    the logits at position p score the token at p + 1, prompt tokens only, the first never."""
+    from miniinfer.worker.logits_processors import prompt_rows
+
+    def inputs(gen, case):
+        B = randint(gen, 1, 6)
+        prompts = [randint(gen, 1, 30) for _ in range(B)]
+        computed = [randint(gen, 0, p + 4) for p in prompts]  # past the prompt: decoding
+        new = [randint(gen, 1, 12) if c < p else 1 for c, p in zip(computed, prompts)]
+        if case == 0:  # one prompt in three chunks, at the step of each
+            return [0, 4, 8], [4, 4, 3], [11, 11, 11]
+        return computed, new, prompts
+
+    def as_lists(f):
+        return lambda *a: tuple(torch.tensor([int(v) for v in x], dtype=torch.int64) for x in f(*a))
+    check("prompt_rows", as_lists(fn), as_lists(prompt_rows), inputs, cases=40)
+
+
+@exercise("12", 4, "apply_bitmask")
 def check_apply_bitmask(fn: Callable) -> None:
     """fn(logits [R, V], bitmask [R, ceil(V / 32)] int32) -> logits with -inf where a token's bit is 0."""
     from miniinfer.worker.logits_processors import apply_bitmask
@@ -99,3 +93,151 @@ def check_apply_bitmask(fn: Callable) -> None:
         bitmask = torch.randint(-2 ** 31, 2 ** 31, (R, -(-V // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
         return torch.randn(R, V, generator=gen), bitmask
     check("apply_bitmask", fn, apply_bitmask, inputs, cases=12)
+
+
+class ToyMatcher:
+    """The reference: a regex as a DFA over characters, its allowed tokens as xgrammar's bitmask."""
+
+    def __init__(self, dfa: dict[tuple[int, str], int], accepting: set[int], vocab: list[str], eos: set[int]):
+        self.dfa, self.accepting, self.vocab, self.eos = dfa, accepting, vocab, eos
+        self.state, self.done = 0, False
+
+    def walk(self, text: str) -> int | None:
+        state: int | None = self.state
+        for ch in text:
+            state = self.dfa.get((state, ch))  # type: ignore[arg-type]
+            if state is None:
+                return None
+        return state
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, n: int) -> None:
+        allowed = [bool(text) and i not in self.eos and self.walk(text) is not None
+                   for i, text in enumerate(self.vocab)]
+        for e in self.eos:
+            allowed[e] = self.state in self.accepting
+        bits = torch.tensor(allowed + [False] * (32 * bitmask.shape[1] - len(allowed)), dtype=torch.int64)
+        bitmask[n] = (bits.view(-1, 32) << torch.arange(32)).sum(1).to(torch.int32)
+
+    def accept_token(self, token: int) -> None:
+        if token in self.eos:
+            self.done = True
+        else:
+            state = self.walk(self.vocab[token])
+            if state is None:
+                raise ValueError(f"token {token} ({self.vocab[token]!r}) is not allowed in state {self.state}")
+            self.state = state
+
+    def is_terminated(self) -> bool:
+        return self.done
+
+
+def random_dfa(gen: torch.Generator, alphabet: str) -> tuple[dict[tuple[int, str], int], set[int]]:
+    states = randint(gen, 1, 5)
+    dfa = {(s, ch): randint(gen, 0, states - 1) for s in range(states) for ch in alphabet if randint(gen, 0, 2)}
+    return dfa, {s for s in range(states) if randint(gen, 0, 1)} or {0}
+
+
+@exercise("12", 5, "ToyMatcher")
+def check_toy_matcher(cls: Callable) -> None:
+    """cls(dfa, accepting, vocab, eos): a matcher that, token by token (accept_token), fills its row
+    of a bitmask with the tokens whose text the DFA can walk from its state (fill_next_token_bitmask),
+    the end tokens where the state accepts, and is terminated once an end token is taken."""
+    def inputs(gen, case):
+        alphabet = "ab.-"[:randint(gen, 1, 4)]
+        dfa, accepting = random_dfa(gen, alphabet)
+        V = (31, 32, 33)[case] if case < 3 else randint(gen, 2, 70)  # the last word: part used, whole, one bit
+        vocab = ["".join(alphabet[randint(gen, 0, len(alphabet) - 1)] for _ in range(randint(gen, 0, 3)))
+                 for _ in range(V)]
+        eos = {randint(gen, 0, V - 1)}
+        return dfa, accepting, vocab, eos, int(torch.randint(0, 2 ** 31, (), generator=gen))
+
+    def run(make):
+        def go(dfa, accepting, vocab, eos, seed):
+            """The rows it fills, a step each, taking a random allowed token, until it ends or nothing is
+            allowed; then whether it says it is terminated."""
+            gen, m = torch.Generator().manual_seed(seed), make(dfa, accepting, vocab, eos)
+            rows = torch.zeros(12, -(-len(vocab) // 32), dtype=torch.int32)
+            for step in range(12):
+                if m.is_terminated():
+                    break
+                m.fill_next_token_bitmask(rows, step)
+                allowed = (((rows[step][:, None] >> torch.arange(32)) & 1).flatten()[:len(vocab)]).nonzero()[:, 0]
+                if not len(allowed):
+                    break
+                m.accept_token(int(allowed[torch.randint(0, len(allowed), (), generator=gen)]))
+            return rows, torch.tensor(bool(m.is_terminated()))
+        return go
+    check("ToyMatcher", run(cls), run(ToyMatcher), inputs, cases=40)
+
+
+DIGITS = "0123456789"
+# -?[0-9]+(\.[0-9]+)? as a DFA: 0 start, 1 after the sign, 2 in the integer part, 3 after the point, 4 in
+# the fraction; 2 and 4 accept.
+NUMBER_REGEX = r"-?[0-9]+(\.[0-9]+)?"
+NUMBER_DFA = {(0, "-"): 1, (2, "."): 3, **{(s, d): 2 for s in (0, 1, 2) for d in DIGITS},
+              **{(s, d): 4 for s in (3, 4) for d in DIGITS}}
+NUMBER_ACCEPTING = {2, 4}
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef"
+SETTINGS = [dict(temperature=0, logprobs=3, prompt_logprobs=2),
+            dict(temperature=0, repetition_penalty=1.3, presence_penalty=-2.0),  # where their order shows
+            dict(temperature=0, frequency_penalty=1.0, presence_penalty=0.5, prompt_logprobs=0),
+            dict(temperature=0.9, seed=1, min_p=0.2, logprobs=2),
+            dict(temperature=1.2, seed=2, repetition_penalty=1.2, prompt_logprobs=1)]
+NUMBER_PROMPTS = ["x = ", "pi = 3.", "The answer is "]
+
+
+def _first_difference(mine, theirs, name: str) -> str | None:
+    """Where two requests' outputs differ: tokens exactly, log-probabilities within float32 rounding."""
+    if mine.token_ids != theirs.token_ids:
+        at = next((j for j, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b),
+                  min(len(mine.token_ids), len(theirs.token_ids)))
+        return (f"{name}: the tokens differ from token {at + 1} on\n  expected {theirs.token_ids[at:at + 8]}\n"
+                f"  received {mine.token_ids[at:at + 8]}")
+    for kind in ("logprobs", "prompt_logprobs"):
+        a, b = getattr(mine, kind) or [], getattr(theirs, kind) or []
+        if len(a) != len(b):
+            return f"{name}: {len(b)} entries of {kind} expected, {len(a)} received"
+        for j, (x, y) in enumerate(zip(a, b)):
+            if (x is None) != (y is None) or x is not None and (
+                    (x.token, x.rank, [t for t, _ in x.top]) != (y.token, y.rank, [t for t, _ in y.top])
+                    or abs(x.logprob - y.logprob) > 1e-4):
+                return f"{name}: {kind} of token {j + 1} differ\n  expected {y}\n  received {x}"
+    return None
+
+
+@exercise("12", 6, "your_processors")
+def check_sampling_engine(processors: tuple) -> None:
+    """The last part: an engine whose logits processors are the given subclasses (each in place of the
+    package class it derives from), its prompts computed in chunks of 7 tokens, against the package's
+    engine without chunks and with xgrammar: the same tokens, log-probabilities and prompt
+    log-probabilities for a batch of requests with their own settings; every block back."""
+    __tracebackhide__ = True
+    import dataclasses
+
+    import miniinfer as mi
+    from miniinfer.worker.model_runner import build_components
+    params = [mi.SamplingParams(max_tokens=24, **s) for s in SETTINGS]
+    number = mi.StructuredOutput(regex=NUMBER_REGEX)
+    params += [mi.SamplingParams(temperature=t, seed=i, max_tokens=12, structured_output=number)
+               for i, t in enumerate((0, 0.8, 1.2))]
+    prompts = [PROMPT] * len(SETTINGS) + NUMBER_PROMPTS
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    plain = mi.EngineConfig(num_blocks=64)
+    theirs = mi.LLMEngine(plain, model=model, tokenizer=tok).generate(prompts, params, use_tqdm=False)
+    config = mi.EngineConfig(num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=7)
+    package = build_components(config)
+    yours = {cls.__mro__[1]: cls for cls in processors}
+    engine = mi.LLMEngine(config, model=model, tokenizer=tok, components=dataclasses.replace(
+        package, processors=tuple(yours.get(make, make) for make in package.processors)))
+    with your_answers("12"):
+        ours = engine.generate(prompts, params, use_tqdm=False)
+    for i, (mine, their) in enumerate(zip(ours, theirs)):
+        what = ", ".join(f"{k}={v}" for k, v in (SETTINGS[i] if i < len(SETTINGS) else {"regex": NUMBER_REGEX}).items())
+        if (wrong := _first_difference(mine, their, f"request {i + 1} of {len(ours)} ({what})")) is not None:
+            raise AssertionError(wrong)
+    bm = engine.block_manager
+    if bm.num_free_blocks != bm.num_blocks:
+        raise AssertionError(f"{bm.num_blocks - bm.num_free_blocks} blocks were not given back")
+    numbers = ", ".join(repr(o.text) for o in ours[len(SETTINGS):])
+    print(f"passed: {len(ours)} requests in chunks of 7 prompt tokens, the package's tokens and log-probabilities; "
+          f"your grammar wrote {numbers} as xgrammar does; every block back")
