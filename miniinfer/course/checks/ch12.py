@@ -4,7 +4,7 @@ Hand-written module (chapter 12)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -178,11 +178,12 @@ NUMBER_DFA = {(0, "-"): 1, (2, "."): 3, **{(s, d): 2 for s in (0, 1, 2) for d in
               **{(s, d): 4 for s in (3, 4) for d in DIGITS}}
 NUMBER_ACCEPTING = {2, 4}
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef"
-SETTINGS = [dict(temperature=0, logprobs=3, prompt_logprobs=2),
-            dict(temperature=0, repetition_penalty=1.3, presence_penalty=-2.0),  # where their order shows
-            dict(temperature=0, frequency_penalty=1.0, presence_penalty=0.5, prompt_logprobs=0),
-            dict(temperature=0.9, seed=1, min_p=0.2, logprobs=2),
-            dict(temperature=1.2, seed=2, repetition_penalty=1.2, prompt_logprobs=1)]
+SETTINGS: list[dict[str, Any]] = [
+    dict(temperature=0, logprobs=3, prompt_logprobs=2),
+    dict(temperature=0, repetition_penalty=1.3, presence_penalty=-2.0),  # where their order shows
+    dict(temperature=0, frequency_penalty=1.0, presence_penalty=0.5, prompt_logprobs=0),
+    dict(temperature=0.9, seed=1, min_p=0.2, logprobs=2),
+    dict(temperature=1.2, seed=2, repetition_penalty=1.2, prompt_logprobs=1)]
 NUMBER_PROMPTS = ["x = ", "pi = 3.", "The answer is "]
 
 
