@@ -111,8 +111,10 @@ def check_same_law(fn: Callable) -> None:
 
 GREEDY_PROMPTS = ["for i in range(10):\n    print(i)\nfor j in range(10):\n", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [",
                   'def add(a, b):\n    """Return a + b."""\n    return a + b\n\n\ndef sub(a, b):\n']
-# Measured with the reference pieces, 400 requests of 4 tokens: p = 0.55-0.99 over four sets of seeds; a
-# replacement drawn from p instead of the residual 5e-9, a guess always kept 1e-35.
+# Measured on the 2-core CPU (2026-11-26), 400 requests of 4 tokens: with the reference pieces p = 0.55-0.99
+# over four sets of seeds; a replacement drawn from p instead of the residual 5e-9, a guess always kept 1e-35.
+# Prompts whose next tokens are nearly certain gave the test less power; 5 expected a category (RARE) kept
+# a correct sampler from failing it.
 SAMPLED_PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n   "
 SAMPLES, SAMPLED_TOKENS = 400, 4
 LEVEL = 1e-3  # the p-value below which the two engines' outputs have different laws
