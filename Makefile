@@ -34,13 +34,15 @@ reset:
 	@test -n "$(NB)" || { echo "usage: make reset NB=05"; exit 2; }
 	python3 tools/lab.py reset $(NB)
 
+# Two pytest workers on two cores, one thread each: PyTorch's two OpenMP threads a process would
+# oversubscribe the cores and spin (problem set 09's last part, twice at once: 54 s each, 11 s so).
 test: $(STAMP)
 	$(PY) -m ruff check
 	$(PY) -m mypy miniinfer
 	$(PY) tools/build.py export --check
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
-	$(PY) -m pytest --nbval -n 2 --dist loadfile --durations=25
+	OMP_NUM_THREADS=1 $(PY) -m pytest --nbval -n 2 --dist loadfile --durations=25
 
 grade: $(STAMP)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS='folder or notebooks' [JOBS=2] [TIMEOUT=600] [GRADES=grades.csv]"; exit 2; }
