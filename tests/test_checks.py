@@ -138,3 +138,11 @@ def test_the_kill_report_lists_every_mutant():
     text = (Path(__file__).resolve().parent.parent / "docs" / "mutants.md").read_text()
     listed = {line.split("`")[3] for line in text.splitlines() if line.startswith("| `")}
     assert listed == {w.__name__ for _, _, w in ALL}
+
+
+def test_a_list_of_the_wrong_length_is_shown_as_a_list():
+    """A list answer that is too long reads as values, not as a tensor's shape."""
+    from mutants.ch09 import keep_the_last_tokens_block
+    listed = r"expected \d+ values, received \d+\n  expected \[[\d, ]+\]\n  received \["
+    with pytest.raises(AssertionError, match=listed):
+        testing.check_keep_accepted(keep_the_last_tokens_block)

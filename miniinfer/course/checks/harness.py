@@ -171,7 +171,7 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
             if not isinstance(g, torch.Tensor):
                 wrong = f"  expected a tensor, received {type(g).__name__}"
             elif g.shape != e.shape:
-                wrong = f"  expected shape {tuple(e.shape)}, received {tuple(g.shape)}"
+                wrong = shape_differs(e, g)
             elif g.dtype != e.dtype:
                 wrong = f"  expected dtype {e.dtype}, received {g.dtype}"
             else:
@@ -182,6 +182,17 @@ def check(name: str, fn: Callable, ref: Callable, inputs: Inputs, cases: int = 8
 
 
 SHOWN_VALUES = 16  # a result this small is shown whole in a message
+SHOWN_LIST = 64  # a list answer (1-D integers) of a wrong length this long is shown whole
+
+
+def shape_differs(expected: torch.Tensor, got: torch.Tensor) -> str:
+    """What differs between results of different shapes: a list answer by its length and values, any
+    other by its shape."""
+    listed = expected.dim() == got.dim() == 1 and not expected.is_floating_point()
+    if listed and max(len(expected), len(got)) <= SHOWN_LIST:
+        return (f"  expected {len(expected)} values, received {len(got)}\n  expected {expected.tolist()}\n"
+                f"  received {got.tolist()}")
+    return f"  expected shape {tuple(expected.shape)}, received {tuple(got.shape)}"
 
 
 def differs(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> str | None:
