@@ -50,6 +50,7 @@ def check_keep_accepted(fn: Callable) -> None:
     """fn(guesses, accepted, tokens, table, num_known, block_size) -> (kept tokens, table): the guesses
     before the first rejected one and the token sampled at that row; the table cut to the blocks that
     hold the known tokens and the kept guesses."""
+    from miniinfer.core.block_manager import blocks_needed
     from miniinfer.worker.speculative import keep_accepted
 
     def inputs(gen, case):
@@ -57,7 +58,7 @@ def check_keep_accepted(fn: Callable) -> None:
         m = 0 if case == 2 else randint(gen, 1, 6)
         known = randint(gen, 1, 20)
         accepted = [True] * m if case == 3 else [bool(randint(gen, 0, 3)) for _ in range(m)]
-        table = torch.randperm(40, generator=gen)[:-(-(known + m) // bs)].tolist()
+        table = torch.randperm(40, generator=gen)[:blocks_needed(known + m, bs)].tolist()
         return ([randint(gen, 0, 9) for _ in range(m)], accepted, [randint(gen, 0, 9) for _ in range(m + 1)],
                 table, known, bs)
     check("keep_accepted", as_tensor(fn), as_tensor(keep_accepted), inputs, cases=60)
@@ -120,11 +121,10 @@ SAMPLES, SAMPLED_TOKENS = 400, 4
 LEVEL = 1e-3  # the p-value below which the two engines' outputs have different laws
 
 
-def _engine(runner: type | None = None, **config):
+def _engine(model, tok, runner: type | None = None, **config):
     """The course model's engine: on runner with n-gram speculation (k = 4), or without speculation."""
     import miniinfer as mi
     from miniinfer.worker.model_runner import build_components
-    model, tok = mi.load_model(), mi.load_tokenizer()
     if runner is None:
         return mi.LLMEngine(mi.EngineConfig(block_size=4, **config), model=model, tokenizer=tok)
     spec = mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=4, block_size=4, **config)
@@ -149,8 +149,9 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
     import miniinfer as mi
     from miniinfer.worker.speculative import SpeculativeRunner
     greedy = mi.SamplingParams(temperature=0, max_tokens=48)
+    model, tok = mi.load_model(), mi.load_tokenizer()  # one copy for the five engines
     with your_answers("09"):
-        yours, plain, package = (_engine(r, num_blocks=128) for r in (runner, None, SpeculativeRunner))
+        yours, plain, package = (_engine(model, tok, r, num_blocks=128) for r in (runner, None, SpeculativeRunner))
         got, expected = ([o.token_ids for o in e.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)]
                          for e in (yours, plain))
         for i, (g, e) in enumerate(zip(got, expected)):
@@ -169,7 +170,7 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
                 f"{theirs.proposed} ({theirs.tokens_per_step:.2f}): look at your n-gram lookup")
         each = [mi.SamplingParams(temperature=0.8, max_tokens=SAMPLED_TOKENS, ignore_eos=True, seed=i)
                 for i in range(SAMPLES)]
-        yours, plain = (_engine(r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES) for r in (runner, None))
+        yours, plain = (_engine(model, tok, r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES) for r in (runner, None))
         runs = [[tuple(o.token_ids) for o in e.generate([SAMPLED_PROMPT] * SAMPLES, each, use_tqdm=False)]
                 for e in (yours, plain)]
         _blocks_back(yours, "sampled")

@@ -11,15 +11,16 @@ import torch
 from miniinfer.course.checks.harness import check, exercise, randint
 
 
-def _fake_quantize_ref(w, bits, symmetric):
+def _fake_quantize_ref(w, bits, symmetric, rounding=torch.round):
+    """rounding: to nearest (a mutant of the tests passes another)."""
     if symmetric:
         top = 2 ** (bits - 1) - 1
         scale = (w.abs().amax(1, keepdim=True) / top).clamp(min=1e-10)
-        return torch.round(w / scale).clamp(-top - 1, top) * scale
+        return rounding(w / scale).clamp(-top - 1, top) * scale
     low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
     scale = ((high - low) / (2 ** bits - 1)).clamp(min=1e-10)
     zero = torch.round(-low / scale)
-    return ((torch.round(w / scale) + zero).clamp(0, 2 ** bits - 1) - zero) * scale
+    return ((rounding(w / scale) + zero).clamp(0, 2 ** bits - 1) - zero) * scale
 
 
 def _weights(gen, case, groups_of: int = 1):
