@@ -83,7 +83,8 @@ def test_chapter_09_last_part_fails_on_each_broken_piece(runner, law, says):
         testing.check_speculative_engine(runner, law)
 
 
-VOCAB = [mi.load_tokenizer().decode([i]) for i in range(4096)]
+TOKENIZER = mi.load_tokenizer()  # once: each load reads its files again (4,096 loads took 76 s)
+VOCAB = [TOKENIZER.decode([i]) for i in range(4096)]
 
 
 def processor(base: type, **pieces) -> type:

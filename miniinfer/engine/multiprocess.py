@@ -10,6 +10,7 @@ import time
 import weakref
 from pathlib import Path
 
+import cloudpickle
 import torch
 
 from miniinfer.core.config import EngineConfig
@@ -30,7 +31,8 @@ class MultiProcessExecutor:
 
     def __init__(self, config: EngineConfig, components: Components, model: Transformer | None = None,
                  tokenizer=None):
-        """components: the engine's, sent to every rank (pickled by name: they must be importable)."""
+        """components: the engine's, sent to every rank by cloudpickle: the package's by name, what a
+        notebook defined by value (a spawned process has no such module to find it in)."""
         if model is not None:
             raise ValueError("tensor_parallel_size > 1 loads the model in each worker process: give the "
                              "checkpoint (EngineConfig.model), not a model object")
@@ -47,10 +49,11 @@ class MultiProcessExecutor:
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-tp-")
         os.close(fd)
         ctx = multiprocessing.get_context("spawn")
+        payload = cloudpickle.dumps(components)
         self.conns, self.procs = [], []
         for rank in range(size):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=run_worker, args=(rank, config, components, self.init_file, child), daemon=True,
+            proc = ctx.Process(target=run_worker, args=(rank, config, payload, self.init_file, child), daemon=True,
                                name=f"miniinfer-tp{rank}")
             proc.start()
             child.close()

@@ -90,6 +90,11 @@ class RowParallelLinear(Linear):
             return bias if self.first else torch.zeros_like(bias)
         return _part(tensors[0], (self.out_features, self.in_size), (slice(None), self.columns))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        dist.all_reduce(out)
+        return out
+
 
 def all_reduce_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
     """A forward hook: the module's output, summed over the ranks in place."""
@@ -135,11 +140,24 @@ class ParallelLMHead(VocabParallelEmbedding):
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
-def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False) -> None:
+@dataclass(frozen=True)
+class ParallelLayers:
+    """The classes a rank's part of the model is made of: the engine sends them to every rank
+    (pickled by value, so a class defined in a notebook reaches a spawned process too)."""
+    shard: type[Shard] = Shard
+    column: type[ColumnParallelLinear] = ColumnParallelLinear
+    row: type[RowParallelLinear] = RowParallelLinear
+    embedding: type[VocabParallelEmbedding] = VocabParallelEmbedding
+    lm_head: type[ParallelLMHead] = ParallelLMHead
+
+
+def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False,
+                layers: ParallelLayers = ParallelLayers()) -> None:
     """Make a model skeleton (before its tensors are read) this rank's part: column-parallel q/k/v and
     gate/up, row-parallel o and down, the vocabulary split. Its cfg becomes the rank's own shape
     (heads, KV heads, intermediate size), which the KV pool and the attention read. whole_rows: o and
-    down load all their input columns, to be quantized whole and cut after (`cut_to_columns`)."""
+    down load all their input columns, to be quantized whole and cut after (`cut_to_columns`).
+    layers: the classes to build it of."""
     cfg = model.cfg
     check_parallel(cfg, shard.size)
     D, hidden = cfg.head_dim, cfg.hidden_size
@@ -151,16 +169,13 @@ def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False) -> N
     for layer in cast(list[DecoderLayer], model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.cfg, attn.sizes = local, [local.num_heads * D, local.num_kv_heads * D, local.num_kv_heads * D]
-        attn.qkv_proj = ColumnParallelLinear(hidden, [_rows(q, D), _rows(kv, D), _rows(kv, D)],
-                                             [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D],
-                                             cfg.qkv_bias)
-        attn.o_proj = RowParallelLinear(o_cols, cfg.num_heads * D, hidden, cfg.o_bias, shard.rank == 0)
-        mlp.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], [cfg.intermediate_size] * 2, cfg.mlp_bias)
-        mlp.down_proj = RowParallelLinear(down_cols, cfg.intermediate_size, hidden, cfg.mlp_bias, shard.rank == 0)
-        for block in (attn, mlp):  # o's and down's partial sums, added up after the blocks they end
-            block.register_forward_hook(all_reduce_output)
-    model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]
-    model.lm_head = ParallelLMHead(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]
+        attn.qkv_proj = layers.column(hidden, [_rows(q, D), _rows(kv, D), _rows(kv, D)],
+                                       [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], cfg.qkv_bias)
+        attn.o_proj = layers.row(o_cols, cfg.num_heads * D, hidden, cfg.o_bias, shard.rank == 0)
+        mlp.gate_up_proj = layers.column(hidden, [inter, inter], [cfg.intermediate_size] * 2, cfg.mlp_bias)
+        mlp.down_proj = layers.row(down_cols, cfg.intermediate_size, hidden, cfg.mlp_bias, shard.rank == 0)
+    model.model.embed_tokens = layers.embedding(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]
+    model.lm_head = layers.lm_head(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]
     model.cfg = local
 
 
@@ -198,5 +213,7 @@ def cut_row_parallel(model: Transformer, cfg: ModelConfig, shard: Shard) -> None
     o_cols = _rows(shard.part(cfg.num_heads), cfg.head_dim)
     down_cols = shard.part(cfg.intermediate_size)
     for layer in cast(list[DecoderLayer], model.model.layers):
-        cut_to_columns(layer.self_attn.o_proj, o_cols)
-        cut_to_columns(layer.mlp.down_proj, down_cols)
+        for proj, columns in ((layer.self_attn.o_proj, o_cols), (layer.mlp.down_proj, down_cols)):
+            cut_to_columns(proj, columns)
+            # The quantized layer replaced the row-parallel one, and its forward: the sum joins as a hook.
+            proj.register_forward_hook(all_reduce_output)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -489,6 +489,7 @@ class Components:
     checks: tuple[Callable, ...]  # at the door: fn(params, tokenizer, limits), raising ValueError
     prepares: tuple[Callable, ...]  # before the first step: fn(params, tokenizer, info, config) -> work, or None
     processors: tuple[Callable, ...]  # the runner's logits processors: fn(runner) -> LogitsProcessor
+    parallel: Any = None  # chapter 11's ParallelLayers, a rank's part is built of (None: the package's)
 
 
 def build_components(config: EngineConfig) -> Components:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pickle
 from collections import deque
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from miniinfer.core.config import EngineConfig
-from miniinfer.layers.parallel import Shard, cut_row_parallel, shard_model
+from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig
 from miniinfer.worker.model_runner import Components
@@ -37,8 +38,10 @@ class Worker:
                                 world_size=size)
         config = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device)
         self.rank = rank
-        shard, whole = Shard(rank, size), config.quantization is not None
-        self.runner = components.runner(config, prepare=functools.partial(shard_model, shard=shard, whole_rows=whole),
+        layers = components.parallel or ParallelLayers()
+        shard, whole = layers.shard(rank, size), config.quantization is not None
+        self.runner = components.runner(config, prepare=functools.partial(shard_model, shard=shard, whole_rows=whole,
+                                                                          layers=layers),
                                         processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
@@ -54,12 +57,25 @@ class Worker:
         return getattr(self.runner, method)(*args)
 
 
-def run_worker(rank: int, config: EngineConfig, components: Components, init_file: str, conn) -> None:
-    """A worker process: a reply to each call, ("ok", value) or ("error", why)."""
+def failure(err: BaseException) -> str:
+    """What a rank reports: the error and the innermost function outside torch it came from (which
+    layer's load_weight or forward, say)."""
+    where, tb = None, err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if f"{os.sep}torch{os.sep}" not in code.co_filename:
+            where = code.co_qualname
+        tb = tb.tb_next
+    return f"{type(err).__name__}: {err}" + (f" (in {where})" if where else "")
+
+
+def run_worker(rank: int, config: EngineConfig, components: bytes, init_file: str, conn) -> None:
+    """A worker process: a reply to each call, ("ok", value) or ("error", why). components: the
+    engine's, pickled (by value: `MultiProcessExecutor`)."""
     try:
-        worker = Worker(rank, config, components, init_file)
+        worker = Worker(rank, config, pickle.loads(components), init_file)
     except BaseException as err:
-        conn.send(("error", f"{type(err).__name__}: {err}"))
+        conn.send(("error", failure(err)))
         return
     conn.send(("ok", None))
     while True:
@@ -72,7 +88,7 @@ def run_worker(rank: int, config: EngineConfig, components: Components, init_fil
         try:
             result = worker.call(method, args)
         except BaseException as err:
-            conn.send(("error", f"{type(err).__name__}: {err}"))
+            conn.send(("error", failure(err)))
             # Gone, so that the other ranks' collectives with this one fail instead of waiting forever.
             os._exit(1)
         conn.send(("ok", result))

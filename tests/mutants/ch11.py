@@ -1,83 +1,164 @@
 """Wrong answers to problem set 11 that its checks must reject: each named (or documented) for its mistake."""
 
-
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from miniinfer.course import checks as testing
+from miniinfer.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+)
 
 
-def shard_interleaved(w, rank, size, by):  # every size-th row or column: not a consecutive share
-    return w[rank::size] if by == "output" else w[:, rank::size]
+class ColumnOfTheFirstPieceOnly(ColumnParallelLinear):  # q's rows, and k's and v's left out
+    def load_weight(self, name, tensors):
+        return tensors[0][self.rows[0]]
 
 
-def shard_by_the_other_dimension(w, rank, size, by):
-    """Cuts columns for by="output" and rows for by="input": column- and row-parallel swapped."""
-    return testing._shard_linear_ref(w, rank, size, "input" if by == "output" else "output")
+class ColumnWithTheFirstPiecesRows(ColumnParallelLinear):
+    """Cuts every piece at q's rows: right while the pieces are the same size (gate, up), not for k and v."""
+    def load_weight(self, name, tensors):
+        return torch.cat([t[self.rows[0]] for t in tensors])
 
 
-def lookup_without_zeros(ids, share, start):
-    """Clamps ids outside the share to its first or last row instead of returning zeros for them."""
-    return share[(ids - start).clamp(0, share.shape[0] - 1)]
+class ColumnWithTheWholeBias(ColumnParallelLinear):  # the weight's rows cut, the bias's forgotten
+    def load_weight(self, name, tensors):
+        rows = self.rows if name == "weight" else [slice(None)] * len(tensors)
+        return torch.cat([t[r] for t, r in zip(tensors, rows)])
 
 
-def lookup_one_row_too_many(ids, share, start):
-    """Keeps local ids up to len(share), not len(share) - 1: the id just past the share gets its last row."""
-    local = ids - start
-    mine = (local >= 0) & (local <= share.shape[0])
-    return share[local.clamp(0, share.shape[0] - 1)] * mine[..., None]
+class RowWithoutTheSum(RowParallelLinear):  # each rank's partial sum returned as if it were the output
+    def load_weight(self, name, tensors):
+        return testing_row_load(self, name, tensors)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
 
 
-def reduce_everything(module):
-    """An all-reduce after every module: sums the split outputs of qkv_proj and gate_up_proj, and the LM head's."""
-    return "all_reduce"
+class RowWithTheBiasOnEveryRank(RowParallelLinear):  # summed over the ranks, the bias counts twice
+    def load_weight(self, name, tensors):
+        return tensors[0][:] if name == "bias" else tensors[0][:, self.columns]
+
+    def forward(self, x):
+        out = F.linear(x, self.weight, self.bias)
+        dist.all_reduce(out)
+        return out
 
 
-def gather_the_attention(module):
-    """All-gathers after qkv_proj, where each rank's own heads are all its attention needs."""
-    return "all_gather" if module == "qkv_proj" else testing.COLLECTIVES[module]
+class RowWithTheRanksRows(RowWithTheBiasOnEveryRank):  # the column-parallel cut: the rank's output rows
+    def load_weight(self, name, tensors):
+        return testing_row_load(self, name, tensors) if name == "bias" else tensors[0][self.columns]
 
 
-def kv_share_without_replication(rank, size, num_kv_heads):
-    """Fewer KV heads than ranks: gives rank r head r, not r * n // size; ranks r >= n get a head that is not there."""
-    n = max(1, num_kv_heads // size)
-    return rank * n, (rank + 1) * n
+def testing_row_load(layer, name, tensors):
+    """The right load_weight, for the mutants whose mistake is in forward."""
+    if name == "bias":
+        bias = tensors[0][:]
+        return bias if layer.first else torch.zeros_like(bias)
+    return tensors[0][:, layer.columns]
 
 
-def kv_round_robin(rank, size, num_kv_heads):
-    """Fewer KV heads than ranks: gives rank r head r % n, not r * n // size; right only with one KV head."""
-    if num_kv_heads >= size:
-        return kv_share_without_replication(rank, size, num_kv_heads)
-    return rank % num_kv_heads, rank % num_kv_heads + 1
+class RowReducedBeforeTheBias(RowWithoutTheSum):
+    """Adds the bias after the all-reduce, on every rank: rank 0's is right, the others' (zeros) miss it."""
+    def forward(self, x):
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        return out + self.bias if self.bias is not None else out
 
 
-def shard_counted_from_the_end(w, rank, size, by):  # rank 0 takes the last share
-    return testing._shard_linear_ref(w, size - 1 - rank, size, by)
+class EmbeddingWithoutTheSum(VocabParallelEmbedding):  # each rank keeps only its own ids' rows
+    def forward(self, ids):
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.per_rank)
+        return self.weight[local.clamp(0, self.per_rank - 1)] * mine[..., None]
 
 
-def lookup_from_the_vocabulary_start(ids, share, start):  # the share's rows read as rows 0..
-    mine = (ids >= start) & (ids < start + share.shape[0])
-    return share[ids.clamp(0, share.shape[0] - 1)] * mine[..., None]
+class EmbeddingWithoutZeros(VocabParallelEmbedding):  # other ranks' ids clamped onto this share's edge rows
+    def forward(self, ids):
+        out = self.weight[(ids - self.start).clamp(0, self.per_rank - 1)]
+        dist.all_reduce(out)
+        return out
 
 
-def reduce_the_head_too(module):  # the LM head's pieces summed, not put side by side
-    return "all_reduce" if module == "lm_head" else testing.COLLECTIVES[module]
+class EmbeddingOneRowTooMany(VocabParallelEmbedding):  # local id per_rank counted as this rank's (<=)
+    def forward(self, ids):
+        local = ids - self.start
+        mine = (local >= 0) & (local <= self.per_rank)
+        out = self.weight[local.clamp(0, self.per_rank - 1)] * mine[..., None]
+        dist.all_reduce(out)
+        return out
 
 
-def kv_heads_of_rank_0(rank, size, num_kv_heads):  # every rank the share of rank 0
-    return kv_share_without_replication(0, size, num_kv_heads) if num_kv_heads >= size else (0, 1)
+class EmbeddingFromRowZero(VocabParallelEmbedding):  # global ids read as rows of the share
+    def forward(self, ids):
+        mine = (ids >= self.start) & (ids < self.start + self.per_rank)
+        out = self.weight[ids.clamp(0, self.per_rank - 1)] * mine[..., None]
+        dist.all_reduce(out)
+        return out
+
+
+class HeadWithThePadding(ParallelLMHead):  # the padding rows' logits left on: vocab rounded up to the ranks
+    def forward(self, h):
+        local = F.linear(h, self.weight)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)
+
+
+class HeadReduced(ParallelLMHead):  # the ranks' logits of different rows summed instead of put side by side
+    def forward(self, h):
+        local = F.linear(h, self.weight)
+        dist.all_reduce(local)
+        return local[..., :self.vocab_size]
+
+
+class HeadInReverse(ParallelLMHead):  # the parts put side by side last rank first
+    def forward(self, h):
+        local = F.linear(h, self.weight)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        return torch.cat(parts[::-1], dim=-1)[..., :self.vocab_size]
+
+
+class ShardWithoutReplication(Shard):  # fewer KV heads than ranks: n // size = 0 heads for everyone
+    def kv_heads(self, n):
+        return self.part(n)
+
+
+class ShardRoundRobin(Shard):
+    """Fewer KV heads than ranks: rank r gets head r % n, not r * n // size; right only with one KV head."""
+    def kv_heads(self, n):
+        if n >= self.size:
+            return self.part(n)
+        return slice(self.rank % n, self.rank % n + 1)
+
+
+class ShardOfRankZero(Shard):  # every rank the share of rank 0
+    def kv_heads(self, n):
+        return Shard(0, self.size).kv_heads(n)
 
 
 # (the check, the wrong answer)
 MUTANTS = [
-    (testing.check_shard_linear, shard_interleaved),
-    (testing.check_shard_linear, shard_by_the_other_dimension),
-    (testing.check_vocab_lookup, lookup_without_zeros),
-    (testing.check_vocab_lookup, lookup_one_row_too_many),
-    (testing.check_collective_after, reduce_everything),
-    (testing.check_collective_after, gather_the_attention),
-    (testing.check_kv_heads_for, kv_share_without_replication),
-    (testing.check_kv_heads_for, kv_round_robin),
-    (testing.check_shard_linear, shard_counted_from_the_end),
-    (testing.check_vocab_lookup, lookup_from_the_vocabulary_start),
-    (testing.check_collective_after, reduce_the_head_too),
-    (testing.check_kv_heads_for, kv_heads_of_rank_0),
+    (testing.check_column, ColumnOfTheFirstPieceOnly),
+    (testing.check_column, ColumnWithTheFirstPiecesRows),
+    (testing.check_column, ColumnWithTheWholeBias),
+    (testing.check_row, RowWithoutTheSum),
+    (testing.check_row, RowWithTheBiasOnEveryRank),
+    (testing.check_row, RowWithTheRanksRows),
+    (testing.check_row, RowReducedBeforeTheBias),
+    (testing.check_embedding, EmbeddingWithoutTheSum),
+    (testing.check_embedding, EmbeddingWithoutZeros),
+    (testing.check_embedding, EmbeddingOneRowTooMany),
+    (testing.check_embedding, EmbeddingFromRowZero),
+    (testing.check_lm_head, HeadWithThePadding),
+    (testing.check_lm_head, HeadReduced),
+    (testing.check_lm_head, HeadInReverse),
+    (testing.check_shard, ShardWithoutReplication),
+    (testing.check_shard, ShardRoundRobin),
+    (testing.check_shard, ShardOfRankZero),
 ]

@@ -1,148 +1,377 @@
-"""The checks of problem set 11 (tensor parallelism): each answer against the reference, on random inputs.
+"""The checks of problem set 11 (tensor parallelism): each layer run on two real ranks (gloo processes)
+beside the package's, and the last part: the engine at tensor_parallel_size=2 built of the student's layers.
 
 Hand-written module (chapter 11)."""
 
 from __future__ import annotations
 
-from typing import Callable
+import atexit
+import dataclasses
+import datetime
+import functools
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from miniinfer.course.checks.harness import check, exercise, randint, run_answer
-from miniinfer.model.transformer import apply_rope, causal_attention, rope_cos_sin
+from miniinfer.course.checks.harness import (
+    differs,
+    exercise,
+    failing,
+    randint,
+    run_answer,
+    shape_differs,
+    your_answers,
+)
+
+RANKS = 2
+WAIT = 30  # seconds a collective waits for a rank that never joins it (an answer that skips one)
 
 
-def _shard_linear_ref(w, rank, size, by):
+def _serve(rank: int, init_file: str, conn) -> None:
+    """A rank of the checks: runs fn(rank, *args) for each job sent, until the pipe closes. A job that
+    raises ends the process, so that the other rank's collectives with it fail instead of waiting."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
+                            timeout=datetime.timedelta(seconds=WAIT))
+    while True:
+        try:
+            fn, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, KeyboardInterrupt):  # the notebook's kernel is gone or interrupted
+            return
+        try:
+            result = ("ok", fn(rank, *args))
+        except BaseException as err:
+            conn.send(("error", "".join(traceback.format_exception_only(err)).strip()))
+            os._exit(1)
+        conn.send(result)
+
+
+class Ranks:
+    """RANKS spawned processes in one gloo group, started on first use and kept for the next checks."""
+
+    def __init__(self):
+        ctx = multiprocessing.get_context("spawn")
+        fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-checks-")
+        os.close(fd)
+        self.conns, self.procs = [], []
+        for rank in range(RANKS):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, self.init_file, child), daemon=True,
+                               name=f"miniinfer-check-rank{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(conn)
+            self.procs.append(proc)
+
+    def run(self, fn: Callable, *args) -> list:
+        """fn(rank, *args) on every rank (fn and args sent by value: a class from a notebook too), each
+        rank's result; RuntimeError with each failed rank's error."""
+        import cloudpickle
+        job = cloudpickle.dumps((fn, args))
+        for conn in self.conns:
+            conn.send_bytes(job)
+        results: list = []
+        errors: list[str] = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+            multiprocessing.connection.wait([conn, proc.sentinel], timeout=2 * WAIT)
+            try:
+                status, value = conn.recv() if conn.poll() else ("error", f"no answer in {2 * WAIT} s")
+            except (EOFError, OSError):
+                status, value = "error", f"the process ended (exit code {proc.exitcode})"
+            (errors if status == "error" else results).append(f"rank {rank}: {value}" if status == "error" else value)
+        if errors:
+            self.close()
+            raise RuntimeError("; ".join(errors))
+        return results
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        Path(self.init_file).unlink(missing_ok=True)
+        if _ranks.get("now") is self:
+            del _ranks["now"]
+
+
+_ranks: dict[str, Ranks] = {}
+atexit.register(lambda: _ranks["now"].close() if "now" in _ranks else None)
+
+
+def on_ranks(fn: Callable, *args) -> list:
+    """fn(rank, *args) on each of the checks' RANKS ranks: its results, in rank order."""
+    if "now" not in _ranks:
+        _ranks["now"] = Ranks()
+    return _ranks["now"].run(fn, *args)
+
+
+@functools.cache
+def _folder() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="miniinfer-checks-")  # removed when this process ends
+
+
+_saved = itertools.count()
+
+
+def _checkpoint(tensors: dict[str, torch.Tensor]) -> Path:
+    """The tensors saved as safetensors, for the ranks to open lazily as the loader does."""
+    from safetensors.torch import save_file
+    path = Path(_folder().name) / f"case{next(_saved)}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+def _slices(path: Path, names: list[str]) -> list:
+    from safetensors import safe_open
+    f = safe_open(str(path), framework="pt")
+    return [f.get_slice(n) for n in names]
+
+
+def _compare(where: str, inputs: tuple, named: list[tuple[str, torch.Tensor | None, object]]) -> None:
+    """Each (what, expected, received) equal (floats within float32's rounding of a sum in another order)."""
+    __tracebackhide__ = True
+    for what, expected, got in named:
+        if expected is None:
+            continue
+        wrong: str | None
+        if not isinstance(got, torch.Tensor):
+            wrong = f"  expected a tensor, received {type(got).__name__}"
+        elif got.shape != expected.shape:
+            wrong = shape_differs(expected, got)
+        else:
+            wrong = differs(got, expected, 1e-5, 1e-5)
+        if wrong is not None:
+            raise AssertionError(f"{failing(f'{where}: {what}', inputs)}\n{wrong}")
+
+
+def _column_inputs(gen: torch.Generator, case: int) -> tuple:
+    """1 to 3 packed pieces (q, k, v or gate, up) of rows divisible by the ranks, a rank, and the rows
+    of each piece it keeps: an even share, or one head's (a replicated KV head)."""
+    K, size = randint(gen, 1, 7), (2, 4, 3)[case % 3]
+    pieces = [size * randint(gen, 1, 4) for _ in range(randint(gen, 1, 3))]
+    rank = randint(gen, 0, size - 1)
+    rows = []
+    for n in pieces:
+        if case % 4 == 3:  # a piece of one "head" of n // size rows, not the rank's own
+            head = randint(gen, 0, size - 1)
+            rows.append(slice(head * n // size, (head + 1) * n // size))
+        else:
+            rows.append(slice(rank * n // size, (rank + 1) * n // size))
+    name = "bias" if case % 5 == 4 else "weight"
+    return K, rows, pieces, name, [torch.randn(n, *((K,) if name == "weight" else ()), generator=gen) for n in pieces]
+
+
+@exercise("11", 1, "YourColumn")
+def check_column(cls: type) -> None:
+    """cls(in_features, rows, sizes, bias).load_weight(name, tensors) -> of each packed piece i
+    (tensors[i], sizes[i] rows, read lazily from a safetensors file) the rows rows[i], in order."""
+    from miniinfer.layers.parallel import ColumnParallelLinear
+    cases = 24
+    gen = torch.Generator().manual_seed(0)
+    for case in range(cases):
+        K, rows, sizes, name, tensors = _column_inputs(gen, case)
+        path = _checkpoint({f"piece{i}": t for i, t in enumerate(tensors)})
+        inputs = (K, rows, sizes, name, tensors)
+        where = f"YourColumn({K}, rows={rows}, sizes={sizes}, bias=True).load_weight({name!r}, ...), case {case + 1} " \
+                f"of {cases}"
+        names = [f"piece{i}" for i in range(len(sizes))]
+        expected = ColumnParallelLinear(K, rows, sizes, True).load_weight(name, _slices(path, names))
+        layer = run_answer(cls, (K, rows, sizes, True), where, inputs)
+        got = run_answer(layer.load_weight, (name, _slices(path, names)), where, inputs)
+        _compare(where, inputs, [("the tensor it returns", expected, got)])
+    print(f"passed: YourColumn.load_weight keeps the package's rows on {cases} random layers")
+
+
+def _load(layer: Any, path: Path, names: dict[str, str]) -> tuple[dict[str, torch.Tensor], bool]:
+    """layer's parameters from the checkpoint at path through its load_weight (names: parameter -> the
+    checkpoint's tensor), as the loader does: what load_weight returned, by parameter, and whether
+    every rank's fit its layer (run in the ranks: they agree, so that all run the forward or none)."""
+    import torch.distributed as dist
+    loaded = {param: layer.load_weight(param, _slices(path, [key])) for param, key in names.items()}
+    fits = all(isinstance(v, torch.Tensor) and v.shape == getattr(layer, p).shape for p, v in loaded.items())
+    everyone = torch.tensor(int(fits))
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    if everyone.item():
+        with torch.no_grad():
+            for param, value in loaded.items():
+                getattr(layer, param).copy_(value)
+    return loaded, bool(everyone.item())
+
+
+def _row_on_rank(rank: int, cls: type, path: Path, K: int, N: int, bias: bool, x: torch.Tensor) -> list:
+    """The rank's row-parallel layer, the package's and cls: what load_weight returned, and forward's
+    output on the rank's input columns (None where a rank's weights did not fit its layer)."""
+    from miniinfer.layers.parallel import RowParallelLinear, Shard
+    columns = Shard(rank, RANKS).part(K)
+    names = {"weight": "w", **({"bias": "b"} if bias else {})}
+    out = []
+    for make in (RowParallelLinear, cls):
+        layer = make(columns, K, N, bias, rank == 0)
+        loaded, fits = _load(layer, path, names)
+        with torch.no_grad():
+            out.append((loaded, layer(x[:, columns]) if fits else None))
+    return out
+
+
+@exercise("11", 2, "YourRow")
+def check_row(cls: type) -> None:
+    """cls(columns, in_size, out_features, bias, first) on two ranks: load_weight(name, tensors) -> the
+    rank's input columns of the weight, the bias on the first rank (zeros on the others); forward(x
+    [T, its columns]) -> the whole layer's output x_all @ W.T + b, on every rank (an all-reduce)."""
+    cases = 10
+    gen = torch.Generator().manual_seed(1)
+    for case in range(cases):
+        K, N, T = RANKS * randint(gen, 1, 6), randint(gen, 1, 9), randint(gen, 1, 5)
+        bias = case % 3 != 2
+        w, b, x = (torch.randn(N, K, generator=gen), torch.randn(N, generator=gen) * 3,
+                   torch.randn(T, K, generator=gen))
+        path = _checkpoint({"w": w, "b": b})
+        inputs = (w, b if bias else None, x)
+        where = f"YourRow over {RANKS} ranks, weight [{N}, {K}]{', with a bias' if bias else ''}, x [{T}, {K}], " \
+                f"case {case + 1} of {cases}"
+        ranks = run_answer(on_ranks, (_row_on_rank, cls, path, K, N, bias, x), where, inputs)
+        _compare(where, inputs, [(f"rank {rank}'s {p} from load_weight", ref[p], loaded[p])
+                                 for rank, ((ref, _), (loaded, _)) in enumerate(ranks) for p in ref])
+        _compare(where, inputs, [(f"rank {rank}'s forward(its {K // RANKS} columns of x)", ref_out, got_out)
+                                 for rank, ((_, ref_out), (_, got_out)) in enumerate(ranks)])
+    print(f"passed: YourRow loads the package's shares and gives the whole output on both ranks ({cases} layers)")
+
+
+def _vocab_on_rank(rank: int, classes: tuple[type, type], path: Path, V: int, H: int, x: torch.Tensor) -> list:
+    """The rank's share of a vocabulary layer of each class (the package's, then the student's), loaded
+    through load_weight, and its forward on x (ids, or hidden states)."""
     from miniinfer.layers.parallel import Shard
-
-    share = Shard(rank, size).part(w.shape[0 if by == "output" else 1])
-    return w[share] if by == "output" else w[:, share]
-
-
-@exercise("11", 1, "shard_linear")
-def check_shard_linear(fn: Callable) -> None:
-    """fn(w [N, K], rank, size, by) -> rank's share of w: by="output" its N/size consecutive rows
-    (column-parallel), by="input" its K/size consecutive columns (row-parallel)."""
-    def inputs(gen, case):
-        size = (2, 3, 4)[case % 3]
-        w = torch.randn(size * randint(gen, 1, 5), size * randint(gen, 1, 5), generator=gen)
-        return w, randint(gen, 0, size - 1), size, ("output", "input")[case % 2]
-    check("shard_linear", fn, _shard_linear_ref, inputs, cases=12, rtol=0, atol=0)
+    out = []
+    for make in classes:
+        layer = make(V, H, Shard(rank, RANKS))
+        _load(layer, path, {"weight": "w"})  # the package's load_weight, which the exercise does not change
+        with torch.no_grad():
+            out.append(layer(x))
+    return out
 
 
-@exercise("11", 2, "vocab_lookup")
-def check_vocab_lookup(fn: Callable) -> None:
-    """fn(ids [B, T], share [V/size, H], start) -> [B, T, H]: the embedding of each id that falls in
-    this rank's rows start .. start + len(share) - 1, and zeros for every other id (the ranks' results
-    are then added up)."""
-    from miniinfer.layers.parallel import share_lookup
-
-    def inputs(gen, case):
-        size, per = randint(gen, 2, 4), randint(gen, 1, 9)
-        rank = randint(gen, 0, size - 1)
-        start, vocab = rank * per, size * per
-        ids = torch.randint(0, vocab, (randint(gen, 1, 3), randint(gen, 4, 7)), generator=gen)
-        # the share's first and last rows, and the ids just outside it
-        ids[0, :4] = torch.tensor([max(start - 1, 0), start, start + per - 1, min(start + per, vocab - 1)])
-        return ids, torch.randn(per, randint(gen, 1, 6), generator=gen), start
-    check("vocab_lookup", fn, share_lookup, inputs, cases=12, rtol=0, atol=0)
+def _vocab_inputs(gen: torch.Generator, case: int, ids: bool) -> tuple:
+    """A vocabulary of V rows (odd ones padded on the last rank), and ids [B, T] with the ranks' first
+    and last rows among them, or hidden states [B, T, H]."""
+    V, H, B, T = randint(gen, 1, 23), randint(gen, 1, 6), randint(gen, 1, 3), randint(gen, 4, 7)
+    V += RANKS * (case == 0)
+    w = torch.randn(V, H, generator=gen)
+    if not ids:
+        return V, H, w, torch.randn(B, T, H, generator=gen)
+    x = torch.randint(0, V, (B, T), generator=gen)
+    per = -(-V // RANKS)
+    x[0, :4] = torch.tensor([0, min(per - 1, V - 1), min(per, V - 1), V - 1])
+    return V, H, w, x
 
 
-# What follows each module when its layer is split over ranks (None: its output stays split).
-COLLECTIVES = {"embed_tokens": "all_reduce", "qkv_proj": None, "o_proj": "all_reduce", "gate_up_proj": None,
-               "down_proj": "all_reduce", "lm_head": "all_gather"}
+def _check_vocab(cls: type, base: type, what: str, ids: bool, cases: int) -> None:
+    __tracebackhide__ = True
+    gen = torch.Generator().manual_seed(2 + ids)
+    for case in range(cases):
+        V, H, w, x = _vocab_inputs(gen, case, ids)
+        path = _checkpoint({"w": w})
+        inputs = (w, x)
+        where = f"{cls.__name__} of {V} rows over {RANKS} ranks ({-(-V // RANKS)} a rank), {what} " \
+                f"{list(x.shape)}, case {case + 1} of {cases}"
+        ranks = run_answer(on_ranks, (_vocab_on_rank, (base, cls), path, V, H, x), where, inputs)
+        for rank, (expected, got) in enumerate(ranks):
+            _compare(where, inputs, [(f"rank {rank}'s forward", expected, got)])
 
 
-@exercise("11", 3, "collective_after")
-def check_collective_after(fn: Callable) -> None:
-    """fn(module) -> the collective the ranks run on `module`'s output: "all_reduce", "all_gather", or
-    None where each rank's share of the output is all that the next op needs."""
-    for module, want in COLLECTIVES.items():
-        got = run_answer(fn, (module,), f"collective_after({module!r})")
-        if got != want:
-            raise AssertionError(
-                f"collective_after({module!r}) is {got!r}: wrong. Ask what each rank holds after {module} (a slice "
-                "of the output, or a partial sum of all of it) and what the next op needs")
-    print(f"passed: collective_after is right for all {len(COLLECTIVES)} modules")
+@exercise("11", 3, "YourEmbedding")
+def check_embedding(cls: type) -> None:
+    """cls(vocab_size, hidden_size, shard).forward(ids [B, T]) on two ranks -> [B, T, H]: the whole
+    embedding of every id, on every rank (each rank looks up the ids in its rows, zeros for the others,
+    and an all-reduce adds them up)."""
+    from miniinfer.layers.parallel import VocabParallelEmbedding
+    _check_vocab(cls, VocabParallelEmbedding, "ids", True, 10)
+    print("passed: YourEmbedding gives the whole embedding on both ranks (10 vocabularies)")
 
 
-@exercise("11", 4, "kv_heads_for")
-def check_kv_heads_for(fn: Callable) -> None:
-    """fn(rank, size, num_kv_heads) -> (start, stop): the KV heads rank keeps: its even share, or, with
+@exercise("11", 4, "YourLMHead")
+def check_lm_head(cls: type) -> None:
+    """cls(vocab_size, hidden_size, shard).forward(h [B, T, H]) on two ranks -> [B, T, vocab_size]: the
+    logits of the whole vocabulary, on every rank (each rank's rows, all-gathered, the padding cut)."""
+    from miniinfer.layers.parallel import ParallelLMHead
+    _check_vocab(cls, ParallelLMHead, "hidden states", False, 10)
+    print("passed: YourLMHead gives the whole vocabulary's logits on both ranks (10 vocabularies)")
+
+
+@exercise("11", 5, "YourShard")
+def check_shard(cls: type) -> None:
+    """cls(rank, size).kv_heads(n) -> slice: the KV heads rank keeps of n: its even share, or, with
     fewer KV heads than ranks, the one head that its query heads read."""
     from miniinfer.layers.parallel import Shard
-
     cases = [(r, s, n) for s in (1, 2, 4, 8) for n in (1, 2, 4, 8, 16) if n % s == 0 or s % n == 0 for r in range(s)]
     for rank, size, n in cases:
-        heads = Shard(rank, size).kv_heads(n)
-        got = run_answer(fn, (rank, size, n), f"kv_heads_for({rank}, {size}, {n})")
-        if tuple(got) != (heads.start, heads.stop):
-            raise AssertionError(f"kv_heads_for({rank}, {size}, {n}) is {tuple(got)}, expected "
-                                 f"{(heads.start, heads.stop)}")
-    print(f"passed: kv_heads_for is right on {len(cases)} (rank, size, KV heads)")
+        expected = Shard(rank, size).kv_heads(n)
+        where = f"YourShard({rank}, {size}).kv_heads({n})"
+        got = run_answer(lambda r, s, n: cls(r, s).kv_heads(n), (rank, size, n), where)
+        if not isinstance(got, slice) or (got.start, got.stop, got.step) != (expected.start, expected.stop, None):
+            raise AssertionError(f"{where}\n  expected {expected}\n  received {got!r}")
+    print(f"passed: YourShard.kv_heads is right on {len(cases)} (rank, size, KV heads)")
 
 
-@torch.no_grad()
-def simulated_ranks(model, size: int, answers: dict[str, Callable], prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens of a Llama-shaped model (the course model) computed as `size` ranks compute
-    them, one rank after another in this process: each rank multiplies by only the shards that
-    answers["shard_linear"] and answers["kv_heads_for"] cut, looks up its vocabulary rows with
-    answers["vocab_lookup"], and the ranks' results meet as answers["collective_after"] says (a sum
-    for an all-reduce, a concatenation for an all-gather, nothing for None)."""
-    import torch.nn.functional as F
+@functools.cache
+def one_kv_head_checkpoint() -> str:
+    """A Llama-shaped checkpoint with random weights whose one KV head each of two ranks must keep
+    whole (replicated), biases on every projection (the row-parallel ones' join once) and a
+    vocabulary of 301 rows (151 a rank, one of padding)."""
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                      attention_bias=True, mlp_bias=True, initializer_range=0.2)
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp(prefix="miniinfer-one-kv-head-")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
 
-    from miniinfer.model.transformer import add_rms_norm, silu_and_mul
 
-    shard, lookup, after, kv_for = (answers[k] for k in ("shard_linear", "vocab_lookup", "collective_after",
-                                                        "kv_heads_for"))
-    cfg, D = model.cfg, model.cfg.head_dim
-    assert not (cfg.qkv_bias or cfg.qk_norm or cfg.o_bias or cfg.mlp_bias), "a Llama-shaped model only"
-    per = -(-cfg.vocab_size // size)
-    pad = (0, 0, 0, per * size - cfg.vocab_size)
-    emb, lm = F.pad(model.model.embed_tokens.weight, pad), F.pad(model.lm_head.weight, pad)
-    ranks = range(size)
+PARALLEL_PROMPTS: dict[str, list] = {"the course model": ["def fibonacci(n):", "class Stack:\n    def push(self,"],
+                    "a model with one KV head": [[5, 17, 99, 200, 3], [300, 1, 150, 151]]}
 
-    def meet(module: str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        how = after(module)
-        if how == "all_reduce":
-            return [sum(parts)] * size  # type: ignore[list-item]
-        if how == "all_gather":
-            return [torch.cat(parts, dim=-1)] * size
-        return parts
 
-    tokens = list(prompt)
-    for _ in range(n):
-        ids, T = torch.tensor([tokens]), len(tokens)
-        cos, sin = rope_cos_sin(torch.arange(T)[None], model.inv_freq)
-        h = meet("embed_tokens", [lookup(ids, emb[r * per:(r + 1) * per], r * per) for r in ranks])
-        x = [torch.zeros_like(h[0])] * size
-        for layer in model.model.layers:
-            attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            q_w, k_w, v_w = attn.qkv_proj.weight.split(attn.sizes)
-            qkv, gate_ups = [], []
-            for r in ranks:
-                hn, x[r] = add_rms_norm(h[r], x[r], n1.weight, n1.eps)
-                start, stop = kv_for(r, size, cfg.num_kv_heads)
-                w = torch.cat([shard(q_w, r, size, "output"), k_w[start * D:stop * D], v_w[start * D:stop * D]])
-                qkv.append(hn @ w.T)
-            qkv = meet("qkv_proj", qkv)
-            outs = []
-            for r in ranks:
-                kv = qkv[r].shape[-1] - cfg.num_heads * D // size
-                q, k, v = (t.view(1, T, -1, D) for t in qkv[r].split([cfg.num_heads * D // size, kv // 2, kv // 2], -1))
-                q, k = apply_rope(q, k, cos, sin)
-                o = causal_attention(q, k, v, D ** -0.5).reshape(1, T, -1)
-                outs.append(o @ shard(attn.o_proj.weight, r, size, "input").T)
-            h = meet("o_proj", outs)
-            for r in ranks:
-                hn, x[r] = add_rms_norm(h[r], x[r], n2.weight, n2.eps)
-                gate, up = mlp.gate_up_proj.weight.chunk(2)
-                gate_ups.append(hn @ torch.cat([shard(gate, r, size, "output"), shard(up, r, size, "output")]).T)
-            gate_up = meet("gate_up_proj", gate_ups)
-            h = meet("down_proj", [silu_and_mul(gate_up[r]) @ shard(mlp.down_proj.weight, r, size, "input").T
-                                   for r in ranks])
-        norm = model.model.norm
-        last = [add_rms_norm(h[r], x[r], norm.weight, norm.eps)[0][0, -1] for r in ranks]
-        logits = meet("lm_head", [last[r] @ lm[r * per:(r + 1) * per].T for r in ranks])[0]
-        tokens.append(int(logits[:cfg.vocab_size].argmax()))
-    return tokens[len(prompt):]
+@exercise("11", 6, "your_layers")
+def check_parallel_engine(layers) -> None:
+    """The last part: the engine at tensor_parallel_size=2 built of `layers` (a ParallelLayers of the
+    student's classes, sent to two gloo worker processes) gives the greedy tokens of one process, on
+    the course model and on a model with one KV head; every block comes back."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    from miniinfer.worker.model_runner import build_components
+    greedy = mi.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with your_answers("11"):
+        for name, folder in (("the course model", None), ("a model with one KV head", one_kv_head_checkpoint())):
+            prompts = PARALLEL_PROMPTS[name]
+            one = mi.LLMEngine(mi.EngineConfig(model=folder))
+            expected = [o.token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
+            config = mi.EngineConfig(model=folder, tensor_parallel_size=2)
+            two = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), parallel=layers))
+            try:
+                got = [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
+                bm = two.block_manager
+                back = bm.num_free_blocks == bm.num_blocks
+            finally:
+                two.close()
+            for i, (g, e) in enumerate(zip(got, expected)):
+                if g != e:
+                    at = next((j for j, (x, y) in enumerate(zip(g, e)) if x != y), min(len(g), len(e)))
+                    raise AssertionError(
+                        f"{name}, prompt {i + 1} of {len(prompts)} ({prompts[i]!r}): two ranks of your layers give "
+                        f"other tokens than one process from token {at + 1} on\n  expected {e[at:at + 8]}\n"
+                        f"  received {g[at:at + 8]}")
+            if not back:
+                raise AssertionError(f"{name}: {bm.num_blocks - bm.num_free_blocks} blocks were not given back")
+    print("passed: two ranks of your layers give one process's tokens on the course model and on a model "
+          "with one KV head; every block back")
