@@ -6,6 +6,13 @@ import torch
 from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12  # noqa: E402
 from mutants.ch03 import Blocks  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
+from mutants.ch11 import (  # noqa: E402
+    ColumnOfTheFirstPieceOnly,
+    EmbeddingWithoutZeros,
+    HeadInReverse,
+    RowWithoutTheSum,
+    ShardWithoutReplication,
+)
 from mutants.ch12 import (  # noqa: E402
     MatcherFirstCharOnly,
     bitmask_most_significant_first,
@@ -20,11 +27,13 @@ import miniinfer.worker.speculative as spec
 from miniinfer.course import checks as testing
 from miniinfer.course.checks import ch09 as checks09
 from miniinfer.course.checks import ch12 as checks12
+from miniinfer.layers.parallel import ParallelLayers
 
 CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
-LAST_PARTS = {"09.YourRunner", "12.your_processors"}  # their checks run the engine: broken pieces below
+# Their checks run the engine: broken pieces below.
+LAST_PARTS = {"09.YourRunner", "11.your_layers", "12.your_processors"}
 
 
 def rejected(check, wrong) -> None:
@@ -81,6 +90,19 @@ def test_chapter_09_last_part_fails_on_each_broken_piece(runner, law, says):
     """The last part runs the engine on the student's pieces: each one broken fails it, by name."""
     with pytest.raises(AssertionError, match=says):
         testing.check_speculative_engine(runner, law)
+
+
+@pytest.mark.parametrize("broken, says", [
+    (dict(column=ColumnOfTheFirstPieceOnly), "ColumnOfTheFirstPieceOnly.load_weight returned"),
+    (dict(row=RowWithoutTheSum), "the course model, prompt 1 of 2"),
+    (dict(embedding=EmbeddingWithoutZeros), "the course model, prompt 1 of 2"),
+    (dict(lm_head=HeadInReverse), "the course model, prompt 1 of 2"),
+    (dict(shard=ShardWithoutReplication), "(?s)a model with one KV head: .*kv_heads\\(1\\) is slice\\(0, 0, None\\)"),
+], ids=["column", "row", "embedding", "lm_head", "shard"])
+def test_chapter_11_last_part_fails_on_each_broken_piece(broken, says):
+    """The last part runs the engine's two ranks on the student's layers: each one broken fails it."""
+    with pytest.raises((AssertionError, testing.AnswerError), match=says):
+        testing.check_parallel_engine(ParallelLayers(**broken))
 
 
 TOKENIZER = mi.load_tokenizer()  # once: each load reads its files again (4,096 loads took 76 s)

@@ -162,6 +162,9 @@ def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False,
     check_parallel(cfg, shard.size)
     D, hidden = cfg.head_dim, cfg.hidden_size
     q, kv, inter = shard.part(cfg.num_heads), shard.kv_heads(cfg.num_kv_heads), shard.part(cfg.intermediate_size)
+    if not 0 <= kv.start < kv.stop <= cfg.num_kv_heads:
+        raise ValueError(f"{type(shard).__name__}({shard.rank}, {shard.size}).kv_heads({cfg.num_kv_heads}) is {kv}: "
+                         f"a rank keeps at least one of the model's {cfg.num_kv_heads} KV heads")
     o_cols, down_cols = ((slice(0, cfg.num_heads * D), slice(0, cfg.intermediate_size)) if whole_rows
                          else (_rows(q, D), inter))
     local = dataclasses.replace(cfg, num_heads=q.stop - q.start, num_kv_heads=kv.stop - kv.start,

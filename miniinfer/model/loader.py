@@ -10,7 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from miniinfer.model.course_model import course_model_path
-from miniinfer.model.transformer import ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
+from miniinfer.model.transformer import Linear, ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
 
 
 class CheckpointError(ValueError):
@@ -152,9 +152,12 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
             except ValueError as e:  # a layer that reads a part (chapter 11) checks the whole tensor
                 raise CheckpointError(f"{folder}: tensor {names} {e}") from None
             if state[name].shape != params[name].shape:
+                # A layer that cuts its part (chapter 11) may be the one at fault: say what it returned.
+                cut = f" ({type(module).__name__}.load_weight returned {tuple(state[name].shape)})" \
+                    if load is not None and load.__func__ is not Linear.load_weight else ""
                 raise CheckpointError(
                     f"{folder}: tensor {names} has shape {' + '.join(str(tuple(t.get_shape())) for t in parts)}, "
-                    f"the config implies {tuple(params[name].shape)}")
+                    f"the config implies {tuple(params[name].shape)}{cut}")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

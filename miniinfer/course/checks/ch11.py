@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from miniinfer.course.checks.harness import (
+    AnswerError,
     differs,
     exercise,
     failing,
@@ -334,7 +335,13 @@ def one_kv_head_checkpoint() -> str:
                                       attention_bias=True, mlp_bias=True, initializer_range=0.2)
     torch.manual_seed(0)
     folder = tempfile.mkdtemp(prefix="miniinfer-one-kv-head-")
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar: noise in the check's output
+    try:
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     return folder
 
 
@@ -357,13 +364,16 @@ def check_parallel_engine(layers) -> None:
             one = mi.LLMEngine(mi.EngineConfig(model=folder))
             expected = [o.token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
             config = mi.EngineConfig(model=folder, tensor_parallel_size=2)
-            two = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), parallel=layers))
             try:
-                got = [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
-                bm = two.block_manager
-                back = bm.num_free_blocks == bm.num_blocks
-            finally:
-                two.close()
+                two = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), parallel=layers))
+                try:
+                    got = [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
+                    bm = two.block_manager
+                    back = bm.num_free_blocks == bm.num_blocks
+                finally:
+                    two.close()
+            except RuntimeError as err:  # a rank's error, with the function that raised it
+                raise AnswerError(f"{name}: two ranks of your layers failed\n  {err}") from err
             for i, (g, e) in enumerate(zip(got, expected)):
                 if g != e:
                     at = next((j for j, (x, y) in enumerate(zip(g, e)) if x != y), min(len(g), len(e)))
