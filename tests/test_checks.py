@@ -6,6 +6,7 @@ import torch
 from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12  # noqa: E402
 from mutants.ch03 import Blocks  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
+from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
 from mutants.ch11 import (  # noqa: E402
     ColumnOfTheFirstPieceOnly,
     EmbeddingWithoutZeros,
@@ -28,12 +29,21 @@ from miniinfer.course import checks as testing
 from miniinfer.course.checks import ch09 as checks09
 from miniinfer.course.checks import ch12 as checks12
 from miniinfer.layers.parallel import ParallelLayers
+from miniinfer.layers.quantization import gptq_columns
 
 CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Their checks run the engine: broken pieces below.
-LAST_PARTS = {"09.YourRunner", "11.your_layers", "12.your_processors"}
+LAST_PARTS = {"09.YourRunner", "10.YourKernels", "11.your_layers", "12.your_processors"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_rank_left():
+    """Problem set 11's checks keep their two rank processes for the next check: none outlives this
+    module (tests/test_parallel.py, in the same worker, looks for processes left behind)."""
+    yield
+    testing.close_ranks()
 
 
 def rejected(check, wrong) -> None:
@@ -90,6 +100,17 @@ def test_chapter_09_last_part_fails_on_each_broken_piece(runner, law, says):
     """The last part runs the engine on the student's pieces: each one broken fails it, by name."""
     with pytest.raises(AssertionError, match=says):
         testing.check_speculative_engine(runner, law)
+
+
+@pytest.mark.parametrize("columns, kernels", [
+    (gptq_error_not_divided, KernelsOn()),
+    (lambda W, U, bits, g: gptq_columns(W, U, bits, g, block=W.shape[1]), KernelsOn(gemv_first_group_scale_only)),
+], ids=["gptq_columns", "int4_gemv_kernel"])
+def test_chapter_10_last_part_fails_on_each_broken_piece(columns, kernels):
+    """The last part serves the course model quantized by the student's GPTQ loop on their kernel:
+    either one broken fails it."""
+    with pytest.raises(AssertionError, match="greedy tokens against the package.s: the tokens differ"):
+        testing.check_quantized_engine(columns, kernels)
 
 
 @pytest.mark.parametrize("broken, says", [

@@ -18,10 +18,10 @@ LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "02_static_kv_cache": "02.ca
               "04_triton_rmsnorm_rope": "04.rope_kernel", "05_paged_attention": "05.decode_program",
               "06_continuous_batching": "06.sample_rows", "07_prefix_caching": "07.chain_hashes",
               "08_serving": "08.stream_request", "09_speculative_decoding": "09.keep_accepted",
-              "10_quantization": "10.dequant_matmul", "11_tensor_parallelism": "11.YourRow",
+              "10_quantization": "10.gptq_columns", "11_tensor_parallelism": "11.YourRow",
               "12_sampling_and_structure": "12.prompt_rows"}
 # Graded like an exercise: "passed: ..." or an error.
-LAST_PART_CHECKS = {"09.YourRunner", "11.your_layers", "12.your_processors"}
+LAST_PART_CHECKS = {"09.YourRunner", "10.YourKernels", "11.your_layers", "12.your_processors"}
 
 
 def last_part(cells: list) -> int:

@@ -91,6 +91,7 @@ class IntLinear(nn.Module):
     the output channels, which neighbouring threads compute."""
     weight_packed: torch.Tensor
     weight_scale: torch.Tensor
+    kernels: QuantKernels | None = None
 
     def load_weight(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The checkpoint's [N, ...] tensors (compressed-tensors' layout), stacked and transposed."""
@@ -101,29 +102,45 @@ class IntLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int | None,
                  dtype: torch.dtype | None = None):
         super().__init__()
-        group = group_size or in_features
-        if bits not in (4, 8) or in_features % group or group % (32 // bits):
-            raise ValueError(f"cannot store a {out_features}x{in_features} weight as int{bits} in groups of "
-                             f"{group}: the groups must split the {in_features} inputs in whole words")
+        group = self.check_shape(in_features, out_features, bits, group_size)
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.register_buffer("weight_packed", torch.empty(in_features * bits // 32, out_features, dtype=torch.int32))
         self.register_buffer("weight_scale", torch.empty(in_features // group, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
+    @staticmethod
+    def check_shape(in_features: int, out_features: int, bits: int, group_size: int | None) -> int:
+        """The group size, or ValueError unless the groups split the inputs into whole words."""
+        group = group_size or in_features
+        if bits not in (4, 8) or in_features % group or group % (32 // bits):
+            raise ValueError(f"cannot store a {out_features}x{in_features} weight as int{bits} in groups of "
+                             f"{group}: the groups must split the {in_features} inputs in whole words")
+        return group
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, bits: int, bias: nn.Parameter | None,
+                   kernels: QuantKernels | None = None) -> "IntLinear":
+        """A layer of codes [N, K] and their scales [N, K/group] (quantize_int's or gptq's), packed;
+        kernels: its matmul's (None: the device's; problem set 10 brings its own)."""
+        N, K = codes.shape
+        new = cls(K, N, False, bits, K // scale.shape[1])
+        new.weight_packed = pack(codes, bits).t().contiguous()
+        new.weight_scale = scale.t().contiguous()
+        new.bias, new.kernels = bias, kernels
+        return new
+
     @classmethod
     def quantize(cls, layer: nn.Linear, bits: int, group_size: int | None,
                  hessian: torch.Tensor | None = None) -> "IntLinear":
         """A full-precision layer quantized: rounding to nearest, or by GPTQ given its inputs' Hessian."""
-        new = cls(layer.in_features, layer.out_features, False, bits, group_size)
+        cls.check_shape(layer.in_features, layer.out_features, bits, group_size)
         w = layer.weight.detach()
         codes, scale = quantize_int(w, bits, group_size) if hessian is None else gptq(w, hessian, bits, group_size)
-        new.weight_packed = pack(codes, bits).t().contiguous()
-        new.weight_scale = scale.t().contiguous()
-        new.bias = layer.bias
-        return new
+        return cls.from_codes(codes, scale, bits, layer.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _kernels(x).int_linear(x, self.weight_packed, self.weight_scale, self.bits, self.bias)
+        kernels = self.kernels or _kernels(x)
+        return kernels.int_linear(x, self.weight_packed, self.weight_scale, self.bits, self.bias)
 
 
 class FP8Linear(nn.Module):
@@ -192,32 +209,39 @@ SCHEMES = {"int8": Scheme("int", 8), "int4": Scheme("int", 4, 128), "fp8": Schem
 
 
 @torch.no_grad()
-def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None = None,
-         damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ (Frantar et al., 2022): quantize_int's codes and scales for w [N, K], chosen one input
-    column at a time, each column's rounding error spread over the columns not yet quantized so that
-    the layer's outputs on the calibration inputs move least. hessian [K, K] = sum of x^T x over them.
-    Columns are taken in blocks: the error of a block reaches the columns after it in one matmul."""
+def gptq_inputs(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """What GPTQ's column loop starts from: w [N, K] in float32 with the weights of inputs that were
+    always zero set to zero (they do not matter), and U [K, K], the upper Cholesky factor of the damped
+    H^-1 (hessian [K, K] = sum of x^T x over the calibration inputs x)."""
     W = w.float().clone()
-    N, K = W.shape
     H = hessian.float().clone()
-    dead = H.diagonal() == 0  # inputs that were always zero: their weights do not matter
+    dead = H.diagonal() == 0
     H[dead, dead] = 1
     W[:, dead] = 0
     H.diagonal().add_(damp * H.diagonal().mean())  # a little damping keeps the inverse well-conditioned
-    # Upper Cholesky factor of H^-1: row k holds how column k's error spreads to the later columns.
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    return W, torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+@torch.no_grad()
+def gptq_columns(W: torch.Tensor, U: torch.Tensor, bits: int, group_size: int | None = None, block: int = 128,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop: codes [N, K] and scales [N, K/group] (stored in dtype) for W [N, K], one
+    input column at a time, each column's rounding error spread over the columns not yet quantized by
+    row k of U (`gptq_inputs`), so that the layer's outputs on the calibration inputs move least.
+    Columns are taken in blocks: the error of a block reaches the columns after it in one matmul."""
+    W = W.clone()
+    N, K = W.shape
     group, top = group_size or K, 2 ** (bits - 1) - 1
-    codes = torch.zeros(N, K, dtype=torch.int8, device=w.device)
-    scales = torch.zeros(N, K // group, dtype=w.dtype, device=w.device)
+    codes = torch.zeros(N, K, dtype=torch.int8, device=W.device)
+    scales = torch.zeros(N, K // group, dtype=dtype, device=W.device)
     for b0 in range(0, K, block):
         b1 = min(b0 + block, K)
-        Wb, err = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, device=w.device)
+        Wb, err = W[:, b0:b1].clone(), torch.zeros(N, b1 - b0, device=W.device)
         for i in range(b1 - b0):
             k = b0 + i
             if k % group == 0:  # the group's scale, from its columns as the errors so far left them
                 cols = torch.cat([Wb[:, i:], W[:, b1:]], 1)[:, :group]
-                scales[:, k // group] = (cols.abs().amax(1) / top).clamp(min=1e-10).to(w.dtype)
+                scales[:, k // group] = (cols.abs().amax(1) / top).clamp(min=1e-10).to(dtype)
             s = scales[:, k // group].float()
             q = torch.round(Wb[:, i] / s).clamp(-top - 1, top)
             codes[:, k] = q.to(torch.int8)
@@ -225,6 +249,14 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | No
             Wb[:, i + 1:] -= err[:, i:i + 1] * U[k, k + 1:b1]
         W[:, b1:] -= err @ U[b0:b1, b1:]
     return codes, scales
+
+
+def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None = None,
+         damp: float = 0.01, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al., 2022): quantize_int's codes and scales for w [N, K], chosen column by
+    column from the calibration inputs' hessian [K, K] (`gptq_inputs`, then `gptq_columns`)."""
+    W, U = gptq_inputs(w, hessian, damp)
+    return gptq_columns(W, U, bits, group_size, block, w.dtype)
 
 
 @torch.no_grad()

@@ -10,7 +10,15 @@ from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, random_block_size, your_answers
+from miniinfer.course.checks.harness import (
+    as_tensor,
+    check,
+    check_tokens,
+    exercise,
+    randint,
+    random_block_size,
+    your_answers,
+)
 
 
 def _rejection_sample_inputs(gen: torch.Generator, case: int) -> tuple:
@@ -154,12 +162,8 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
         yours, plain, package = (_engine(model, tok, r, num_blocks=128) for r in (runner, None, SpeculativeRunner))
         got, expected = ([o.token_ids for o in e.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)]
                          for e in (yours, plain))
-        for i, (g, e) in enumerate(zip(got, expected)):
-            if g != e:
-                at = next((j for j, (x, y) in enumerate(zip(g, e)) if x != y), min(len(g), len(e)))
-                raise AssertionError(
-                    f"greedy, prompt {i + 1} of {len(expected)} ({GREEDY_PROMPTS[i]!r}): the tokens differ from "
-                    f"token {at + 1} of {len(e)} on\n  expected {e[at:at + 8]}\n  received {g[at:at + 8]}")
+        check_tokens([f"greedy, prompt {i + 1} of {len(GREEDY_PROMPTS)} ({p!r})" for i, p in enumerate(GREEDY_PROMPTS)],
+                     expected, got)
         _blocks_back(yours, "greedy")
         package.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)
         mine, theirs = yours.stats.spec, package.stats.spec

@@ -23,6 +23,7 @@ import torch
 
 from miniinfer.course.checks.harness import (
     AnswerError,
+    check_tokens,
     differs,
     exercise,
     failing,
@@ -107,7 +108,15 @@ class Ranks:
 
 
 _ranks: dict[str, Ranks] = {}
-atexit.register(lambda: _ranks["now"].close() if "now" in _ranks else None)
+
+
+def close_ranks() -> None:
+    """End the checks' rank processes, if they run (the next check starts them again)."""
+    if "now" in _ranks:
+        _ranks["now"].close()
+
+
+atexit.register(close_ranks)
 
 
 def on_ranks(fn: Callable, *args) -> list:
@@ -374,13 +383,8 @@ def check_parallel_engine(layers) -> None:
                     two.close()
             except RuntimeError as err:  # a rank's error, with the function that raised it
                 raise AnswerError(f"{name}: two ranks of your layers failed\n  {err}") from err
-            for i, (g, e) in enumerate(zip(got, expected)):
-                if g != e:
-                    at = next((j for j, (x, y) in enumerate(zip(g, e)) if x != y), min(len(g), len(e)))
-                    raise AssertionError(
-                        f"{name}, prompt {i + 1} of {len(prompts)} ({prompts[i]!r}): two ranks of your layers give "
-                        f"other tokens than one process from token {at + 1} on\n  expected {e[at:at + 8]}\n"
-                        f"  received {g[at:at + 8]}")
+            check_tokens([f"{name}, prompt {i + 1} of {len(prompts)} ({p!r}), two ranks of your layers against one "
+                          "process" for i, p in enumerate(prompts)], expected, got)
             if not back:
                 raise AssertionError(f"{name}: {bm.num_blocks - bm.num_free_blocks} blocks were not given back")
     print("passed: two ranks of your layers give one process's tokens on the course model and on a model "

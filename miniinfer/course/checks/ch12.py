@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from miniinfer.course.checks.harness import check, exercise, randint, your_answers
+from miniinfer.course.checks.harness import check, exercise, randint, tokens_differ, your_answers
 
 
 def _histories(gen, case):
@@ -189,11 +189,8 @@ NUMBER_PROMPTS = ["x = ", "pi = 3.", "The answer is "]
 
 def _first_difference(mine, theirs, name: str) -> str | None:
     """Where two requests' outputs differ: tokens exactly, log-probabilities within float32 rounding."""
-    if mine.token_ids != theirs.token_ids:
-        at = next((j for j, (a, b) in enumerate(zip(mine.token_ids, theirs.token_ids)) if a != b),
-                  min(len(mine.token_ids), len(theirs.token_ids)))
-        return (f"{name}: the tokens differ from token {at + 1} on\n  expected {theirs.token_ids[at:at + 8]}\n"
-                f"  received {mine.token_ids[at:at + 8]}")
+    if (wrong := tokens_differ(theirs.token_ids, mine.token_ids)) is not None:
+        return f"{name}: {wrong}"
     for kind in ("logprobs", "prompt_logprobs"):
         a, b = getattr(mine, kind) or [], getattr(theirs, kind) or []
         if len(a) != len(b):

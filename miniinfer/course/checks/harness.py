@@ -145,6 +145,23 @@ def run_answer(fn: Callable, args, where: str, inputs: tuple | None = None):
         raise AnswerError(f"{case}\n  your code raised {type(err).__name__}: {err}") from err
 
 
+def tokens_differ(expected: list[int], got: list[int]) -> str | None:
+    """Where two token lists first differ, and eight tokens of each from there (None: equal)."""
+    if got == expected:
+        return None
+    at = next((j for j, (x, y) in enumerate(zip(got, expected)) if x != y), min(len(got), len(expected)))
+    return (f"the tokens differ from token {at + 1} of {len(expected)} on\n  expected {expected[at:at + 8]}\n"
+            f"  received {got[at:at + 8]}")
+
+
+def check_tokens(requests: list[str], expected: list[list[int]], got: list[list[int]]) -> None:
+    """AssertionError naming the first request (requests: each one's description) whose tokens differ."""
+    __tracebackhide__ = True
+    for request, e, g in zip(requests, expected, got):
+        if (wrong := tokens_differ(e, g)) is not None:
+            raise AssertionError(f"{request}: {wrong}")
+
+
 # Half-precision answers may round differently from the reference by an ulp or two.
 TOLERANCES = {torch.float16: (4e-3, 1e-4), torch.bfloat16: (3e-2, 1e-3)}  # (rtol, atol)
 
