@@ -177,9 +177,10 @@ def gptq_model(columns: Callable, kernels=None):
     hessians = input_hessians(model, batches)
     for name in quantized_layers(model):
         layer = model.get_submodule(name)
-        W, U = gptq_inputs(layer.weight.detach(), hessians[name])
+        # GPTQ on the CPU, where the exercise runs it; the codes go to the model's device.
+        W, U = gptq_inputs(layer.weight.detach().cpu(), hessians[name].cpu())
         codes, scales = blockwise(columns, W, U, 4, 128)
-        model.set_submodule(name, IntLinear.from_codes(codes, scales, 4, layer.bias, kernels))
+        model.set_submodule(name, IntLinear.from_codes(codes.to(device()), scales.to(device()), 4, layer.bias, kernels))
     return model
 
 
