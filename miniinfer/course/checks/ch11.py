@@ -15,7 +15,6 @@ import multiprocessing.connection
 import os
 import pickle
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +40,8 @@ def _serve(rank: int, init_file: str, conn) -> None:
     """A rank of the checks: runs fn(rank, *args) for each job sent, until the pipe closes. A job that
     raises ends the process, so that the other rank's collectives with it fail instead of waiting."""
     import torch.distributed as dist
+
+    from miniinfer.worker.worker import failure
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=RANKS,
                             timeout=datetime.timedelta(seconds=WAIT))
@@ -52,7 +53,7 @@ def _serve(rank: int, init_file: str, conn) -> None:
         try:
             result = ("ok", fn(rank, *args))
         except BaseException as err:
-            conn.send(("error", "".join(traceback.format_exception_only(err)).strip()))
+            conn.send(("error", failure(err)))  # the engine's ranks' report: the error and where it came from
             os._exit(1)
         conn.send(result)
 
