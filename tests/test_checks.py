@@ -1,10 +1,15 @@
 """The problem-set checks catch plausible mistakes: a check that passes a wrong answer teaches nothing."""
 
+import functools
+import json
+import linecache
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12  # noqa: E402
-from mutants.ch03 import Blocks  # noqa: E402
+from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
 from mutants.ch11 import (  # noqa: E402
@@ -31,11 +36,15 @@ from miniinfer.course.checks import ch12 as checks12
 from miniinfer.layers.parallel import ParallelLayers
 from miniinfer.layers.quantization import gptq_columns
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import build  # noqa: E402
+
 CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
-# Their checks run the engine: broken pieces below.
-LAST_PARTS = {"09.YourRunner", "10.YourKernels", "11.your_layers", "12.your_processors"}
+# Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
+LAST_PARTS = {testing.problem_set(f"{n:02}")[-1].id for n in range(1, 13)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,6 +87,53 @@ def test_reference_scheduler_helpers_agree_with_the_engine_scheduler():
         sched.add(mi.Sequence(str(i), [1] * n, mi.SamplingParams(max_tokens=1), arrival=i))
     out = sched.schedule()
     assert len(out.num_new_tokens) == testing._admit_ref(lens, 10, 4, 3, 30) == 3
+
+
+@functools.cache
+def solved(chapter: str) -> dict:
+    """The globals of a student's kernel that ran the solution notebook's code (its checks left out)."""
+    path = next((ROOT / "solutions").glob(f"{chapter}_*.ipynb"))
+    ns: dict = {"__name__": "__main__"}
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] == "code" and "check" not in cell["metadata"].get("miniinfer", {}):
+            source, name = build.cell_source(cell), f"<{path.name}, cell {i}>"
+            # As IPython does: Triton reads a kernel's source through linecache.
+            linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+            exec(compile(source, name, "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("chapter, piece, wrong, says", [
+    ("01", "rms_norm", ch01.rms_norm_over_the_whole_tensor, "the tokens differ"),
+    ("01", "apply_rope", ch01.rope_interleaved, "the tokens differ"),
+    ("01", "causal_attention", ch01.attention_without_mask, "the tokens differ"),
+    ("01", "top_p_filter", ch01.top_p_without_sorting, "the tokens differ"),
+    ("02", "write_kv", ch02.write_kv_one_slot_early, "the tokens differ"),
+    ("02", "cached_attention", ch02.cached_attention_without_the_newest, "the tokens differ"),
+    ("03", "MyBlockManager", FreeLeaks, "blocks were not given back"),
+    ("03", "MyBlockManager", NeverGrows, "your code raised IndexError"),
+    ("04", "rms_norm", ch04.norm_kernel_mean_over_the_padded_block, "the tokens differ"),
+    ("04", "apply_rope", ch04.rope_kernel_interleaved, "the tokens differ"),
+    ("05", "store_kv", ch05.store_kv_keys_into_both, "the tokens differ"),
+    ("05", "decode_program", ch05.decode_program_from_zero, "the tokens differ"),
+    ("05", "merge_splits", ch05.merge_splits_first_only, "the tokens differ"),
+    ("06", "sample_rows", ch06.sample_without_temperature, "seed 1: the tokens differ"),
+    ("06", "varlen_metadata", ch06.varlen_positions_from_zero, "the tokens differ"),
+    ("07", "chain_hashes", ch07.hashes_chained_from_another_root, "prompt tokens found in the cache"),
+    ("07", "longest_cached_prefix", ch07.prefix_by_unchained_hashes, "prompt tokens found in the cache"),
+    ("08", "sse_event", ch08.sse_without_the_blank_line, "each must end with a blank line"),
+    ("08", "Detokenizer", ch08.EverythingSoFar, "the events' text is not the tokens' text"),
+    ("08", "stream_request", ch08.stream_without_abort, "told to drop 0 requests, expected 1"),
+    ("08", "stream_request", ch08.stream_that_always_aborts, "told to drop 2 requests, expected 1"),
+], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 20 else "")
+def test_chapters_01_to_08_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):
+    """The last part runs the course model or the engine on the student's pieces (their names looked
+    up in the notebook's globals when called, as in a student's kernel): each one broken fails it."""
+    ns = solved(chapter)
+    monkeypatch.setitem(ns, piece, wrong)
+    last = testing.problem_set(chapter)[-1]
+    with pytest.raises((AssertionError, testing.AnswerError), match=says):
+        last.check(*eval(f"({last.argument},)", ns))
 
 
 def runner_with(**pieces) -> type:
@@ -177,7 +233,7 @@ def test_an_unanswered_exercise_says_which():
 
 
 def test_the_kill_report_lists_every_mutant():
-    """docs/mutants.md (tools/mutants.py) names every mutant of tests/mutants/ and no other."""
+    """docs/mutants.md (tools/kill_report.py) names every mutant of tests/mutants/ and no other."""
     from pathlib import Path
     text = (Path(__file__).resolve().parent.parent / "docs" / "mutants.md").read_text()
     listed = {line.split("`")[3] for line in text.splitlines() if line.startswith("| `")}

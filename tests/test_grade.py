@@ -14,15 +14,12 @@ from miniinfer import cli
 from miniinfer.course import grade
 
 ROOT = Path(__file__).resolve().parent.parent
-IDS = ["01.rms_norm", "01.apply_rope", "01.causal_attention", "01.top_p_filter"]
+IDS = ["01.rms_norm", "01.apply_rope", "01.causal_attention", "01.top_p_filter", "01.your_generate"]
 
 
 def solution() -> dict:
-    """Problem set 01 answered, without its last part (which runs the model: slow, and not graded)."""
-    nb = json.loads((ROOT / "solutions" / "01_naive_decoding.ipynb").read_text())
-    last = next(i for i, c in enumerate(nb["cells"]) if c["source"] and "Putting it together" in "".join(c["source"]))
-    nb["cells"] = nb["cells"][:last]
-    return nb
+    """Problem set 01 answered (its last part, exercise 5, runs the course model on the four answers)."""
+    return json.loads((ROOT / "solutions" / "01_naive_decoding.ipynb").read_text())
 
 
 def cell(nb: dict, kind: str, id: str) -> dict:
@@ -39,9 +36,9 @@ def class_folder(tmp: Path) -> None:
 
     save("correct", solution())
 
-    wrong = solution()  # no float32 upcast, and a check cell that claims success
+    wrong = solution()  # the mean over every dimension, not each row's, and a check cell that claims success
     cell(wrong, "exercise", "01.rms_norm")["source"] = (
-        "def rms_norm(x, weight, eps):\n    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)\n")
+        "def rms_norm(x, weight, eps):\n    return weight * x * torch.rsqrt(x.pow(2).mean() + eps)\n")
     cell(wrong, "check", "01.rms_norm")["source"] = 'print("passed: rms_norm")'
     save("wrong", wrong)
 
@@ -78,16 +75,16 @@ def class_folder(tmp: Path) -> None:
 
 
 EXPECTED = {
-    "correct": ["passed"] * 4,
-    "wrong": ["failed", "passed", "passed", "passed"],
-    "unanswered": ["unanswered"] * 4,
-    "loop": ["passed", "timeout", "timeout", "timeout"],
-    "killer": ["passed", "passed", "error", "error"],
-    "deleting": ["passed", "passed", "passed", "error"],
-    "renaming": ["passed", "error", "passed", "passed"],
-    "reordered": ["passed"] * 4,
-    "01_unreadable": ["error"] * 4,
-    "01_not_a_notebook": ["error"] * 4,
+    "correct": ["passed"] * 5,
+    "wrong": ["failed", "passed", "passed", "passed", "failed"],  # the last part fails on a wrong piece too
+    "unanswered": ["unanswered"] * 5,
+    "loop": ["passed", "timeout", "timeout", "timeout", "timeout"],
+    "killer": ["passed", "passed", "error", "error", "error"],
+    "deleting": ["passed", "passed", "passed", "error", "error"],
+    "renaming": ["passed", "error", "passed", "passed", "error"],
+    "reordered": ["passed"] * 5,
+    "01_unreadable": ["error"] * 5,
+    "01_not_a_notebook": ["error"] * 5,
 }
 
 
@@ -112,6 +109,7 @@ def test_grade_a_class_folder(tmp_path):
 
     message = {n: [m for _, _, m in v] for n, v in got.items()}
     assert "case" in message["wrong"][0] and "values differ" in message["wrong"][0]
+    assert "seed 0: the tokens differ from token" in message["wrong"][4]
     assert message["unanswered"][0].startswith("exercise 1 (rms_norm) is not answered yet")
     assert "ran over 60 s" in message["loop"][1] and "while True" in message["loop"][1]
     assert all("kernel died in cell" in m and "import os" in m for m in message["killer"][2:])
@@ -121,9 +119,9 @@ def test_grade_a_class_folder(tmp_path):
     assert "not a readable notebook" in message["01_unreadable"][0]
 
     text = printed.getvalue()
-    assert re.search(r"correct\.ipynb\s+ok\s+ok\s+ok\s+ok\s+4/4", text), text
-    assert re.search(r"loop\.ipynb\s+ok\s+TIME\s+TIME\s+TIME\s+1/4", text), text
-    assert "40 rows" in text and "10 notebooks graded" in text
+    assert re.search(r"correct\.ipynb\s+ok\s+ok\s+ok\s+ok\s+ok\s+5/5", text), text
+    assert re.search(r"loop\.ipynb\s+ok\s+TIME\s+TIME\s+TIME\s+TIME\s+1/5", text), text
+    assert "50 rows" in text and "10 notebooks graded" in text
 
 
 def test_a_notebook_of_no_chapter_is_one_error_row(tmp_path):
@@ -144,5 +142,5 @@ def test_a_check_that_runs_over_the_time_names_its_exercise(tmp_path):
     path = tmp_path / "01_slow.ipynb"
     path.write_text(json.dumps(nb))
     rows = grade.grade_notebook(path, timeout=20)
-    assert [r.status for r in rows] == ["timeout"] * 4
+    assert [r.status for r in rows] == ["timeout"] * 5
     assert "the check of exercise 1 (rms_norm)" in rows[0].message and "_grading" not in rows[0].message

@@ -22,6 +22,9 @@ class Blocks:
     def block_table(self, seq_id):
         return list(self.tables[seq_id])
 
+    def num_tokens(self, seq_id):
+        return self.lengths[seq_id]
+
     def blocks_for(self, num_tokens):
         return -(-num_tokens // self.block_size)
 

@@ -9,7 +9,17 @@ from typing import Callable
 import torch
 
 from miniinfer.core.sampling_params import top_p_filter
-from miniinfer.course.checks.harness import DTYPES, check, exercise, randint, rope_inputs
+from miniinfer.course.checks.harness import (
+    DTYPES,
+    check,
+    check_tokens,
+    exercise,
+    named,
+    randint,
+    rope_inputs,
+    show,
+    your_answers,
+)
 from miniinfer.model.transformer import apply_rope, causal_attention, rms_norm
 
 
@@ -54,3 +64,26 @@ def check_top_p(fn: Callable) -> None:
         top_p = float(torch.rand((), generator=gen) * 0.98 + 0.01)
         return torch.randn(B, V, generator=gen) * 2, top_p
     check("top_p_filter", fn, top_p_filter, inputs)
+
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n"]
+
+
+@exercise("01", 5, "your_generate")
+def check_naive_decoding(generate: Callable) -> None:
+    """The last part: generate(model, prompt_ids, params) (the notebook's loop over the four answers)
+    gives `generate_naive`'s tokens on two prompts, sampled at temperature 0.8, top_p 0.9 with seeds."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    tok = mi.load_tokenizer()
+    prompts = [tok(text).input_ids for text in PROMPTS]
+    params = [mi.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    package = mi.load_model()
+    expected = [mi.generate_naive(package, p, s) for p, s in zip(prompts, params)]
+    with your_answers("01"), torch.no_grad():
+        got = [list(generate(mi.load_model(), p, s)) for p, s in zip(prompts, params)]
+    show(tok, [p + g for p, g in zip(prompts, got)])
+    check_tokens([f"{name}, seed {i}" for i, name in enumerate(named(PROMPTS, "temperature 0.8, top_p 0.9"))],
+                 expected, got)
+    print(f"passed: the tokens of generate_naive on {len(PROMPTS)} prompts, sampled with seeds")

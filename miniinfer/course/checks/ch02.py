@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import check, exercise, randint
+from miniinfer.course.checks.harness import check, check_tokens, exercise, named, randint, show, your_answers
 from miniinfer.course.static_cache import left_pad, static_batch_waste, write_kv
 from miniinfer.model.transformer import causal_attention
 
@@ -60,3 +60,24 @@ def check_static_batch_waste(fn: Callable) -> None:
         return lens, randint(gen, 1, 12)
     as_tensor = lambda f: lambda *a: torch.tensor(float(f(*a)), dtype=torch.float64)  # noqa: E731
     check("static_batch_waste", as_tensor(fn), as_tensor(static_batch_waste), inputs)
+
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n"]
+
+
+@exercise("02", 5, "your_generate")
+def check_cached_decoding(generate: Callable) -> None:
+    """The last part: generate(model, prompt_ids, params) (the notebook's one-token-a-forward loop over
+    the student's cache write and cached attention) gives `generate_cached`'s greedy tokens."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    prompts = [tok(text).input_ids for text in PROMPTS]
+    params = mi.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [mi.generate_cached(model, p, params) for p in prompts]
+    with your_answers("02"), torch.no_grad():
+        got = [list(generate(model, p, params)) for p in prompts]
+    show(tok, [p + g for p, g in zip(prompts, got)])
+    check_tokens(named(PROMPTS, "greedy"),
+                 expected, got)
+    print(f"passed: the greedy tokens of the package's static cache on {len(PROMPTS)} prompts")

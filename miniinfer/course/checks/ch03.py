@@ -11,12 +11,17 @@ import torch
 from miniinfer.core.block_manager import BlockManager, OutOfBlocks
 from miniinfer.course.checks.harness import (
     AnswerError,
+    blocks_back,
     check,
+    check_tokens,
     exercise,
+    named,
     randint,
     random_block_size,
     run_answer,
+    show,
     unanswered,
+    your_answers,
 )
 from miniinfer.worker.paged_cache import gather_kv, slot_mapping
 
@@ -111,3 +116,27 @@ def check_block_manager(cls) -> None:
 def check_append_token(cls) -> None:
     """The same, with append_token(seq_id) among the operations."""
     _check_block_ops(cls, with_append=True)
+
+
+PROMPTS = ["def add(a, b):\n", "class Stack:\n", "import os\n\n\ndef"]
+
+
+@exercise("03", 5, "paged_generation", argument="MyBlockManager")
+def check_paged_generation(cls) -> None:
+    """The last part: `generate_paged` on cls(num_blocks, 3), a pool just big enough for three prompts
+    of 16 new tokens each, gives the static cache's greedy tokens and ends with every block free."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    prompts = [tok(text).input_ids for text in PROMPTS]
+    params = mi.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    pool = sum(-(-(len(p) + params.max_tokens) // 3) for p in prompts)
+    with your_answers("03"):
+        bm = cls(pool, 3)
+        got = mi.generate_paged(model, prompts, params, block_manager=bm, backend="gather")
+        free = bm.num_free_blocks
+    show(tok, [p + g for p, g in zip(prompts, got)])
+    check_tokens(named(PROMPTS, "blocks of 3"),
+                 [mi.generate_cached(model, p, params) for p in prompts], got)
+    blocks_back(free, pool, f"{len(PROMPTS)} prompts in a pool of {pool} blocks of 3")
+    print(f"passed: the static cache's greedy tokens on {len(PROMPTS)} prompts, all {pool} blocks free at the end")

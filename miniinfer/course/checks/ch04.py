@@ -8,7 +8,18 @@ from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import DTYPES, check, device, exercise, randint, rope_inputs
+from miniinfer.course.checks.harness import (
+    DTYPES,
+    check,
+    check_tokens,
+    device,
+    exercise,
+    named,
+    randint,
+    rope_inputs,
+    show,
+    your_answers,
+)
 from miniinfer.model.transformer import apply_rope, rms_norm
 
 
@@ -50,3 +61,29 @@ def check_rope_kernel(fn: Callable) -> None:
     dtypes = kernel_dtypes()
     check("rope kernel", fn, _in_float32(apply_rope), lambda gen, case: rope_inputs(gen, case, dtypes),
           cases=6, device=device())
+
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n"]
+
+
+@exercise("04", 3, "your_kernels", argument="rms_norm, apply_rope")
+def check_kernel_model(rms_norm_launcher: Callable, rope_launcher: Callable) -> None:
+    """The last part: the course model with its RMSNorm (the residual add's too) and RoPE launched on
+    the student's kernels gives the greedy tokens of the package's ops; on the GPU when there is one."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    from miniinfer.model.transformer import Ops
+    model, tok = mi.load_model(device=device()), mi.load_tokenizer()
+    prompts = [tok(text).input_ids for text in PROMPTS]
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [mi.generate_cached(model, p, params) for p in prompts]
+    ops = Ops()
+    ops.rms_norm, ops.apply_rope = rms_norm_launcher, rope_launcher
+    ops.add_rms_norm = lambda x, residual, weight, eps: (rms_norm_launcher(x + residual, weight, eps), x + residual)
+    model.ops = ops
+    with your_answers("04"):
+        got = [mi.generate_cached(model, p, params) for p in prompts]
+    show(tok, [p + g for p, g in zip(prompts, got)])
+    check_tokens(named(PROMPTS, "greedy"),
+                 expected, got)
+    print(f"passed: the greedy tokens of the package's ops on {len(PROMPTS)} prompts")

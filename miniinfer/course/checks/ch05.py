@@ -4,11 +4,22 @@ Hand-written module (chapter 05)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import check, device, exercise, randint, random_block_size
+from miniinfer.course.checks.harness import (
+    check,
+    check_tokens,
+    device,
+    exercise,
+    named,
+    randint,
+    random_block_size,
+    show,
+    your_answers,
+)
 
 
 def _merge_partials_ref(o1, lse1, o2, lse2):
@@ -101,3 +112,30 @@ def check_store_kv(fn: Callable) -> None:
         return (torch.randn(N, Hk, D, generator=gen), torch.randn(N, Hk, D, generator=gen),
                 torch.randn(nb, bs, Hk, D, generator=gen), torch.randn(nb, bs, Hk, D, generator=gen), slots)
     check("store_kv", caches_after(fn), caches_after(store_kv_ref), inputs)
+
+
+PROMPTS = ["def add(a, b):\n", "class Stack:\n"]
+
+
+@exercise("05", 5, "YourKernels")
+def check_attention_kernels(kernels: type) -> None:
+    """The last part: paged generation in blocks of 3 through the varlen backend on kernels() (an
+    AttentionKernels whose store_kv and decode are the student's) gives the static cache's greedy
+    tokens; on the GPU when there is one."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    from miniinfer.worker.kv_cache import ATTENTION_KERNELS, VarlenKVCache
+    model, tok = mi.load_model(device=device()), mi.load_tokenizer()
+    prompts = [tok(text).input_ids for text in PROMPTS]
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ATTENTION_KERNELS["yours"] = kernels()
+    try:
+        with your_answers("05"):
+            got = mi.generate_paged(model, prompts, params, block_size=3,
+                                    backend=functools.partial(VarlenKVCache, kernels="yours"))
+    finally:
+        del ATTENTION_KERNELS["yours"]
+    show(tok, [p + g for p, g in zip(prompts, got)])
+    check_tokens(named(PROMPTS, "greedy, blocks of 3"),
+                 [mi.generate_cached(model, p, params) for p in prompts], got)
+    print(f"passed: the static cache's greedy tokens on {len(PROMPTS)} prompts through your kernels")

@@ -9,7 +9,18 @@ from typing import Callable
 import torch
 
 from miniinfer.core.sampling_params import top_p_filter
-from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, random_block_size
+from miniinfer.course.checks.harness import (
+    as_tensor,
+    blocks_back,
+    check,
+    check_tokens,
+    exercise,
+    named,
+    randint,
+    random_block_size,
+    show,
+    your_answers,
+)
 
 
 def _admit_ref(prompt_lens, free_blocks, block_size, seats, budget):
@@ -121,3 +132,38 @@ def check_varlen_metadata(fn: Callable) -> None:
         return tokens, tables, cached, bs
     check("varlen_metadata", lambda *a: tuple(torch.as_tensor(x).long() for x in fn(*a)), _varlen_ref,
           inputs, cases=20)
+
+
+PROMPTS = ["def add(a, b):\n", "class Stack:\n", "import os\n\n\ndef", "for i in range(10):\n"]
+
+
+@exercise("06", 6, "YourRunner")
+def check_engine_runner(runner: type) -> None:
+    """The last part: the engine on runner (a ModelRunner whose batch metadata and sampler are the
+    student's) serves four requests, two greedy and two sampled with seeds, in blocks of 3 with prompts
+    in pieces of a 12-token budget: the package engine's tokens, and every block back."""
+    __tracebackhide__ = True
+    import dataclasses
+
+    import miniinfer as mi
+    from miniinfer.worker.model_runner import build_components
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    config = mi.EngineConfig(num_blocks=96, block_size=3, max_num_seqs=4, max_num_batched_tokens=12,
+                             enable_chunked_prefill=True)
+    params = [mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              mi.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1, ignore_eos=True),
+              mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              mi.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=2, ignore_eos=True)]
+    components = dataclasses.replace(build_components(config), runner=runner)
+    with your_answers("06"):
+        engine = mi.LLMEngine(config, model=model, tokenizer=tok, components=components)
+        got = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+    show(tok, [tok(text).input_ids + g for text, g in zip(PROMPTS, got)])
+    package = mi.LLMEngine(config, model=model, tokenizer=tok)
+    hows = [("greedy" if p.temperature == 0 else f"temperature {p.temperature}, top_p {p.top_p}, seed {p.seed}")
+            for p in params]
+    check_tokens([named(PROMPTS, how)[i] for i, how in enumerate(hows)],
+                 [o.token_ids for o in package.generate(PROMPTS, params, use_tqdm=False)], got)
+    bm = engine.block_manager
+    blocks_back(bm.num_free_blocks, bm.num_blocks, f"{len(PROMPTS)} requests in blocks of 3")
+    print(f"passed: the package engine's tokens on {len(PROMPTS)} requests (2 greedy, 2 sampled), every block back")

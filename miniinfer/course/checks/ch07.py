@@ -8,7 +8,17 @@ from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, random_block_size
+from miniinfer.course.checks.harness import (
+    as_tensor,
+    blocks_back,
+    check,
+    check_tokens,
+    exercise,
+    named,
+    randint,
+    random_block_size,
+    your_answers,
+)
 
 
 def _chain_hashes_ref(tokens, block_size):
@@ -113,3 +123,43 @@ def check_prefill_plan(fn: Callable) -> None:
         d = randint(gen, 0, 5)
         return d, [randint(gen, 1, 40) for _ in range(randint(gen, 0, 4))], d + randint(gen, 1, 12)
     check("prefill_plan", as_tensor(fn), as_tensor(_prefill_plan_ref), inputs, cases=60)
+
+
+SHARED = "import numpy as np\n\n\ndef moving_average(values, window):\n"
+PROMPTS = [SHARED + end for end in ['    """Return', "    if window", "    out = []"]]
+
+
+@exercise("07", 5, "YourCache")
+def check_prefix_cache(cache: type) -> None:
+    """The last part: the engine with prefix caching on cache (a PrefixCachingBlockManager whose match
+    is the student's lookup) serves three requests sharing 20 prompt tokens twice, in blocks of 4 with
+    prompts in pieces of a 16-token budget: the package engine's tokens and cache hits in both rounds,
+    and every block back."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    from miniinfer.engine.llm_engine import BLOCK_MANAGERS
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    config = mi.EngineConfig(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                             enable_chunked_prefill=True, enable_prefix_caching=True)
+    params = mi.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    package = mi.LLMEngine(config, model=model, tokenizer=tok)
+    expected = [package.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+    BLOCK_MANAGERS[True] = cache
+    try:
+        engine = mi.LLMEngine(config, model=model, tokenizer=tok)
+    finally:
+        BLOCK_MANAGERS[True] = mi.PrefixCachingBlockManager
+    with your_answers("07"):
+        rounds = [engine.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+    for out in rounds[1]:
+        print(f"{out.num_cached_tokens:2} of {len(out.prompt_token_ids)} prompt tokens cached:",
+              repr(tok.decode(out.prompt_token_ids[-4:] + out.token_ids)))
+    for r, (mine, theirs) in enumerate(zip(rounds, expected)):
+        check_tokens(named(PROMPTS, f"round {r + 1} of 2"), [o.token_ids for o in theirs], [o.token_ids for o in mine])
+        hits, want = [o.num_cached_tokens for o in mine], [o.num_cached_tokens for o in theirs]
+        if hits != want:
+            raise AssertionError(f"round {r + 1} of 2: the right tokens, but prompt tokens found in the cache "
+                                 f"per request\n  expected {want}\n  received {hits}")
+    bm = engine.block_manager
+    blocks_back(bm.num_free_blocks, bm.num_blocks, "two rounds of three requests")
+    print("passed: the package engine's tokens and cache hits in both rounds, every block back")

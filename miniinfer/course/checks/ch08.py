@@ -4,12 +4,21 @@ Hand-written module (chapter 08)."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import exercise, randint, run_answer
+from miniinfer.course.checks.harness import check_tokens, exercise, named, randint, run_answer, your_answers
+
+
+def _in_a_thread(coro):
+    """asyncio.run(coro) in a thread of its own: a notebook's event loop already runs in this one."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 @exercise("08", 1, "sse_event")
@@ -62,8 +71,6 @@ def check_detokenizer(cls: Callable) -> None:
 def check_stream_request(fn: Callable) -> None:
     """fn(outputs: asyncio.Queue, abort) -> an async generator of the outputs taken from the queue, up
     to and including the first finished one; abort() is called once if the stream ends before that."""
-    import asyncio
-    import concurrent.futures
     import inspect
     from types import SimpleNamespace
 
@@ -101,17 +108,101 @@ def check_stream_request(fn: Callable) -> None:
             await task
         return len(aborts)
 
-    def run(coro):  # in a thread of its own: a notebook's event loop is already running in this one
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, coro).result()
-
     for n, stop, expected in [(1, None, ([0], 0)), (5, None, ([0, 1, 2, 3, 4], 0)), (5, 2, ([0, 1], 1)),
                               (3, 1, ([0], 1)), (4, 4, ([0, 1, 2, 3], 0))]:
-        got = run(read(n, stop))
+        got = _in_a_thread(read(n, stop))
         if got != expected:
             raise AssertionError(f"{n} outputs, the client {'reads all' if stop is None else f'leaves after {stop}'}: "
                                  f"got tokens {got[0]} and {got[1]} abort(s); expected {expected[0]} and "
                                  f"{expected[1]}")
-    if (aborts := run(cancelled())) != 1:
+    if (aborts := _in_a_thread(cancelled())) != 1:
         raise AssertionError(f"a client cancelled while waiting: {aborts} abort(s); expected 1")
     print("passed: the stream aborts exactly when its client leaves early")
+
+
+def _client_reads(stream: str) -> list[str]:
+    """The data of each event in a Server-Sent Events stream, as a client reads them."""
+    events = [block for block in stream.split("\n\n") if block.strip()]
+    return ["\n".join(line.removeprefix("data:").removeprefix(" ") for line in block.split("\n")
+                      if line.startswith("data:")) for block in events]
+
+
+PROMPTS = ["def add(a, b):\n", "class Stack:\n"]
+LEAVES_AFTER = 3  # outputs the second client reads
+
+
+@exercise("08", 4, "YourEngine", argument="YourEngine, sse_event, Detokenizer")
+def check_streaming(engine_cls: type, sse_event: Callable, detokenizer: type) -> None:
+    """The last part: engine_cls (an AsyncLLMEngine whose stream is the student's stream_request)
+    serves two clients at once. The first reads to the end, its text sent as events made by sse_event
+    from detokenizer's pieces: the package's greedy tokens, and events that parse back to their text.
+    The second leaves after LEAVES_AFTER outputs: its tokens so far are the package's, and its abort
+    gives every block back while the first goes on."""
+    __tracebackhide__ = True
+    import json
+
+    import miniinfer as mi
+    model, tok = mi.load_model(), mi.load_tokenizer()
+    params = mi.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = [mi.generate_cached(model, tok(p).input_ids, params) for p in PROMPTS]
+
+    async def read_to_the_end(engine):
+        detok, events, tokens = detokenizer(tok), [], []
+        async for out in engine.generate(PROMPTS[0], params):
+            tokens += out.new_token_ids
+            events.append(sse_event(json.dumps({"text": detok.add(out.new_token_ids)})))
+        return tokens, events + [sse_event(json.dumps({"text": detok.finish()})), sse_event("[DONE]")]
+
+    async def leave_early(engine):
+        tokens: list[int] = []
+        outputs = 0
+        # Too long to finish before it leaves, however the engine's steps and this client's reads interleave.
+        long = dataclasses.replace(params, max_tokens=200)
+        async with contextlib.aclosing(engine.generate(PROMPTS[1], long)) as outs:
+            async for out in outs:
+                tokens, outputs = tokens + out.new_token_ids, outputs + 1
+                if outputs == LEAVES_AFTER:
+                    break
+        return tokens
+
+    aborted: list[str] = []
+
+    class Recording(mi.LLMEngine):  # the requests the engine was told to drop
+        def abort(self, request_id: str):
+            aborted.append(request_id)
+            return super().abort(request_id)
+
+    async def two_clients():
+        engine = engine_cls(Recording(mi.EngineConfig(num_blocks=64, block_size=4), model=model, tokenizer=tok))
+        try:
+            (tokens, events), left = await asyncio.gather(read_to_the_end(engine), leave_early(engine))
+            for _ in range(200):  # the engine takes the abort between two steps
+                if engine.stats.running + engine.stats.waiting == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return tokens, events, left, engine.stats.blocks_used
+        finally:
+            engine.close()
+
+    with your_answers("08"):
+        tokens, events, left, blocks_used = _in_a_thread(two_clients())
+    print("".join(events[:3]) + "...\n" + "".join(events[-2:]), end="")
+    check_tokens(named(PROMPTS[:1], "read to the end"), expected[:1], [tokens])
+    datas = _client_reads("".join(events))
+    if len(datas) != len(events) or datas[-1] != "[DONE]":
+        raise AssertionError(f"a client reading the {len(events)} events as one stream finds {len(datas)} events, "
+                             f"the last {datas[-1:]!r}: each must end with a blank line, the last carry [DONE]")
+    text = "".join(json.loads(d)["text"] for d in datas[:-1])
+    if text != tok.decode(tokens):
+        raise AssertionError(f"the events' text is not the tokens' text\n  expected {tok.decode(tokens)!r}\n"
+                             f"  received {text!r}")
+    check_tokens([f"prompt 2 of 2 ({PROMPTS[1]!r}), left after {LEAVES_AFTER} outputs"],
+                 [expected[1][:len(left)]], [left[:len(expected[1])]])
+    if len(aborted) != 1:
+        raise AssertionError(f"the second client left after {LEAVES_AFTER} outputs, the first read to the end: the "
+                             f"engine was told to drop {len(aborted)} requests, expected 1 (the second's)")
+    if blocks_used:
+        raise AssertionError(f"the second client left after {LEAVES_AFTER} outputs, and {blocks_used} blocks are "
+                             "still in use after both clients are done: its request was not aborted")
+    print(f"passed: the package's tokens and text as events; the client that left after {len(left)} tokens "
+          "gave its blocks back")

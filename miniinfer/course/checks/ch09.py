@@ -12,6 +12,7 @@ import torch
 
 from miniinfer.course.checks.harness import (
     as_tensor,
+    blocks_back,
     check,
     check_tokens,
     exercise,
@@ -140,13 +141,6 @@ def _engine(model, tok, runner: type | None = None, **config):
     return mi.LLMEngine(spec, model=model, tokenizer=tok, components=components)
 
 
-def _blocks_back(engine, which: str) -> None:
-    bm = engine.block_manager
-    if bm.num_free_blocks != bm.num_blocks:
-        raise AssertionError(f"{which}: {bm.num_blocks - bm.num_free_blocks} of {bm.num_blocks} blocks were "
-                             "not given back (a table cut too short leaves blocks no one frees)")
-
-
 @exercise("09", 5, "YourRunner", "YourRunner, same_law")
 def check_speculative_engine(runner: type, law: Callable) -> None:
     """The last part: the engine on runner (a SpeculativeRunner with the student's pieces) gives the
@@ -164,7 +158,7 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
                          for e in (yours, plain))
         check_tokens([f"greedy, prompt {i + 1} of {len(GREEDY_PROMPTS)} ({p!r})" for i, p in enumerate(GREEDY_PROMPTS)],
                      expected, got)
-        _blocks_back(yours, "greedy")
+        blocks_back(yours.block_manager.num_free_blocks, yours.block_manager.num_blocks, "greedy")
         package.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)
         mine, theirs = yours.stats.spec, package.stats.spec
         if (mine.proposed, mine.accepted) != (theirs.proposed, theirs.accepted):
@@ -177,7 +171,7 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
         yours, plain = (_engine(model, tok, r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES) for r in (runner, None))
         runs = [[tuple(o.token_ids) for o in e.generate([SAMPLED_PROMPT] * SAMPLES, each, use_tqdm=False)]
                 for e in (yours, plain)]
-        _blocks_back(yours, "sampled")
+        blocks_back(yours.block_manager.num_free_blocks, yours.block_manager.num_blocks, "sampled")
         names = {t: n for n, t in enumerate(sorted(set(runs[0] + runs[1])))}  # each sequence a category
         p_value = float(law([names[t] for t in runs[0]], [names[t] for t in runs[1]]))
     s = yours.stats.spec

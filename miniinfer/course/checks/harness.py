@@ -162,6 +162,25 @@ def check_tokens(requests: list[str], expected: list[list[int]], got: list[list[
             raise AssertionError(f"{request}: {wrong}")
 
 
+def named(prompts: list[str], how: str) -> list[str]:
+    """Each prompt's description in a token comparison: its number, its text and how it was run."""
+    return [f"prompt {i + 1} of {len(prompts)} ({text!r}), {how}" for i, text in enumerate(prompts)]
+
+
+def blocks_back(free: int, total: int, which: str) -> None:
+    """AssertionError unless every block of the pool is free again after `which` (a workload)."""
+    __tracebackhide__ = True
+    if free != total:
+        raise AssertionError(f"{which}: {total - free} of {total} blocks were not given back (blocks no one "
+                             "frees are lost to every later request)")
+
+
+def show(tok, texts: list[list[int]]) -> None:
+    """Print each token list as the text it decodes to, one per line."""
+    for ids in texts:
+        print(repr(tok.decode(ids)))
+
+
 # Half-precision answers may round differently from the reference by an ulp or two.
 TOLERANCES = {torch.float16: (4e-3, 1e-4), torch.bfloat16: (3e-2, 1e-3)}  # (rtol, atol)
 

@@ -1,6 +1,6 @@
 """The kill report: every wrong answer of tests/mutants/ run against its check, and the case that rejects it.
 
-    python tools/mutants.py [docs/mutants.md]
+    python tools/kill_report.py [docs/mutants.md]
 
 Writes a table per chapter: the exercise, the wrong answer (its name, and its docstring's first line or
 the comment on its first line: why it is wrong), and the first line of the check's message (which case
@@ -49,7 +49,7 @@ def rows() -> list[tuple[str, str, str, str]]:
 
 def report(table: list[tuple[str, str, str, str]]) -> str:
     lines = ["# Mutants: the wrong answers each check rejects", "",
-             "Written by `python tools/mutants.py` from `tests/mutants/` (the test suite runs them too). Each "
+             "Written by `python tools/kill_report.py` from `tests/mutants/` (the test suite runs them too). Each "
              "row: a plausible wrong answer, why it is wrong, and the first line of the check's message "
              "on it: the case that rejected it.", ""]
     for chapter in dict.fromkeys(i.split(".")[0] for i, *_ in table):
