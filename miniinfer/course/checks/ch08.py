@@ -142,6 +142,7 @@ def check_streaming(engine_cls: type, sse_event: Callable, detokenizer: type) ->
     import json
 
     import miniinfer as mi
+    from miniinfer.engine.core import AbortRequest
     model, tok = mi.load_model(), mi.load_tokenizer()
     params = mi.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     expected = [mi.generate_cached(model, tok(p).input_ids, params) for p in PROMPTS]
@@ -165,22 +166,22 @@ def check_streaming(engine_cls: type, sse_event: Callable, detokenizer: type) ->
                     break
         return tokens
 
-    aborted: list[str] = []
-
-    class Recording(mi.LLMEngine):  # the requests the engine was told to drop
-        def abort(self, request_id: str):
-            aborted.append(request_id)
-            return super().abort(request_id)
-
     async def two_clients():
-        engine = engine_cls(Recording(mi.EngineConfig(num_blocks=64, block_size=4), model=model, tokenizer=tok))
+        engine = engine_cls(mi.LLMEngine(mi.EngineConfig(num_blocks=64, block_size=4), model=model, tokenizer=tok))
+        drops, send = [], engine.client.send  # the requests the engine is told to drop, as they are sent
+
+        def counted(message):
+            if isinstance(message, AbortRequest):
+                drops.append(message.request_id)
+            send(message)
+        engine.client.send = counted
         try:
             (tokens, events), left = await asyncio.gather(read_to_the_end(engine), leave_early(engine))
             for _ in range(200):  # the engine takes the abort between two steps
                 if engine.stats.running + engine.stats.waiting == 0:
                     break
                 await asyncio.sleep(0.01)
-            return tokens, events, left, engine.stats.blocks_used, len(aborted)  # before close aborts the rest
+            return tokens, events, left, engine.stats.blocks_used, len(drops)
         finally:
             engine.close()
 
