@@ -234,8 +234,11 @@ def cmd_grade(args: argparse.Namespace) -> None:
 
     rows = grade.grade(args.paths, timeout=args.timeout, jobs=args.jobs, progress=progress)
     grade.write_csv(rows, args.out)
+    page = Path(args.out).with_suffix(".html")
+    grade.write_html(rows, page)
     print(f"\n{grade.summary(rows)}\n\n{len({r.notebook for r in rows})} notebooks graded in "
-          f"{time.perf_counter() - t0:.0f} s; one row per notebook and exercise in {args.out}")
+          f"{time.perf_counter() - t0:.0f} s; one row per notebook and exercise in {args.out}, the class "
+          f"at a glance in {page}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -298,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
 
     p = command("grade", "run students' problem-set notebooks, one row per notebook and exercise")
     p.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for them")
-    p.add_argument("--out", default="grades.csv", help="the CSV: notebook, chapter, exercise, status, message")
+    p.add_argument("--out", default="grades.csv",
+                   help="the CSV: notebook, chapter, exercise, status, message, speed (and beside it the .html)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one notebook may run")
     p.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (one kernel each)")
     p.set_defaults(run=cmd_grade)

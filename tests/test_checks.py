@@ -1,8 +1,6 @@
 """The problem-set checks catch plausible mistakes: a check that passes a wrong answer teaches nothing."""
 
 import functools
-import json
-import linecache
 import sys
 from pathlib import Path
 
@@ -44,7 +42,7 @@ CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
-LAST_PARTS = {testing.problem_set(f"{n:02}")[-1].id for n in range(1, 13)}
+LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 13)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -89,18 +87,7 @@ def test_reference_scheduler_helpers_agree_with_the_engine_scheduler():
     assert len(out.num_new_tokens) == testing._admit_ref(lens, 10, 4, 3, 30) == 3
 
 
-@functools.cache
-def solved(chapter: str) -> dict:
-    """The globals of a student's kernel that ran the solution notebook's code (its checks left out)."""
-    path = next((ROOT / "solutions").glob(f"{chapter}_*.ipynb"))
-    ns: dict = {"__name__": "__main__"}
-    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
-        if cell["cell_type"] == "code" and "check" not in cell["metadata"].get("miniinfer", {}):
-            source, name = build.cell_source(cell), f"<{path.name}, cell {i}>"
-            # As IPython does: Triton reads a kernel's source through linecache.
-            linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
-            exec(compile(source, name, "exec"), ns)
-    return ns
+solved = functools.cache(build.solution_globals)  # one kernel's globals per problem set
 
 
 @pytest.mark.parametrize("chapter, piece, wrong, says", [
@@ -131,7 +118,7 @@ def test_chapters_01_to_08_last_parts_fail_on_a_broken_piece(chapter, piece, wro
     up in the notebook's globals when called, as in a student's kernel): each one broken fails it."""
     ns = solved(chapter)
     monkeypatch.setitem(ns, piece, wrong)
-    last = testing.problem_set(chapter)[-1]
+    last = testing.last_part(chapter)
     with pytest.raises((AssertionError, testing.AnswerError), match=says):
         last.check(*eval(f"({last.argument},)", ns))
 

@@ -10,6 +10,8 @@ import re
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import torch
+
 from miniinfer import cli
 from miniinfer.course import grade
 
@@ -144,3 +146,28 @@ def test_a_check_that_runs_over_the_time_names_its_exercise(tmp_path):
     rows = grade.grade_notebook(path, timeout=20)
     assert [r.status for r in rows] == ["timeout"] * 5
     assert "the check of exercise 1 (rms_norm)" in rows[0].message and "_grading" not in rows[0].message
+
+
+def test_speed_items_are_graded_against_the_package(tmp_path):
+    """A speed item's row holds the ratio to the package's time: problem set 06 answered, and answered
+    with host code slowed down on purpose (50 ms a step), graded in one class; a GPU-only item on a
+    machine without a GPU says `needs GPU`; grades.html draws the class."""
+    nb = json.loads((ROOT / "solutions" / "06_continuous_batching.ipynb").read_text())
+    (tmp_path / "fast.ipynb").write_text(json.dumps(nb))
+    answer = cell(nb, "exercise", "06.varlen_metadata")
+    answer["source"] = "import time\n\n" + source(answer).replace("### BEGIN SOLUTION\n",
+                                                                  "### BEGIN SOLUTION\n    time.sleep(0.05)\n")
+    (tmp_path / "slow.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "04_gpu.ipynb").write_text((ROOT / "solutions" / "04_triton_rmsnorm_rope.ipynb").read_text())
+    rows = grade.grade([tmp_path], timeout=300, jobs=2)
+    got = {(Path(r.notebook).stem, r.exercise): r for r in rows}
+    fast, slow = got["fast", "06.YourRunner.speed"], got["slow", "06.YourRunner.speed"]
+    assert fast.status == "passed" and float(fast.speed) >= 0.8, fast
+    assert slow.status == "slow" and float(slow.speed) < 0.8, slow
+    assert all(r.status == "passed" for (n, e), r in got.items() if not e.endswith(".speed"))
+    if not torch.cuda.is_available():
+        assert [got["04_gpu", e].status for e in ("04.rms_norm_kernel.speed", "04.rope_kernel.speed")] == \
+            ["needs GPU"] * 2
+    grade.write_html(rows, tmp_path / "grades.html")
+    page = (tmp_path / "grades.html").read_text()
+    assert page.count("class='bar'") == 2 and "needs GPU" in page

@@ -26,7 +26,7 @@ def last_part(cells: list) -> int:
     """The check cell of the last part: the problem set's last exercise, whose check runs the engine
     (or the course model) on the student's answers."""
     checks = __import__("miniinfer.course.checks").course.checks
-    ids = {checks.problem_set(f"{n:02}")[-1].id for n in range(1, 13)}
+    ids = {checks.last_part(f"{n:02}").id for n in range(1, 13)}
     return next(i for i, c in enumerate(cells) if c["metadata"].get("miniinfer", {}).get("check") in ids)
 
 

@@ -249,6 +249,24 @@ class Student:
         return "\n".join(cell.locator(".jp-OutputArea-output").all_inner_texts())
 
 
+# A class of four as `miniinfer grade` records it: the speed of exercise 1's kernel on a GPU.
+CLASS_SPEEDS = {"ana.ipynb": "1.03", "ben.ipynb": "0.91", "chloe.ipynb": "0.42"}
+
+
+def write_grades(path: Path) -> None:
+    """grades.html of a class of four graded on problem set 04, one of them without a GPU: the table,
+    and the leaderboard of exercise 1's speed (exercise 2's speed timed for no one)."""
+    from miniinfer.course import grade
+    rows = []
+    for name in [*CLASS_SPEEDS, "dan.ipynb"]:
+        for ex in grade.problem_set("04"):
+            speed = CLASS_SPEEDS.get(name, "") if ex.id == "04.rms_norm_kernel.speed" else ""
+            status = "passed" if not ex.speed or (speed and float(speed) >= (ex.full or 0)) else \
+                "slow" if speed else "needs GPU"
+            rows.append(grade.Row(name, "04", ex.id, status, f"{status}: as graded", speed))
+    grade.write_html(rows, path)
+
+
 def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
     """All the steps; returns True when every one passed. Lines go to log."""
     from playwright.sync_api import Error as PlaywrightError
@@ -384,6 +402,24 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
                 for n, lesson in enumerate(WIDGET_LESSONS, start=4):
                     step(n, f"lesson {lesson[:2]}: move the ipywidgets slider",
                          lambda lesson=lesson, n=n: widget(lesson, n))
+
+                def grades_page(n: int) -> str:
+                    write_grades(tmp / "grades.html")
+                    page.goto((tmp / "grades.html").resolve().as_uri())
+                    bars = page.locator(".bar")
+                    bars.first.wait_for(timeout=10_000)
+                    widths = [bars.nth(i).bounding_box()["width"] for i in range(bars.count())]
+                    mark = page.locator(".mark").first.bounding_box()
+                    shot = student.shot(f"{n}_grades")
+                    check(len(widths) == len(CLASS_SPEEDS),
+                          f"{len(widths)} bars for {len(CLASS_SPEEDS)} timed students")
+                    check(widths == sorted(widths, reverse=True) and widths[-1] > 0,
+                          f"the bars are not drawn fastest first: widths {widths}")
+                    check(mark is not None and mark["height"] > 0, "no full-marks line drawn")
+                    cells = page.locator("td").count()
+                    return (f"grades.html: a table of {cells} cells, {len(widths)} bars "
+                            f"({', '.join(f'{w:.0f}' for w in widths)} px) and the full-marks line; {shot}")
+                step(4 + len(WIDGET_LESSONS), "the grader's grades.html", lambda: grades_page(4 + len(WIDGET_LESSONS)))
             finally:
                 browser.close()
     except StepFailed:
@@ -405,7 +441,7 @@ def run(shots: Path, chromium: str, log: Callable[[str], None] = print) -> bool:
                 return (f"JupyterLab shut down through its REST API, with its {found} kernel(s); none left "
                         f"running, the course's notebooks unchanged")
             try:
-                step(4 + len(WIDGET_LESSONS), "stop JupyterLab and its kernels", stop)
+                step(5 + len(WIDGET_LESSONS), "stop JupyterLab and its kernels", stop)
             except StepFailed:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)

@@ -45,6 +45,21 @@ def cell_source(cell: dict) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
+def solution_globals(chapter: str) -> dict:
+    """The globals of a kernel that ran solution notebook `chapter`'s code, its check cells left out
+    (for the tests that break an answer, and the speed benchmark). Each cell is in linecache under
+    its own name, as IPython puts it: Triton reads a kernel's source from there."""
+    import linecache
+    path = next((ROOT / "solutions").glob(f"{chapter}_*.ipynb"))
+    ns: dict = {"__name__": "__main__"}
+    for i, cell in enumerate(read_notebook(path)["cells"]):
+        if cell["cell_type"] == "code" and "check" not in cell["metadata"].get("miniinfer", {}):
+            source, name = cell_source(cell), f"<{path.name}, cell {i}>"
+            linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+            exec(compile(source, name, "exec"), ns)
+    return ns
+
+
 def export_modules(notebooks: list[Path]) -> dict[Path, str]:
     """Module path -> generated text, from the `#| export` cells of the lesson notebooks."""
     modules: dict[Path, list[str]] = {}

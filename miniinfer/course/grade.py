@@ -5,7 +5,10 @@ limit. Exercises are found by the ids their cells carry in their metadata (`mini
 position, and every check cell is replaced by the canonical check before it runs, so an edited check
 cell grades the same as the original. An exercise whose check cell is gone is checked at the end.
 Statuses: passed, failed (a wrong result), error (the code raised, the function is missing, the
-kernel died, the file is not a notebook), unanswered, timeout.
+kernel died, the file is not a notebook), unanswered, timeout; a speed item (`checks/speed.py`: the
+answer timed against the package's in the same run) is passed, slow (below its full marks) or needs
+GPU, and its `speed` column holds the ratio. `write_html` draws the class as grades.html: a table per
+chapter and a bar chart per speed item.
 
 This runs the students' code: do it in a container or a throw-away account.
 """
@@ -25,9 +28,11 @@ from typing import Callable, Iterable
 
 from miniinfer.course.checks import EXERCISES, Exercise, problem_set
 
-STATUSES = ("passed", "failed", "error", "unanswered", "timeout")
-COLUMNS = ("notebook", "chapter", "exercise", "status", "message")
-SHORT = {"passed": "ok", "failed": "FAIL", "error": "ERR", "unanswered": "-", "timeout": "TIME"}
+STATUSES = ("passed", "slow", "failed", "error", "unanswered", "timeout", "needs GPU")
+COLUMNS = ("notebook", "chapter", "exercise", "status", "message", "speed")
+SHORT = {"passed": "ok", "slow": "SLOW", "failed": "FAIL", "error": "ERR", "unanswered": "-", "timeout": "TIME",
+         "needs GPU": "GPU"}
+SPEED = re.compile(r"speed (\d+\.\d+) of the package's")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -38,6 +43,7 @@ class Row:
     exercise: str  # the exercise id, e.g. "01.rms_norm"
     status: str
     message: str
+    speed: str = ""  # a speed item's ratio to the package's time ("0.93"), else empty
 
 
 def find_notebooks(paths: Iterable[str | Path]) -> list[Path]:
@@ -82,8 +88,9 @@ def outcome(ex: Exercise, outputs: list) -> tuple[str, str]:
                                  "(renamed? its cell deleted, or moved below the check?)")
             return "error", value if name == "AnswerError" else f"{name}: {value}"
     text = "".join(out.get("text", "") for out in outputs if out.get("output_type") == "stream")
-    passed = [line for line in text.splitlines() if line.startswith("passed:")]
-    return ("passed", passed[-1]) if passed else ("error", "the check printed no result")
+    verdicts = ("passed:", "slow:", "needs GPU:") if ex.speed else ("passed:",)
+    said = [line for line in text.splitlines() if line.startswith(verdicts)]
+    return (said[-1].split(":")[0], said[-1]) if said else ("error", "the check printed no result")
 
 
 def first_line(source: str) -> str:
@@ -153,7 +160,11 @@ def grade_notebook(path: Path, timeout: float = 600, name: str | None = None) ->
             status, message = outcome(ex, cell.outputs)
             results[ex.id] = status, f"(its check cell is missing: checked at the end) {message}"
     status, _, message = (stop or "").partition(": ")
-    return [Row(name, chapter, ex.id, *results.get(ex.id, (status, message))) for ex in exercises]
+    rows = [Row(name, chapter, ex.id, *results.get(ex.id, (status, message))) for ex in exercises]
+    for row in rows:
+        if (m := SPEED.search(row.message)) and row.status in ("passed", "slow"):
+            row.speed = m.group(1)
+    return rows
 
 
 def grade(paths: Iterable[str | Path], timeout: float = 600, jobs: int = 1,
@@ -186,7 +197,7 @@ def summary(rows: list[Row]) -> str:
     lines = []
     for chapter in sorted({r.chapter for r in rows}):
         mine = [r for r in rows if r.chapter == chapter]
-        numbers = {e.id: str(e.number) for e in problem_set(chapter)}
+        numbers = {e.id: f"{e.number}{'s' if e.speed else ''}" for e in problem_set(chapter)}
         width = max(len("notebook"), *(len(r.notebook) for r in mine))
         lines.append(f"chapter {chapter or '?'}")
         lines.append(f"{'notebook':<{width}}  " + "".join(f"{n:>5}" for n in numbers.values()) + "  passed")
@@ -194,8 +205,58 @@ def summary(rows: list[Row]) -> str:
             status = {r.exercise: r.status for r in mine if r.notebook == nbname}
             cells = "".join(f"{SHORT.get(status.get(i, ''), '?'):>5}" for i in numbers)
             passed = sum(s == "passed" for s in status.values())
-            lines.append(f"{nbname:<{width}}  {cells}  {passed}/{len(numbers)}")
+            graded = sum(s != "needs GPU" for s in status.values())  # not held against the student
+            lines.append(f"{nbname:<{width}}  {cells}  {passed}/{graded}")
         lines.append("")
-    legend = ", ".join(f"{v} {k}" for k, v in SHORT.items())
+    legend = ", ".join(f"{v} {k}" for k, v in SHORT.items()) + "; a column Ns: exercise N's speed"
     return "\n".join(lines + [legend, f"{len(rows)} rows: " + ", ".join(
         f"{n} {s}" for s in STATUSES if (n := sum(r.status == s for r in rows)))])
+
+
+COLOURS = {"passed": "#c8e6c9", "slow": "#fff0a8", "failed": "#ffcdd2", "error": "#ffcdd2", "unanswered": "#eeeeee",
+           "timeout": "#ffe0b2", "needs GPU": "#dcecfb"}
+STYLE = """body { font: 14px sans-serif; margin: 24px; } table { border-collapse: collapse; margin-bottom: 24px; }
+td, th { border: 1px solid #bbb; padding: 3px 8px; text-align: center; } td.name { text-align: left; }
+.chart { width: 520px; margin-bottom: 28px; } .line { display: flex; align-items: center; margin: 2px 0; }
+.who { width: 180px; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.track { position: relative; flex: 1; height: 16px; background: #f4f4f4; }
+.bar { height: 16px; } .mark { position: absolute; top: -3px; bottom: -3px; border-left: 2px dashed #333; }
+.value { width: 48px; text-align: right; }"""
+
+
+def write_html(rows: list[Row], out: str | Path) -> None:
+    """The class at a glance: per chapter a table (a line per notebook, a column per item, coloured by
+    status, the message on hover), and per speed item a leaderboard: the ratios as bars, fastest
+    first, with the full-marks line dashed."""
+    from html import escape
+    parts = [f"<!doctype html><meta charset='utf-8'><title>grades</title><style>{STYLE}</style><h1>Grades</h1>"]
+    for chapter in sorted({r.chapter for r in rows}):
+        mine = [r for r in rows if r.chapter == chapter]
+        items = problem_set(chapter)
+        head = "".join(f"<th title='{escape(e.id)}'>{e.number}{' speed' if e.speed else ''}<br>{escape(e.answer)}</th>"
+                       for e in items)
+        parts.append(f"<h2>Chapter {escape(chapter or '?')}</h2><table><tr><th>notebook</th>{head}</tr>")
+        for nbname in dict.fromkeys(r.notebook for r in mine):
+            got = {r.exercise: r for r in mine if r.notebook == nbname}
+            cells = "".join(
+                f"<td style='background:{COLOURS.get(r.status, '#fff')}' title='{escape(r.message)}'>"
+                f"{escape(r.speed or SHORT.get(r.status, r.status))}</td>" if (r := got.get(e.id)) else "<td></td>"
+                for e in items)
+            parts.append(f"<tr><td class='name'>{escape(nbname)}</td>{cells}</tr>")
+        parts.append("</table>")
+        for e in (e for e in items if e.speed):
+            timed = sorted(((float(r.speed), r.notebook) for r in mine if r.exercise == e.id and r.speed), reverse=True)
+            if not timed:
+                continue
+            top = max(timed[0][0], (e.full or 1.0) * 1.25, 1.0)
+            parts.append(f"<h3>{escape(e.label)}: the package's time over yours (full marks from {e.full:.2f})</h3>"
+                         "<div class='chart'>")
+            full = 100 * (e.full or 0) / top
+            for ratio, nbname in timed:
+                colour = "#66bb6a" if ratio >= (e.full or 0) else "#f9a825"
+                parts.append(f"<div class='line'><span class='who' title='{escape(nbname)}'>{escape(nbname)}</span>"
+                             f"<span class='track'><div class='bar' style='width:{100 * ratio / top:.1f}%;"
+                             f"background:{colour}'></div><span class='mark' style='left:{full:.1f}%'></span></span>"
+                             f"<span class='value'>{ratio:.2f}</span></div>")
+            parts.append("</div>")
+    Path(out).write_text("\n".join(parts) + "\n")

@@ -20,7 +20,8 @@ from miniinfer.course.checks.harness import (
     show,
     your_answers,
 )
-from miniinfer.model.transformer import apply_rope, rms_norm
+from miniinfer.course.checks.speed import kernel_ratio, needs_gpu, speed_item
+from miniinfer.model.transformer import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:
@@ -87,3 +88,31 @@ def check_kernel_model(rms_norm_launcher: Callable, rope_launcher: Callable) -> 
     check_tokens(named(PROMPTS, "greedy"),
                  expected, got)
     print(f"passed: the greedy tokens of the package's ops on {len(PROMPTS)} prompts")
+
+
+@speed_item("04", 1, "rms_norm_kernel", argument="rms_norm")
+def speed_rms_norm_kernel(fn: Callable):
+    """fn (exercise 1's launcher) on 8,192 rows of 4,096 bfloat16 values against the package's kernel:
+    each value read once and written once."""
+    if not torch.cuda.is_available():
+        return needs_gpu("the RMSNorm kernel")
+    from miniinfer.kernels.norm_rope import rms_norm as package
+    gen = torch.Generator("cuda").manual_seed(0)
+    x, w = (torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16) for shape in ((8192, 4096), (4096,)))
+    return kernel_ratio("rms_norm on 8,192 x 4,096 bfloat16", fn, package, (x, w, 1e-5), 2 * x.numel() * 2)
+
+
+@speed_item("04", 2, "rope_kernel", argument="apply_rope")
+def speed_rope_kernel(fn: Callable):
+    """fn (exercise 2's launcher) on 8,192 tokens of 32 query and 8 key heads of 128 bfloat16 values
+    against the package's kernel (one launch for q and k): each value read and written once."""
+    if not torch.cuda.is_available():
+        return needs_gpu("the RoPE kernel")
+    from miniinfer.kernels.norm_rope import apply_rope as package
+    gen = torch.Generator("cuda").manual_seed(0)
+    T, D = 8192, 128
+    q, k = (torch.randn(T, h, D, generator=gen, device="cuda").to(torch.bfloat16) for h in (32, 8))
+    cos, sin = rope_cos_sin(torch.arange(T, device="cuda"), rope_inv_freq(D, 500000.0))
+    nbytes = 2 * (q.numel() + k.numel()) * 2 + 2 * cos.numel() * 4
+    return kernel_ratio("apply_rope on 8,192 tokens x (32 + 8) heads x 128 bfloat16", fn, package,
+                        (q, k, cos, sin), nbytes)

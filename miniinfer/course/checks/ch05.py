@@ -5,6 +5,7 @@ Hand-written module (chapter 05)."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -20,6 +21,7 @@ from miniinfer.course.checks.harness import (
     show,
     your_answers,
 )
+from miniinfer.course.checks.speed import kernel_ratio, needs_gpu, speed_item
 
 
 def _merge_partials_ref(o1, lse1, o2, lse2):
@@ -139,3 +141,27 @@ def check_attention_kernels(kernels: type) -> None:
     check_tokens(named(PROMPTS, "greedy, blocks of 3"),
                  [mi.generate_cached(model, p, params) for p in prompts], got)
     print(f"passed: the static cache's greedy tokens on {len(PROMPTS)} prompts through your kernels")
+
+
+@speed_item("05", 3, "merge_kernel", argument="merge_splits")
+def speed_merge_kernel(fn: Callable):
+    """fn (exercise 3's launcher) merging 16 float32 partials of 128 values for 32,768 rows (a batch of
+    1,024 sequences x 32 query heads, each split 16 ways) against the package's merge kernel, given
+    its log-sum-exps in base 2 as the package's decode writes them: every partial read once."""
+    if not torch.cuda.is_available():
+        return needs_gpu("the merge kernel")
+    import triton
+
+    from miniinfer.kernels.attention import _merge_kernel
+    R, S, D = 32768, 16, 128
+    gen = torch.Generator("cuda").manual_seed(0)
+    part, lse = torch.randn(R, S, D, generator=gen, device="cuda"), torch.randn(R, S, generator=gen, device="cuda") * 4
+    lse2 = lse * math.log2(math.e)
+
+    def package(part, lse):
+        out = torch.empty(R, D, device="cuda")
+        _merge_kernel[(R,)](part, lse2, out, S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S),
+                            BLOCK_D=triton.next_power_of_2(D))
+        return out
+    return kernel_ratio("merge_splits on 32,768 rows x 16 splits x 128 float32", fn, package, (part, lse),
+                        (part.numel() + lse.numel() + R * D) * 4, rtol=1e-4, atol=1e-5)

@@ -4,6 +4,7 @@ Hand-written module (chapter 06)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -14,6 +15,7 @@ from miniinfer.course.checks.harness import (
     blocks_back,
     check,
     check_tokens,
+    device,
     exercise,
     named,
     randint,
@@ -21,6 +23,7 @@ from miniinfer.course.checks.harness import (
     show,
     your_answers,
 )
+from miniinfer.course.checks.speed import faster_of, speed_item, wall_seconds
 
 
 def _admit_ref(prompt_lens, free_blocks, block_size, seats, budget):
@@ -167,3 +170,28 @@ def check_engine_runner(runner: type) -> None:
     bm = engine.block_manager
     blocks_back(bm.num_free_blocks, bm.num_blocks, f"{len(PROMPTS)} requests in blocks of 3")
     print(f"passed: the package engine's tokens on {len(PROMPTS)} requests (2 greedy, 2 sampled), every block back")
+
+
+@speed_item("06", 6, "YourRunner", full=0.7)
+def speed_engine_runner(runner: type):
+    """The engine on runner against the package's on one fixed workload: greedy requests (the four
+    prompts in turn) of the course model in blocks of 16, 32 of 48 tokens on the GPU, 8 of 32 on a CPU."""
+    import dataclasses
+
+    import miniinfer as mi
+    from miniinfer.worker.model_runner import build_components
+    requests, tokens = (32, 48) if torch.cuda.is_available() else (8, 32)
+    model, tok = mi.load_model(device=device()), mi.load_tokenizer()
+    config = mi.EngineConfig(num_blocks=256, block_size=16, max_num_seqs=requests)
+    params = mi.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    prompts = PROMPTS * (requests // len(PROMPTS))
+    components = dataclasses.replace(build_components(config), runner=runner)
+    engines = [mi.LLMEngine(config, model=model, tokenizer=tok, components=components),
+               mi.LLMEngine(config, model=model, tokenizer=tok)]
+    runs = [functools.partial(e.generate, prompts, params, use_tqdm=False) for e in engines]
+    with your_answers("06"):
+        for run in runs:  # a first round each: compiles, graphs, caches
+            run()
+        yours, theirs = faster_of(runs[0], runs[1], wall_seconds, rounds=3)
+    return theirs / yours, (f"{requests * tokens / yours:,.0f} against {requests * tokens / theirs:,.0f} output "
+                            f"tokens/s, {requests} requests x {tokens} tokens")

@@ -6,6 +6,7 @@ Hand-written module (chapter 09)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -15,11 +16,13 @@ from miniinfer.course.checks.harness import (
     blocks_back,
     check,
     check_tokens,
+    device,
     exercise,
     randint,
     random_block_size,
     your_answers,
 )
+from miniinfer.course.checks.speed import faster_of, speed_item, wall_seconds
 
 
 def _rejection_sample_inputs(gen: torch.Generator, case: int) -> tuple:
@@ -182,3 +185,23 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
     print(f"passed: greedy, the tokens without speculation, {mine.tokens_per_step:.2f} a step as the package's; "
           f"sampled, the same law (chi-square p = {p_value:.2f}, {s.acceptance_rate:.0%} of the guesses kept); "
           "every block back")
+
+
+@speed_item("09", 5, "YourRunner")
+def speed_speculative_runner(runner: type):
+    """Greedy n-gram speculation (k = 4) on the three pieces of code that repeat themselves: the engine
+    on runner against the package's speculative runner, each also against no speculation; the course
+    model on the GPU when there is one."""
+    import miniinfer as mi
+    from miniinfer.worker.speculative import SpeculativeRunner
+    greedy = mi.SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    model, tok = mi.load_model(device=device()), mi.load_tokenizer()
+    runs = [functools.partial(_engine(model, tok, r, num_blocks=128).generate, GREEDY_PROMPTS, greedy, use_tqdm=False)
+            for r in (runner, SpeculativeRunner, None)]
+    with your_answers("09"):
+        for run in runs:  # a first round each: compiles, graphs, caches
+            run()
+        yours, theirs = faster_of(runs[0], runs[1], wall_seconds)
+    plain = min(wall_seconds(runs[2]) for _ in range(2))
+    return theirs / yours, (f"{plain / yours:.2f}x faster than without speculation, the package's runner "
+                            f"{plain / theirs:.2f}x")

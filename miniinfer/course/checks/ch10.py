@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from miniinfer.course.checks.harness import check, check_tokens, device, exercise, randint, your_answers
+from miniinfer.course.checks.speed import kernel_ratio, needs_gpu, speed_item
 
 
 def _fake_quantize_ref(w, bits, symmetric, rounding=torch.round):
@@ -113,6 +114,25 @@ def check_int4_gemv(fn: Callable) -> None:
     """fn(x [M, K], packed int32 [K/8, N], scale [K/group, N]) launching the kernel -> x @ W^T [M, N]
     float32, W the int4 weight the codes and their group scales stand for; on the GPU when there is one."""
     check("int4 GEMV kernel", fn, _int4_matmul_ref, int4_inputs, cases=10, rtol=1e-4, atol=1e-4, device=device())
+
+
+@speed_item("10", 5, "int4_gemv_kernel", argument="int4_gemv")
+def speed_int4_gemv(fn: Callable):
+    """fn (exercise 5's launcher) at batch 1 on an int4 weight of 14,336 x 4,096 in groups of 128 (the
+    Llama-3.1-8B MLP's up projection), x in bfloat16, against the package's GEMV: the weight's codes
+    and scales read once."""
+    if not torch.cuda.is_available():
+        return needs_gpu("the int4 GEMV kernel")
+    from miniinfer.kernels.quant import int_matmul
+    from miniinfer.layers.quantization import pack, quantize_int
+    gen = torch.Generator("cuda").manual_seed(0)
+    N, K = 14336, 4096
+    codes, scale = quantize_int(torch.randn(N, K, generator=gen, device="cuda"), 4, 128)
+    packed, scale = pack(codes, 4).t().contiguous(), scale.t().contiguous().to(torch.bfloat16)
+    x = torch.randn(1, K, generator=gen, device="cuda").to(torch.bfloat16)
+    nbytes = packed.numel() * 4 + scale.numel() * 2 + x.numel() * 2 + N * 2
+    return kernel_ratio("int4_gemv at batch 1 on 14,336 x 4,096", fn, lambda x, p, s: int_matmul(x, p, s, 4),
+                        (x, packed, scale), nbytes)
 
 
 @exercise("10", 6, "fp8_quantize")

@@ -39,18 +39,26 @@ class Exercise:
     answer: str      # what the student writes (a function, kernel or class)
     argument: str    # what the check cell passes to the check (the answer, or the wrapper that launches it)
     check: Callable
+    speed: bool = False  # a speed item (speed.py): the answer timed against the package's
+    full: float | None = None  # a speed item's ratio for full marks
 
     @property
     def label(self) -> str:
-        return f"exercise {self.number} ({self.answer})"
+        return f"exercise {self.number} ({self.answer}){', its speed' if self.speed else ''}"
 
 
 EXERCISES: dict[str, Exercise] = {}
 
 
 def problem_set(chapter: str) -> list[Exercise]:
-    """The exercises of one chapter's problem set, in order."""
-    return sorted((e for e in EXERCISES.values() if e.chapter == chapter), key=lambda e: e.number)
+    """The exercises of one chapter's problem set, in order (an exercise's speed item after it)."""
+    return sorted((e for e in EXERCISES.values() if e.chapter == chapter), key=lambda e: (e.number, e.speed))
+
+
+def last_part(chapter: str) -> Exercise:
+    """The problem set's last part: its last exercise, whose check runs the model or the engine on
+    the student's pieces."""
+    return [e for e in problem_set(chapter) if not e.speed][-1]
 
 
 def unanswered(err: BaseException | None) -> bool:
@@ -96,7 +104,7 @@ def your_answers(chapter: str) -> Iterator[None]:
     except Exception as err:
         if not unanswered(err):
             raise
-        names = {e.answer: e for e in problem_set(chapter)}
+        names = {e.answer: e for e in problem_set(chapter) if not e.speed}
         cause: BaseException = err
         while (inner := cause.__cause__ or cause.__context__) is not None:  # the NotImplementedError itself
             cause = inner
