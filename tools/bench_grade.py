@@ -4,8 +4,8 @@
 
 Each problem set with speed items runs its solution notebook's code (check cells left out) into one
 namespace, as a student's kernel holds it; every speed item is then measured on the solution's answer
-and on a slow variant (the same kernel launched with one warp per program, or tiles too small to
-stream the weight; host code that waits 50 ms a step), as `miniinfer grade` would. The JSON holds each
+and on a slow variant where there is one (a launcher that upcasts to float32 around the kernel, a
+GEMV without split-K, host code that waits 50 ms a step), as `miniinfer grade` would. The JSON holds each
 item's printed line, status and ratio, with the machine and versions. On the GPU the reference
 solutions must reach full marks and the slow variants less (docs/benchmarks/grade_speed_*.json).
 """
@@ -13,6 +13,7 @@ solutions must reach full marks and the slow variants less (docs/benchmarks/grad
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import platform
@@ -29,24 +30,23 @@ import build  # noqa: E402
 from miniinfer.course import checks  # noqa: E402
 
 
-def one_warp(kernel, **launch):
-    """The kernel launched with one warp a program (and launch's other values): the same code, with
-    a quarter or less of the threads the default gives it to hide memory latency with."""
-    class Launch:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: kernel[grid](*args, **{**kw, **launch, "num_warps": 1})
-    return Launch()
+def upcast(launch):
+    """The launcher handed float32 copies and its result cast back: three more passes over memory
+    around the kernel (a student's mistake: upcasting in the launcher instead of in the kernel)."""
+    def run(*args):
+        out = launch(*(a.float() if torch.is_tensor(a) else a for a in args))
+        dtype = args[0].dtype
+        return tuple(o.to(dtype) for o in out) if isinstance(out, tuple) else out.to(dtype)
+    return run
 
 
 def slow_variants(chapter: str, ns: dict) -> dict:
-    """{speed item id: the namespace's name -> its slow stand-in}, the solution's code otherwise."""
+    """{speed item id: {a name of the solution's namespace: its slow stand-in}}."""
     if chapter == "04":
-        return {"04.rms_norm_kernel.speed": {"rms_norm_kernel": one_warp(ns["rms_norm_kernel"])},
-                "04.rope_kernel.speed": {"rope_kernel": one_warp(ns["rope_kernel"])}}
-    if chapter == "05":
-        return {"05.merge_kernel.speed": {"merge_kernel": one_warp(ns["merge_kernel"])}}
-    if chapter == "10":  # one int32 word (8 inputs) per row of the tile a step: short loads, and few
-        return {"10.int4_gemv_kernel.speed": {"int4_gemv_kernel": one_warp(ns["int4_gemv_kernel"], WORDS=1)}}
+        return {"04.rms_norm_kernel.speed": {"rms_norm": upcast(ns["rms_norm"])},
+                "04.rope_kernel.speed": {"apply_rope": upcast(ns["apply_rope"])}}
+    if chapter == "10":  # K in one piece: 112 programs for 132 multiprocessors, each walking all of K
+        return {"10.int4_gemv_kernel.speed": {"int4_gemv": functools.partial(ns["int4_gemv"], split=1)}}
     if chapter == "06":
         metadata = ns["varlen_metadata"]
 

@@ -6,7 +6,7 @@ position, and every check cell is replaced by the canonical check before it runs
 cell grades the same as the original. An exercise whose check cell is gone is checked at the end.
 Statuses: passed, failed (a wrong result), error (the code raised, the function is missing, the
 kernel died, the file is not a notebook), unanswered, timeout; a speed item (`checks/speed.py`: the
-answer timed against the package's in the same run) is passed, slow (below its full marks) or needs
+answer timed against a reference in the same run) is passed, slow (below its full marks) or needs
 GPU, and its `speed` column holds the ratio. `write_html` draws the class as grades.html: a table per
 chapter and a bar chart per speed item.
 
@@ -32,7 +32,7 @@ STATUSES = ("passed", "slow", "failed", "error", "unanswered", "timeout", "needs
 COLUMNS = ("notebook", "chapter", "exercise", "status", "message", "speed")
 SHORT = {"passed": "ok", "slow": "SLOW", "failed": "FAIL", "error": "ERR", "unanswered": "-", "timeout": "TIME",
          "needs GPU": "GPU"}
-SPEED = re.compile(r"speed (\d+\.\d+) of the package's")
+SPEED = re.compile(r"speed (\d+\.\d+) of the reference's")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -249,8 +249,8 @@ def write_html(rows: list[Row], out: str | Path) -> None:
             if not timed:
                 continue
             top = max(timed[0][0], (e.full or 1.0) * 1.25, 1.0)
-            parts.append(f"<h3>{escape(e.label)}: the package's time over yours (full marks from {e.full:.2f})</h3>"
-                         "<div class='chart'>")
+            parts.append(f"<h3>{escape(e.label)}: the reference's time over the student's "
+                         f"(full marks from {e.full:.2f})</h3><div class='chart'>")
             full = 100 * (e.full or 0) / top
             for ratio, nbname in timed:
                 colour = "#66bb6a" if ratio >= (e.full or 0) else "#f9a825"

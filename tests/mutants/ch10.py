@@ -72,13 +72,13 @@ def _gptq(W, U, bits, group_size, spread=True, divide=True, late_scales=True):
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-          OFFSET: tl.constexpr, ONE_SCALE: tl.constexpr, TOP_FIRST: tl.constexpr):
+def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, N, K, K_CHUNK, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+          WORDS: tl.constexpr, OFFSET: tl.constexpr, ONE_SCALE: tl.constexpr, TOP_FIRST: tl.constexpr):
     """An int4 GEMV with each mistake behind a switch (all off: a right answer, for the last part's tests)."""
-    row, pid_n = tl.program_id(0), tl.program_id(1)
+    row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, WORDS * 8):
+    for k0 in range(pid_k * K_CHUNK, (pid_k + 1) * K_CHUNK, WORDS * 8):
         wk = k0 // 8 + tl.arange(0, WORDS)
         words = tl.load(w_ptr + wk[:, None] * N + rn[None, :], mask=rn[None, :] < N, other=0)
         part = tl.zeros([WORDS, BLOCK_N], tl.float32)
@@ -87,18 +87,18 @@ def _gemv(x_ptr, w_ptr, s_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.c
             part += tl.load(x_ptr + row * K + wk * 8 + j)[:, None] * codes.to(tl.float32)
         scale = tl.load(s_ptr + (0 if ONE_SCALE else k0 // GROUP) * N + rn, mask=rn < N, other=0.0)
         acc += tl.sum(part, 0) * scale
-    tl.store(out_ptr + row * N + rn, acc, mask=rn < N)
+    tl.atomic_add(out_ptr + row * N + rn, acc, mask=rn < N)
 
 
 def gemv(x, packed, scale, offset=8, one_scale=False, top_first=False):
-    """_gemv launched as the problem set's wrapper launches the student's kernel."""
+    """_gemv launched as the problem set's wrapper launches the student's kernel on a CPU (K in one piece)."""
     M, K = x.shape
     N, group = packed.shape[1], K // scale.shape[0]
     block_n = 128 if x.is_cuda else triton.next_power_of_2(N)
-    out = torch.empty(M, N, device=x.device, dtype=torch.float32)
-    _gemv[(M, triton.cdiv(N, block_n))](x.contiguous(), packed, scale, out, N, K, GROUP=group, BLOCK_N=block_n,
-                                        WORDS=min(16, group // 8), OFFSET=offset, ONE_SCALE=one_scale,
-                                        TOP_FIRST=top_first)
+    out = torch.zeros(M, N, device=x.device, dtype=torch.float32)
+    _gemv[(M, triton.cdiv(N, block_n), 1)](x.contiguous(), packed, scale, out, N, K, K, GROUP=group, BLOCK_N=block_n,
+                                           WORDS=min(16, group // 8), OFFSET=offset, ONE_SCALE=one_scale,
+                                           TOP_FIRST=top_first)
     return out
 
 

@@ -1,13 +1,14 @@
-"""Speed items: an answer timed against the package's own implementation, in the same run.
+"""Speed items: an answer timed against a reference, in the same run and in turns.
 
 Hand-written module. A speed item is registered like an exercise (id "NN.answer.speed") and prints
 one line the grader reads:
-- `passed: speed R of the package's (...); full marks from F` when R >= F,
-- `slow: speed R of the package's (...); full marks from F` when R < F,
+- `passed: speed R of the reference's (...); full marks from F` when R >= F,
+- `slow: speed R of the reference's (...); full marks from F` when R < F,
 - `needs GPU: ...` where the item times a GPU kernel and there is no GPU (Triton's CPU interpreter
   says nothing about a kernel's speed).
-R is the package's time over the answer's (1.0: as fast as the package's; above: faster), so it is
-fair on any machine. A wrong result is not timed: it fails the item.
+R is the reference's time over the answer's (1.0: as fast; above: faster), so it is fair on any
+machine. The reference is the package's kernel or runner, or the given code on the course's reference
+answers (each item says which). A wrong result is not timed: it fails the item.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def speed_item(chapter: str, number: int, answer: str, argument: str | None = No
             ratio, detail = measure(*args)
             if ratio is not None:
                 verdict = "passed" if ratio >= full else "slow"
-                print(f"{verdict}: speed {ratio:.2f} of the package's ({detail}); full marks from {full:.2f}")
+                print(f"{verdict}: speed {ratio:.2f} of the reference's ({detail}); full marks from {full:.2f}")
         run.__name__ = run.__qualname__ = measure.__name__
         run.__doc__ = measure.__doc__
         ex = Exercise(f"{chapter}.{answer}.speed", chapter, number, answer, argument or answer, run, True, full)
@@ -69,8 +70,8 @@ def wall_seconds(fn: Callable) -> float:
 
 def kernel_ratio(name: str, fn: Callable, package: Callable, args: tuple, nbytes: int,
                  rtol: float = 2e-2, atol: float = 2e-2) -> tuple[float, str]:
-    """A kernel's speed against the package's on args (on the GPU): its result checked first, then
-    both timed; nbytes is what one call must read and write, for GB/s."""
+    """A kernel's speed against the package's (the reference) on args, on the GPU: its result checked
+    first, then both timed; nbytes is what one call must read and write, for GB/s."""
     __tracebackhide__ = True
     got, want = run_answer(fn, args, f"{name}, the timed call"), package(*args)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
