@@ -1,6 +1,7 @@
 """The grader's speed items on the reference solutions, and on deliberately slow variants of them.
 
-    python tools/bench_grade.py OUT.json
+    python tools/bench_grade.py OUT.json          # measure, then draw OUT.png
+    python tools/bench_grade.py --plot OUT.json   # draw OUT.png again from the JSON
 
 Each problem set with speed items runs its solution notebook's code (check cells left out) into one
 namespace, as a student's kernel holds it; every speed item is then measured on the solution's answer
@@ -91,7 +92,29 @@ def main(out: str) -> None:
             result["items"][ex.id] = entry
             print(ex.id, json.dumps(entry), flush=True)
     Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(Path(out))
+
+
+def plot(path: Path) -> None:
+    """Each item's ratio for the reference solution and its slow variant, with full marks' line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    result = json.loads(path.read_text())
+    items = list(result["items"])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for k, (kind, colour) in enumerate((("reference solution", "#43a047"), ("slow variant", "#f9a825"))):
+        ratios = [result["items"][i].get(kind, {}).get("ratio") or 0 for i in items]
+        bars = ax.bar([i + (k - 0.5) * 0.38 for i in range(len(items))], ratios, 0.38, color=colour, label=kind)
+        ax.bar_label(bars, [f"{r:.2f}" if r else "" for r in ratios], fontsize=8)
+    ax.axhline(checks.speed.FULL, color="#333", ls="--", lw=1, label=f"full marks ({checks.speed.FULL:.2f})")
+    ax.set_xticks(range(len(items)), [i.removesuffix(".speed") for i in items], fontsize=8)
+    ax.set_ylabel("reference's time / yours")
+    ax.set_title(f"miniinfer grade, speed items: {result['machine']}, torch {result['torch']}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    plot(Path(sys.argv[2])) if sys.argv[1] == "--plot" else main(sys.argv[1])
