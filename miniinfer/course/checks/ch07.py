@@ -144,11 +144,12 @@ def check_prefix_cache(cache: type) -> None:
     params = mi.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     package = mi.LLMEngine(config, model=model, tokenizer=tok)
     expected = [package.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+    written = dict.__getitem__(BLOCK_MANAGERS, True)  # as the table holds it: "module:name", imported when asked for
     BLOCK_MANAGERS[True] = cache
     try:
         engine = mi.LLMEngine(config, model=model, tokenizer=tok)
     finally:
-        BLOCK_MANAGERS[True] = mi.PrefixCachingBlockManager
+        dict.__setitem__(BLOCK_MANAGERS, True, written)
     with your_answers("07"):
         rounds = [engine.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
     for out in rounds[1]:
