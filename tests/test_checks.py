@@ -15,6 +15,7 @@ from mutants.ch11 import (  # noqa: E402
     EmbeddingWithoutZeros,
     HeadInReverse,
     RowWithoutTheSum,
+    ShardOneHeadEach,
     ShardWithoutReplication,
 )
 from mutants.ch12 import (  # noqa: E402
@@ -163,7 +164,8 @@ def test_chapter_10_last_part_fails_on_each_broken_piece(columns, kernels):
     (dict(embedding=EmbeddingWithoutZeros), "the course model, prompt 1 of 2"),
     (dict(lm_head=HeadInReverse), "the course model, prompt 1 of 2"),
     (dict(shard=ShardWithoutReplication), "(?s)a model with one KV head: .*kv_heads\\(1\\) is slice\\(0, 0, None\\)"),
-], ids=["column", "row", "embedding", "lm_head", "shard"])
+    (dict(shard=ShardOneHeadEach), "a model with four KV heads"),
+], ids=["column", "row", "embedding", "lm_head", "shard", "shard_one_head_each"])
 def test_chapter_11_last_part_fails_on_each_broken_piece(broken, says):
     """The last part runs the engine's two ranks on the student's layers: each one broken fails it."""
     with pytest.raises((AssertionError, testing.AnswerError), match=says):

@@ -129,6 +129,12 @@ class ShardWithoutReplication(Shard):  # fewer KV heads than ranks: n // size = 
         return self.part(n)
 
 
+class ShardOneHeadEach(Shard):  # as if every model had fewer KV heads than ranks: one head a rank, always
+    def kv_heads(self, n):
+        head = self.rank * n // self.size
+        return slice(head, head + 1)
+
+
 class ShardRoundRobin(Shard):
     """Fewer KV heads than ranks: rank r gets head r % n, not r * n // size; right only with one KV head."""
     def kv_heads(self, n):
@@ -161,4 +167,5 @@ MUTANTS = [
     (testing.check_shard, ShardWithoutReplication),
     (testing.check_shard, ShardRoundRobin),
     (testing.check_shard, ShardOfRankZero),
+    (testing.check_shard, ShardOneHeadEach),
 ]

@@ -335,16 +335,16 @@ def check_shard(cls: type) -> None:
 
 
 @functools.cache
-def one_kv_head_checkpoint() -> str:
-    """A Llama-shaped checkpoint with random weights whose one KV head each of two ranks must keep
-    whole (replicated), biases on every projection (the row-parallel ones' join once) and a
-    vocabulary of 301 rows (151 a rank, one of padding)."""
+def small_checkpoint(kv_heads: int) -> str:
+    """A Llama-shaped checkpoint with random weights, 4 query heads and `kv_heads` KV heads (one: each of
+    two ranks must keep it whole, replicated; four: two a rank), biases on every projection (the
+    row-parallel ones' join once) and a vocabulary of 301 rows (151 a rank, one of padding)."""
     import transformers
     config = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
                                       attention_bias=True, mlp_bias=True, initializer_range=0.2)
     torch.manual_seed(0)
-    folder = tempfile.mkdtemp(prefix="miniinfer-one-kv-head-")
+    folder = tempfile.mkdtemp(prefix=f"miniinfer-{kv_heads}-kv-heads-")
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar: noise in the check's output
     try:
@@ -355,22 +355,26 @@ def one_kv_head_checkpoint() -> str:
     return folder
 
 
-PARALLEL_PROMPTS: dict[str, list] = {"the course model": ["def fibonacci(n):", "class Stack:\n    def push(self,"],
-                    "a model with one KV head": [[5, 17, 99, 200, 3], [300, 1, 150, 151]]}
+# The models of the last part: the course model's 2 KV heads are one a rank; the small ones have fewer
+# KV heads than ranks (replicated) and more (two a rank).
+PARALLEL_MODELS: dict[str, tuple[int | None, list]] = {
+    "the course model": (None, ["def fibonacci(n):", "class Stack:\n    def push(self,"]),
+    "a model with one KV head": (1, [[5, 17, 99, 200, 3], [300, 1, 150, 151]]),
+    "a model with four KV heads": (4, [[5, 17, 99, 200, 3], [300, 1, 150, 151]])}
 
 
 @exercise("11", 6, "your_layers")
 def check_parallel_engine(layers) -> None:
     """The last part: the engine at tensor_parallel_size=2 built of `layers` (a ParallelLayers of the
     student's classes, sent to two gloo worker processes) gives the greedy tokens of one process, on
-    the course model and on a model with one KV head; every block comes back."""
+    the course model and on models with one and with four KV heads; every block comes back."""
     __tracebackhide__ = True
     import miniinfer as mi
     from miniinfer.worker.model_runner import build_components
     greedy = mi.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with your_answers("11"):
-        for name, folder in (("the course model", None), ("a model with one KV head", one_kv_head_checkpoint())):
-            prompts = PARALLEL_PROMPTS[name]
+        for name, (kv_heads, prompts) in PARALLEL_MODELS.items():
+            folder = small_checkpoint(kv_heads) if kv_heads else None
             one = mi.LLMEngine(mi.EngineConfig(model=folder))
             expected = [o.token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
             config = mi.EngineConfig(model=folder, tensor_parallel_size=2)
@@ -388,5 +392,5 @@ def check_parallel_engine(layers) -> None:
                           "process" for i, p in enumerate(prompts)], expected, got)
             if not back:
                 raise AssertionError(f"{name}: {bm.num_blocks - bm.num_free_blocks} blocks were not given back")
-    print("passed: two ranks of your layers give one process's tokens on the course model and on a model "
-          "with one KV head; every block back")
+    print("passed: two ranks of your layers give one process's tokens on the course model and on models "
+          "with one and with four KV heads; every block back")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NoReturn
 
 import torch
 
@@ -71,23 +71,37 @@ def unanswered(err: BaseException | None) -> bool:
     return False
 
 
+def verdict(err: BaseException, cause: BaseException | None = None) -> NoReturn:
+    """Raise a check's failure afresh, without the checker's frames: IPython shows the student's cell,
+    this one frame (it never hides the frame an error is raised in) and the message."""
+    err.__cause__, err.__suppress_context__ = cause, True
+    raise err
+
+
+def judged(label: str, check_fn: Callable) -> Callable:
+    """check_fn, failing as a student should see it: AssertionError (a wrong result), NotAnswered or
+    AnswerError (their code raised: their error attached), raised without the checker's frames."""
+    @functools.wraps(check_fn)
+    def run(*args, **kwargs):
+        __tracebackhide__ = True  # IPython shows the student the message, not the checker's frames
+        try:
+            return check_fn(*args, **kwargs)
+        except (AssertionError, NotAnswered) as err:  # NotAnswered: a last part names the exercise
+            verdict(type(err)(*err.args))
+        except AnswerError as err:
+            verdict(AnswerError(*err.args), cause=err.__cause__)
+        except Exception as err:
+            if unanswered(err):
+                verdict(NotAnswered(f"{label} is not answered yet: write your code where it says "
+                                    "# YOUR CODE HERE and delete the `raise NotImplementedError()`"))
+            verdict(AnswerError(f"{label}: your code raised {type(err).__name__}: {err}"), cause=err)
+    return run
+
+
 def exercise(chapter: str, number: int, answer: str, argument: str | None = None):
     """Register a check as the check of exercise `number` of chapter's problem set."""
     def register(check_fn: Callable) -> Callable:
-        label = f"exercise {number} ({answer})"
-
-        @functools.wraps(check_fn)
-        def run(*args, **kwargs):
-            __tracebackhide__ = True  # IPython shows the student the message, not the checker's frames
-            try:
-                return check_fn(*args, **kwargs)
-            except (AssertionError, AnswerError, NotAnswered):  # NotAnswered: a last part names the exercise
-                raise
-            except Exception as err:
-                if unanswered(err):
-                    raise NotAnswered(f"{label} is not answered yet: write your code where it says "
-                                      "# YOUR CODE HERE and delete the `raise NotImplementedError()`") from None
-                raise AnswerError(f"{label}: your code raised {type(err).__name__}: {err}") from err
+        run = judged(f"exercise {number} ({answer})", check_fn)
         ex = Exercise(f"{chapter}.{answer}", chapter, number, answer, argument or answer, run)
         EXERCISES[ex.id] = ex
         return run

@@ -13,13 +13,14 @@ answers (each item says which). A wrong result is not timed: it fails the item.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Callable
 
 import torch
 
-from miniinfer.course.checks.harness import EXERCISES, Exercise, differs, run_answer
+from miniinfer.course.checks.harness import EXERCISES, Exercise, differs, judged, run_answer
 
 FULL = 0.8  # the speed ratio for full marks unless an item names its own
 
@@ -27,14 +28,13 @@ FULL = 0.8  # the speed ratio for full marks unless an item names its own
 def speed_item(chapter: str, number: int, answer: str, argument: str | None = None, full: float = FULL):
     """Register a timing function as the speed item of exercise `number` of chapter's problem set."""
     def register(measure: Callable) -> Callable:
-        def run(*args):
-            __tracebackhide__ = True
+        @functools.wraps(measure)
+        def timed(*args):
             ratio, detail = measure(*args)
             if ratio is not None:
-                verdict = "passed" if ratio >= full else "slow"
-                print(f"{verdict}: speed {ratio:.2f} of the reference's ({detail}); full marks from {full:.2f}")
-        run.__name__ = run.__qualname__ = measure.__name__
-        run.__doc__ = measure.__doc__
+                said = "passed" if ratio >= full else "slow"
+                print(f"{said}: speed {ratio:.2f} of the reference's ({detail}); full marks from {full:.2f}")
+        run = judged(f"exercise {number} ({answer})", timed)
         ex = Exercise(f"{chapter}.{answer}.speed", chapter, number, answer, argument or answer, run, True, full)
         EXERCISES[ex.id] = ex
         return run
