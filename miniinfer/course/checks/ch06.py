@@ -198,13 +198,13 @@ def speed_engine_runner(runner: Any):
         yours = {name: pieces[name] for name in reference}
         pieces.update(reference)
         try:
-            engines[1].generate(prompts, params, use_tqdm=False)
+            return engines[1].generate(prompts, params, use_tqdm=False)
         finally:
             pieces.update(yours)
     runs: list[Callable] = [functools.partial(engines[0].generate, prompts, params, use_tqdm=False), on_reference]
     with your_answers("06"):
-        for run in runs:  # a first round each: compiles, graphs, caches
-            run()
+        got, expected = ([o.token_ids for o in run()] for run in runs)  # a first round each: graphs, caches
+        check_tokens(named(prompts, "greedy, the timed workload (a wrong answer is not timed)"), expected, got)
         yours, theirs = faster_of(runs[0], runs[1], wall_seconds, rounds=3)
     return theirs / yours, (f"{requests * tokens / yours:,.0f} against {requests * tokens / theirs:,.0f} output "
                             f"tokens/s, {requests} requests x {tokens} tokens")

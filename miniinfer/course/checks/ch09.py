@@ -18,6 +18,7 @@ from miniinfer.course.checks.harness import (
     check_tokens,
     device,
     exercise,
+    named,
     randint,
     random_block_size,
     your_answers,
@@ -199,8 +200,8 @@ def speed_speculative_runner(runner: type):
     runs = [functools.partial(_engine(model, tok, r, num_blocks=128).generate, GREEDY_PROMPTS, greedy, use_tqdm=False)
             for r in (runner, SpeculativeRunner, None)]
     with your_answers("09"):
-        for run in runs:  # a first round each: compiles, graphs, caches
-            run()
+        got, expected, _ = ([o.token_ids for o in run()] for run in runs)  # a first round each: graphs, caches
+        check_tokens(named(GREEDY_PROMPTS, "greedy, the timed workload (a wrong answer is not timed)"), expected, got)
         yours, theirs = faster_of(runs[0], runs[1], wall_seconds)
     plain = min(wall_seconds(runs[2]) for _ in range(2))
     return theirs / yours, (f"{plain / yours:.2f}x faster than without speculation, the package's runner "
