@@ -134,9 +134,8 @@ def check_paged_generation(cls) -> None:
     with your_answers("03"):
         bm = cls(pool, 3)
         got = mi.generate_paged(model, prompts, params, block_manager=bm, backend="gather")
-        free = bm.num_free_blocks
     show(tok, [p + g for p, g in zip(prompts, got)])
     check_tokens(named(PROMPTS, "blocks of 3"),
                  [mi.generate_cached(model, p, params) for p in prompts], got)
-    blocks_back(free, pool, f"{len(PROMPTS)} prompts in a pool of {pool} blocks of 3")
+    blocks_back(bm, f"{len(PROMPTS)} prompts in a pool of {pool} blocks of 3")
     print(f"passed: the static cache's greedy tokens on {len(PROMPTS)} prompts, all {pool} blocks free at the end")

@@ -16,6 +16,7 @@ from miniinfer.course.checks.harness import (
     check,
     check_tokens,
     device,
+    engine_with,
     exercise,
     named,
     randint,
@@ -146,10 +147,8 @@ def check_engine_runner(runner: type) -> None:
     student's) serves four requests, two greedy and two sampled with seeds, in blocks of 3 with prompts
     in pieces of a 12-token budget: the package engine's tokens, and every block back."""
     __tracebackhide__ = True
-    import dataclasses
 
     import miniinfer as mi
-    from miniinfer.worker.model_runner import build_components
     model, tok = mi.load_model(), mi.load_tokenizer()
     config = mi.EngineConfig(num_blocks=96, block_size=3, max_num_seqs=4, max_num_batched_tokens=12,
                              enable_chunked_prefill=True)
@@ -157,9 +156,8 @@ def check_engine_runner(runner: type) -> None:
               mi.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=1, ignore_eos=True),
               mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               mi.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=2, ignore_eos=True)]
-    components = dataclasses.replace(build_components(config), runner=runner)
     with your_answers("06"):
-        engine = mi.LLMEngine(config, model=model, tokenizer=tok, components=components)
+        engine = engine_with(config, model, tok, runner=runner)
         got = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
     show(tok, [tok(text).input_ids + g for text, g in zip(PROMPTS, got)])
     package = mi.LLMEngine(config, model=model, tokenizer=tok)
@@ -167,8 +165,7 @@ def check_engine_runner(runner: type) -> None:
             for p in params]
     check_tokens([named(PROMPTS, how)[i] for i, how in enumerate(hows)],
                  [o.token_ids for o in package.generate(PROMPTS, params, use_tqdm=False)], got)
-    bm = engine.block_manager
-    blocks_back(bm.num_free_blocks, bm.num_blocks, f"{len(PROMPTS)} requests in blocks of 3")
+    blocks_back(engine.block_manager, f"{len(PROMPTS)} requests in blocks of 3")
     print(f"passed: the package engine's tokens on {len(PROMPTS)} requests (2 greedy, 2 sampled), every block back")
 
 
@@ -178,10 +175,8 @@ def speed_engine_runner(runner: Any):
     batch builder for varlen_metadata, the reference sampler for sample_rows), on one fixed workload:
     greedy requests (the four prompts in turn) of the course model in blocks of 16, 32 of 48 tokens on
     the GPU, 8 of 32 on a CPU."""
-    import dataclasses
 
     import miniinfer as mi
-    from miniinfer.worker.model_runner import build_components
     pieces: dict = getattr(runner.prepare, "__globals__", {})  # the notebook's, where the runner finds the answers
     reference = {"varlen_metadata": _varlen_ref, "sample_rows": _sample_rows_ref}
     if not all(name in pieces for name in reference):
@@ -191,8 +186,7 @@ def speed_engine_runner(runner: Any):
     config = mi.EngineConfig(num_blocks=256, block_size=16, max_num_seqs=requests)
     params = mi.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = PROMPTS * (requests // len(PROMPTS))
-    components = dataclasses.replace(build_components(config), runner=runner)
-    engines = [mi.LLMEngine(config, model=model, tokenizer=tok, components=components) for _ in range(2)]
+    engines = [engine_with(config, model, tok, runner=runner) for _ in range(2)]
 
     def on_reference():
         yours = {name: pieces[name] for name in reference}

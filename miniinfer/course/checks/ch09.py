@@ -5,7 +5,6 @@ Hand-written module (chapter 09)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -17,6 +16,7 @@ from miniinfer.course.checks.harness import (
     check,
     check_tokens,
     device,
+    engine_with,
     exercise,
     named,
     randint,
@@ -137,12 +137,10 @@ LEVEL = 1e-3  # the p-value below which the two engines' outputs have different 
 def _engine(model, tok, runner: type | None = None, **config):
     """The course model's engine: on runner with n-gram speculation (k = 4), or without speculation."""
     import miniinfer as mi
-    from miniinfer.worker.model_runner import build_components
     if runner is None:
         return mi.LLMEngine(mi.EngineConfig(block_size=4, **config), model=model, tokenizer=tok)
     spec = mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=4, block_size=4, **config)
-    components = dataclasses.replace(build_components(spec), runner=runner)
-    return mi.LLMEngine(spec, model=model, tokenizer=tok, components=components)
+    return engine_with(spec, model, tok, runner=runner)
 
 
 @exercise("09", 5, "YourRunner", "YourRunner, same_law")
@@ -162,7 +160,7 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
                          for e in (yours, plain))
         check_tokens([f"greedy, prompt {i + 1} of {len(GREEDY_PROMPTS)} ({p!r})" for i, p in enumerate(GREEDY_PROMPTS)],
                      expected, got)
-        blocks_back(yours.block_manager.num_free_blocks, yours.block_manager.num_blocks, "greedy")
+        blocks_back(yours.block_manager, "greedy")
         package.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)
         mine, theirs = yours.stats.spec, package.stats.spec
         if (mine.proposed, mine.accepted) != (theirs.proposed, theirs.accepted):
@@ -175,7 +173,7 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
         yours, plain = (_engine(model, tok, r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES) for r in (runner, None))
         runs = [[tuple(o.token_ids) for o in e.generate([SAMPLED_PROMPT] * SAMPLES, each, use_tqdm=False)]
                 for e in (yours, plain)]
-        blocks_back(yours.block_manager.num_free_blocks, yours.block_manager.num_blocks, "sampled")
+        blocks_back(yours.block_manager, "sampled")
         names = {t: n for n, t in enumerate(sorted(set(runs[0] + runs[1])))}  # each sequence a category
         p_value = float(law([names[t] for t in runs[0]], [names[t] for t in runs[1]]))
     s = yours.stats.spec

@@ -6,7 +6,6 @@ Hand-written module (chapter 11)."""
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import functools
 import itertools
@@ -24,6 +23,7 @@ from miniinfer.course.checks.harness import (
     AnswerError,
     check_tokens,
     differs,
+    engine_with,
     exercise,
     failing,
     randint,
@@ -370,7 +370,6 @@ def check_parallel_engine(layers) -> None:
     the course model and on models with one and with four KV heads; every block comes back."""
     __tracebackhide__ = True
     import miniinfer as mi
-    from miniinfer.worker.model_runner import build_components
     greedy = mi.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with your_answers("11"):
         for name, (kv_heads, prompts) in PARALLEL_MODELS.items():
@@ -379,7 +378,7 @@ def check_parallel_engine(layers) -> None:
             expected = [o.token_ids for o in one.generate(prompts, greedy, use_tqdm=False)]
             config = mi.EngineConfig(model=folder, tensor_parallel_size=2)
             try:
-                two = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), parallel=layers))
+                two = engine_with(config, parallel=layers)
                 try:
                     got = [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
                     bm = two.block_manager

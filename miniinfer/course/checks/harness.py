@@ -189,12 +189,24 @@ def named(prompts: list[str], how: str) -> list[str]:
     return [f"prompt {i + 1} of {len(prompts)} ({text!r}), {how}" for i, text in enumerate(prompts)]
 
 
-def blocks_back(free: int, total: int, which: str) -> None:
-    """AssertionError unless every block of the pool is free again after `which` (a workload)."""
+def blocks_back(bm, which: str) -> None:
+    """AssertionError unless every block of block manager bm is free again after `which` (a workload)."""
     __tracebackhide__ = True
+    free, total = bm.num_free_blocks, bm.num_blocks
     if free != total:
         raise AssertionError(f"{which}: {total - free} of {total} blocks were not given back (blocks no one "
                              "frees are lost to every later request)")
+
+
+def engine_with(config, model=None, tok=None, **pieces):
+    """The engine of config with some of its components replaced by the student's (runner=...,
+    parallel=...); model None: the one config names."""
+    import dataclasses
+
+    from miniinfer.engine.llm_engine import LLMEngine
+    from miniinfer.worker.model_runner import build_components
+    components = dataclasses.replace(build_components(config), **pieces)
+    return LLMEngine(config, model=model, tokenizer=tok, components=components)
 
 
 def show(tok, texts: list[list[int]]) -> None:
