@@ -14,6 +14,9 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     batch1     one request: decode tokens/s against the weight-read floor
     hf_batch1  transformers generate at batch 1 with its static cache, compiled and eager
     profile    host and device time of decode steps
+    structured_overlap  the overlap's lanes (as `overlap`, overlap on) plain and with every other
+               request held to a JSON schema: the host fills the grammars' masks while the device runs
+               (xgrammar's batch call on several threads, and a row at a time as before)
     sampling   chapter 12's costs in one run: the workload plain, with every other request held to a JSON
                schema (xgrammar's masks; the course tokenizer's 4,096 tokens inside the shape's vocabulary),
                and with every request asking for its tokens' top-5 log-probabilities
@@ -21,7 +24,9 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     python tools/bench_engine.py plot docs/benchmarks/engine_h200.json
 """
 
+import contextlib
 import datetime
+import functools
 import gc
 import json
 import random
@@ -51,9 +56,12 @@ MAX_MODEL_LEN = 2048
 def models(shape: str):
     """transformers and miniinfer models of one shape, with the same random bf16 weights."""
     cfg_cls, model_cls, kwargs = SHAPES[shape]
+    # The course tokenizer's end token (the structured parts' grammars read its vocabulary): the
+    # configs' default end token 2 is '"' there, which a JSON grammar could then never write.
+    ends = dict(eos_token_id=mi.load_tokenizer().eos_token_id, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).to(DT).eval()
+        hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs, **ends)).to(DT).eval()
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
         ours = mi.load_model(folder, device="cuda", dtype=DT)
@@ -117,15 +125,20 @@ def ours(model, prompts, outs, overlap: bool = True) -> dict:
     return res
 
 
-def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
+def lanes(model, prompts, overlap: bool, steps: int = 40, params=None) -> dict:
     """Decode steps of 256 requests under torch.profiler: per step, the wall time and the time the
     device was busy (the union of its kernels) and idle; and the host's launch / collect / update
-    spans and the device's busy spans of four steps, for the picture."""
+    spans and the device's busy spans of four steps, for the picture. params(i, n): request i's
+    sampling (default greedy); with grammars, the host's mask filling and its wait for the last
+    step's tokens are lanes of their own."""
     from torch.profiler import DeviceType, ProfilerActivity, record_function
-    engine = engine_for(model, overlap=overlap)
-    engine.generate(prompts[:8], greedy(8), use_tqdm=False)
-    for p in prompts:
-        engine.add_request(p, greedy(1024 - 100))
+
+    from miniinfer.worker.logits_processors import Structured
+    params = params or (lambda i, n: greedy(n))
+    engine = engine_for(model, mi.load_tokenizer(), overlap=overlap)
+    engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params(i, 1024 - 100))
     while sum(engine.stats.scheduled.values()) != len(prompts):  # to the first step where all decode
         engine.step()
     for _ in range(10):
@@ -139,21 +152,30 @@ def lanes(model, prompts, overlap: bool, steps: int = 40) -> dict:
     launch, collect = engine._launch, engine.executor.collect
 
     def traced(fn, label):
+        @functools.wraps(fn)
         def call(*a, **k):
             with record_function(label):
                 return fn(*a, **k)
         return call
     engine._launch, engine.executor.collect = traced(launch, "host: schedule + launch"), traced(collect, "host: wait")
+    grammar = {"apply": "host: grammar masks", "take_pending": "host: wait for the last tokens"}
+    for name, label in grammar.items():  # on the class: the runner's processor calls them through self
+        setattr(Structured, name, traced(getattr(Structured, name), label))
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            with record_function("step"):
-                engine.step()
-        torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                with record_function("step"):
+                    engine.step()
+            torch.cuda.synchronize()
+    finally:
+        for name in grammar:
+            setattr(Structured, name, getattr(Structured, name).__wrapped__)
     for rid in list(engine.requests):
         engine.abort(rid)
     events = prof.events()
-    labels = ("step", "host: schedule + launch", "host: wait")  # these appear on the device's lane too
+    # these appear on the device's lane too
+    labels = ("step", "host: schedule + launch", "host: wait", *grammar.values())
     on_device = [e for e in events if e.device_type == DeviceType.CUDA and e.name not in labels]
     kernels = sorted((e.time_range.start, e.time_range.end) for e in on_device)
     busy: list[list[float]] = []
@@ -353,18 +375,38 @@ SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}
     "type": "array", "items": {"type": "string"}}}, "required": ["name", "items"]})
 
 
+def HALF_JSON(i: int, n: int) -> mi.SamplingParams:
+    """Every other request held to SCHEMA."""
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                             structured_output=mi.StructuredOutput(json=SCHEMA) if i % 2 else None)
+
+
+@contextlib.contextmanager
+def one_by_one():
+    """The grammars' masks filled a row at a time on one thread, as before xgrammar's batch call."""
+    from miniinfer.worker.logits_processors import Structured
+    batched = Structured.fill
+
+    def fill(self, live):
+        for n, matcher in live:
+            matcher.fill_next_token_bitmask(self.bitmask, n)
+    Structured.fill = fill
+    try:
+        yield
+    finally:
+        Structured.fill = batched
+
+
 def sampling(model, prompts, outs) -> dict:
     """The workload three ways in one run: plain, half of it held to SCHEMA, all of it with top-5 logprobs."""
-    ways = {"plain": lambda i, n: greedy(n),
-            "half_json": lambda i, n: mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
-                                                        structured_output=mi.StructuredOutput(json=SCHEMA) if i % 2
-                                                        else None),
+    ways = {"plain": lambda i, n: greedy(n), "half_json": HALF_JSON,
             "logprobs_top5": lambda i, n: mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)}
     res = {}
     for name, params in ways.items():
         engine = engine_for(model, mi.load_tokenizer())  # the door checks grammars with it, as the runner does
         engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)  # warm-up, grammar compiled
         r = run_engine(engine, prompts, outs, params=params)
+        del engine  # its pool goes before the next one sizes its own
         res[name] = {k: v for k, v in r.items() if k != "trace"}
         print(f"sampling {name}: {r['output_tokens_per_s']:.0f} output tok/s", flush=True)
     for name in ("half_json", "logprobs_top5"):
@@ -400,6 +442,11 @@ def main(out_path: str, parts: list[str]) -> None:
             r["ours_no_overlap"] = ours(model, prompts, outs, overlap=False)
         elif part == "overlap":
             r["overlap_profile"] = {k: lanes(model, prompts, k == "on") for k in ("off", "on")}
+        elif part == "structured_overlap":
+            r["structured_overlap"] = {"plain": lanes(model, prompts, True), "half_json": lanes(model, prompts, True,
+                                                                                               params=HALF_JSON)}
+            with one_by_one():
+                r["structured_overlap"]["half_json_one_by_one"] = lanes(model, prompts, True, params=HALF_JSON)
         elif part == "profile":
             r["profile"] = profile(model, prompts, outs)
         elif part == "batch1":
