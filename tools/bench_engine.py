@@ -158,6 +158,7 @@ def lanes(model, prompts, overlap: bool, steps: int = 40, params=None) -> dict:
                 return fn(*a, **k)
         return call
     engine._launch, engine.executor.collect = traced(launch, "host: schedule + launch"), traced(collect, "host: wait")
+    # take_pending: the wait for the last step's tokens, and xgrammar's accept_token for each
     grammar = {"apply": "host: grammar masks", "take_pending": "host: wait for the last tokens"}
     for name, label in grammar.items():  # on the class: the runner's processor calls them through self
         setattr(Structured, name, traced(getattr(Structured, name), label))
