@@ -70,6 +70,22 @@ class RowReducedBeforeTheBias(RowWithoutTheSum):
         return out + self.bias if self.bias is not None else out
 
 
+class EmbeddingRowsNotPadded(VocabParallelEmbedding):  # the last share short of per_rank rows
+    def load_weight(self, name, tensors):
+        return tensors[0][self.start:min(self.start + self.per_rank, self.vocab_size)]
+
+
+class EmbeddingPaddedInFront(VocabParallelEmbedding):  # the zero rows before the share's rows
+    def load_weight(self, name, tensors):
+        rows = tensors[0][self.start:min(self.start + self.per_rank, self.vocab_size)]
+        return F.pad(rows, (0, 0, self.per_rank - rows.shape[0], 0))
+
+
+class EmbeddingRowsFromZero(VocabParallelEmbedding):  # every rank loads the first rows: start left out
+    def load_weight(self, name, tensors):
+        return tensors[0][:self.per_rank]
+
+
 class EmbeddingWithoutTheSum(VocabParallelEmbedding):  # each rank keeps only its own ids' rows
     def forward(self, ids):
         local = ids - self.start
@@ -157,6 +173,9 @@ MUTANTS = [
     (testing.check_row, RowWithTheBiasOnEveryRank),
     (testing.check_row, RowWithTheRanksRows),
     (testing.check_row, RowReducedBeforeTheBias),
+    (testing.check_embedding, EmbeddingRowsNotPadded),
+    (testing.check_embedding, EmbeddingPaddedInFront),
+    (testing.check_embedding, EmbeddingRowsFromZero),
     (testing.check_embedding, EmbeddingWithoutTheSum),
     (testing.check_embedding, EmbeddingWithoutZeros),
     (testing.check_embedding, EmbeddingOneRowTooMany),

@@ -260,15 +260,16 @@ def check_row(cls: type) -> None:
 
 
 def _vocab_on_rank(rank: int, classes: tuple[type, type], path: Path, V: int, H: int, x: torch.Tensor) -> list:
-    """The rank's share of a vocabulary layer of each class (the package's, then the student's), loaded
-    through load_weight, and its forward on x (ids, or hidden states)."""
+    """The rank's share of a vocabulary layer of each class (the package's, then the student's): what
+    its load_weight returned, and its forward on x (ids, or hidden states; None where a rank's rows
+    did not fit its layer)."""
     from miniinfer.layers.parallel import Shard
     out = []
     for make in classes:
         layer = make(V, H, Shard(rank, RANKS))
-        _load(layer, path, {"weight": "w"})  # the package's load_weight, which the exercise does not change
+        loaded, fits = _load(layer, path, {"weight": "w"})
         with torch.no_grad():
-            out.append(layer(x))
+            out.append((loaded["weight"], layer(x) if fits else None))
     return out
 
 
@@ -296,18 +297,22 @@ def _check_vocab(cls: type, base: type, what: str, ids: bool, cases: int) -> Non
         where = f"{cls.__name__} of {V} rows over {RANKS} ranks ({-(-V // RANKS)} a rank), {what} " \
                 f"{list(x.shape)}, case {case + 1} of {cases}"
         ranks = run_answer(on_ranks, (_vocab_on_rank, (base, cls), path, V, H, x), where, inputs)
-        for rank, (expected, got) in enumerate(ranks):
-            _compare(where, inputs, [(f"rank {rank}'s forward", expected, got)])
+        _compare(where, inputs, [(f"rank {rank}'s rows from load_weight('weight', ...)", ref, loaded)
+                                 for rank, ((ref, _), (loaded, _)) in enumerate(ranks)])
+        _compare(where, inputs, [(f"rank {rank}'s forward", expected, got)
+                                 for rank, ((_, expected), (_, got)) in enumerate(ranks)])
 
 
 @exercise("11", 3, "YourEmbedding")
 def check_embedding(cls: type) -> None:
-    """cls(vocab_size, hidden_size, shard).forward(ids [B, T]) on two ranks -> [B, T, H]: the whole
-    embedding of every id, on every rank (each rank looks up the ids in its rows, zeros for the others,
-    and an all-reduce adds them up)."""
+    """cls(vocab_size, hidden_size, shard) on two ranks: load_weight("weight", [w]) -> the rank's
+    per_rank rows of w from start, the last share padded with zero rows; forward(ids [B, T]) -> [B, T,
+    H]: the whole embedding of every id, on every rank (each rank looks up the ids in its rows, zeros
+    for the others, and an all-reduce adds them up)."""
     from miniinfer.layers.parallel import VocabParallelEmbedding
     _check_vocab(cls, VocabParallelEmbedding, "ids", True, 10)
-    print("passed: YourEmbedding gives the whole embedding on both ranks (10 vocabularies)")
+    print("passed: YourEmbedding loads the package's rows and gives the whole embedding on both ranks "
+          "(10 vocabularies)")
 
 
 @exercise("11", 4, "YourLMHead")
