@@ -101,6 +101,8 @@ solved = functools.cache(build.solution_globals)  # one kernel's globals per pro
     ("02", "cached_attention", ch02.cached_attention_without_the_newest, "the tokens differ"),
     ("03", "MyBlockManager", FreeLeaks, "blocks were not given back"),
     ("03", "MyBlockManager", NeverGrows, "your code raised IndexError"),
+    ("03", "slot_mapping", ch03.slots_from_zero, "the tokens differ"),
+    ("03", "gather_kv", ch03.gather_one_short, "the tokens differ"),
     ("04", "rms_norm", ch04.norm_kernel_mean_over_the_padded_block, "the tokens differ"),
     ("04", "apply_rope", ch04.rope_kernel_interleaved, "the tokens differ"),
     ("05", "store_kv", ch05.store_kv_keys_into_both, "the tokens differ"),

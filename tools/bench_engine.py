@@ -385,17 +385,17 @@ def HALF_JSON(i: int, n: int) -> mi.SamplingParams:
 @contextlib.contextmanager
 def one_by_one():
     """The grammars' masks filled a row at a time on one thread, as before xgrammar's batch call."""
-    from miniinfer.worker.logits_processors import Structured
-    batched = Structured.fill
+    from miniinfer.worker import logits_processors as lp
+    batched = lp.fill_masks
 
-    def fill(self, live):
+    def fill(live, bitmask):
         for n, matcher in live:
-            matcher.fill_next_token_bitmask(self.bitmask, n)
-    Structured.fill = fill
+            matcher.fill_next_token_bitmask(bitmask, n)
+    lp.fill_masks = fill
     try:
         yield
     finally:
-        Structured.fill = batched
+        lp.fill_masks = batched
 
 
 def sampling(model, prompts, outs) -> dict:

@@ -384,6 +384,26 @@ def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:
         compile_structure(params.structured_output, grammar_compiler(tokenizer, limits.vocab_size))
 
 
+@functools.cache
+def batch_matcher():
+    """xgrammar's batch matcher: its threads (half the machine's) fill many rows' masks at once."""
+    import xgrammar as xgr
+    return xgr.BatchGrammarMatcher()
+
+
+def fill_masks(live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
+    """Row n of bitmask for each (n, matcher). xgrammar's matchers fill theirs in one call on several
+    threads: a row of a 128k-token vocabulary takes about 0.2 ms, so 128 rows one at a time took longer
+    than six decode steps (docs/benchmarks/structured_overlap_h100.json). Other matchers (a problem
+    set's) fill theirs one by one."""
+    import xgrammar as xgr
+    if all(isinstance(m, xgr.GrammarMatcher) for _, m in live):
+        batch_matcher().batch_fill_next_token_bitmask([m for _, m in live], bitmask, [n for n, _ in live])
+        return
+    for n, matcher in live:
+        matcher.fill_next_token_bitmask(bitmask, n)
+
+
 class Structured(Processor):
     """Each row with a StructuredOutput masked to the tokens its grammar allows next."""
     mask = staticmethod(apply_bitmask)
@@ -394,7 +414,6 @@ class Structured(Processor):
         self.matchers: dict[int, Any] = {}  # row -> its request's matcher
         self.bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, made when first needed
         self.pending: tuple[list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
-        self.batch: Any = None  # xgrammar's BatchGrammarMatcher, made when first needed
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
         self.matchers.pop(row, None)
@@ -430,23 +449,10 @@ class Structured(Processor):
         if self.bitmask is None:
             self.bitmask = torch.empty(self.runner.config.max_num_seqs, -(-logits.shape[1] // 32), dtype=torch.int32)
         self.bitmask[:len(hits)] = -1  # a matcher that is done (its end token sampled): what it gets next is dropped
-        self.fill([(n, m) for n, (_, m) in enumerate(hits) if not m.is_terminated()])
+        fill_masks([(n, m) for n, (_, m) in enumerate(hits) if not m.is_terminated()], self.bitmask)
         at = to_device(np.array([i for i, _ in hits]), logits.device)
         mask = to_device(self.bitmask[:len(hits)].numpy(), logits.device)  # a pinned copy: no wait
         return logits.index_copy(0, at, self.mask(logits[at], mask))
-
-    def fill(self, live: list[tuple[int, Any]]) -> None:
-        """Row n of the bitmask for each (n, matcher). xgrammar's matchers fill theirs in one call on
-        several threads: a row of a 128k-token vocabulary takes about 0.25 ms, so 128 rows one by one
-        took 30 ms, eight times a decode step (docs/benchmarks/structured_overlap_h100.json)."""
-        import xgrammar as xgr
-        if all(isinstance(m, xgr.GrammarMatcher) for _, m in live):
-            if self.batch is None:
-                self.batch = xgr.BatchGrammarMatcher()
-            self.batch.batch_fill_next_token_bitmask([m for _, m in live], self.bitmask, [n for n, _ in live])
-            return
-        for n, matcher in live:
-            matcher.fill_next_token_bitmask(self.bitmask, n)
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
         hits = self.held(step)

@@ -41,6 +41,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 class PagedKVCache:
     """The paged KV pool of every layer, and the attention backend that reads and writes it."""
+    slot_mapping = staticmethod(slot_mapping)  # class attributes: a subclass can put in its own
+    gather_kv = staticmethod(gather_kv)
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None):
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -68,7 +70,7 @@ class PagedKVCache:
         self.k[layer].flatten(0, 1)[self.write_slots] = k[self.written]
         self.v[layer].flatten(0, 1)[self.write_slots] = v[self.written]
         length = self.visible.shape[-1]
-        kc, vc = (gather_kv(pool[layer], self.block_tables, length) for pool in (self.k, self.v))
+        kc, vc = (self.gather_kv(pool[layer], self.block_tables, length) for pool in (self.k, self.v))
         return attention(q, kc, vc, scale, self.visible)
 
     def run(self, model: Transformer, tokens: list[list[int]], block_tables: list[list[int]],
@@ -76,7 +78,7 @@ class PagedKVCache:
         """One forward: sequence b's new tokens[b] follow its num_cached[b] tokens already in the
         pool. Returns the logits of each sequence's last token, [B, vocab]."""
         device = self.k.device
-        slots = [slot_mapping(t, n, len(new), self.block_size).tolist()
+        slots = [self.slot_mapping(t, n, len(new), self.block_size).tolist()
                  for t, n, new in zip(block_tables, num_cached, tokens)]
         start = torch.tensor(num_cached, device=device)
         q_lens = torch.tensor([len(new) for new in tokens], device=device)

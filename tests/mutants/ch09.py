@@ -80,6 +80,48 @@ def ngram_all_that_follow(tokens, k, max_n):  # not cut to k
     return guesses if len(guesses) > k else spec.ngram_guesses(tokens, k, max_n)
 
 
+def _draft(draft, tokens, k, noise, q_of, appended: bool = True, row=lambda j: j):
+    """Draft guesses with one piece swapped: how q is made from the logits, whether the guesses join
+    the context, which noise row draws guess j."""
+    guesses, qs = [], []
+    for j in range(k):
+        q = q_of(draft(tokens + guesses if appended else tokens).float())
+        guesses.append(int((q / noise[row(j)]).argmax()))
+        qs.append(q)
+    return guesses, torch.stack(qs)
+
+
+def _q(temperature):
+    return lambda logits: (torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float() if temperature == 0
+                           else (logits / temperature).softmax(-1))
+
+
+def draft_without_temperature(draft, tokens, k, temperature, noise):  # q from the raw logits: right at 1 only
+    return _draft(draft, tokens, k, noise, lambda logits: logits.softmax(-1))
+
+
+def draft_from_the_prompt_only(draft, tokens, k, temperature, noise):  # every guess at the same position
+    return _draft(draft, tokens, k, noise, _q(temperature), appended=False)
+
+
+def draft_softmax_at_zero(draft, tokens, k, temperature, noise):
+    """Temperature 0 read as 1 for q: the race then draws from the softmax instead of taking the argmax."""
+    return _draft(draft, tokens, k, noise, _q(temperature) if temperature else lambda logits: logits.softmax(-1))
+
+
+def draft_one_noise_row(draft, tokens, k, temperature, noise):  # the same random numbers for every guess
+    return _draft(draft, tokens, k, noise, _q(temperature), row=lambda j: 0)
+
+
+def draft_exp_without_the_max(draft, tokens, k, temperature, noise):  # exp overflows at large logits / temperature
+    def q_of(logits):
+        if temperature == 0:
+            return _q(0)(logits)
+        e = (logits / temperature).exp()
+        return e / e.sum()
+    return _draft(draft, tokens, k, noise, q_of)
+
+
 def counts_of(a, b, rare: int = 10) -> torch.Tensor:
     """[2, categories] float64: the values seen, those seen fewer than `rare` times pooled."""
     values = sorted(set(a) | set(b))
@@ -136,6 +178,11 @@ MUTANTS = [
     (testing.check_ngram_guesses, ngram_shortest_first),
     (testing.check_ngram_guesses, ngram_matching_the_end_itself),
     (testing.check_ngram_guesses, ngram_all_that_follow),
+    (testing.check_draft_guesses, draft_without_temperature),
+    (testing.check_draft_guesses, draft_from_the_prompt_only),
+    (testing.check_draft_guesses, draft_softmax_at_zero),
+    (testing.check_draft_guesses, draft_one_noise_row),
+    (testing.check_draft_guesses, draft_exp_without_the_max),
     (testing.check_same_law, same_law_without_pooling),
     (testing.check_same_law, same_law_one_degree_too_many),
     (testing.check_same_law, same_law_against_a_alone),

@@ -14,6 +14,26 @@ from miniinfer.layers.parallel import (
 )
 
 
+class ColumnWithoutTheShapes(ColumnParallelLinear):  # a piece of another model's shape sliced silently
+    def load_weight(self, name, tensors):
+        return torch.cat([t[rows] for t, rows in zip(tensors, self.rows)])
+
+
+class ColumnCountingRowsOnly(ColumnParallelLinear):  # a weight with an extra input column goes through
+    def load_weight(self, name, tensors):
+        if any(t.get_shape()[0] != n for t, n in zip(tensors, self.sizes)):
+            raise ValueError("a piece of another size")
+        return torch.cat([t[rows] for t, rows in zip(tensors, self.rows)])
+
+
+class ColumnCheckingTheFirstPiece(ColumnParallelLinear):  # q checked, k and v taken on trust
+    def load_weight(self, name, tensors):
+        shape = [self.sizes[0], self.in_features] if name == "weight" else [self.sizes[0]]
+        if list(tensors[0].get_shape()) != shape:
+            raise ValueError("q of another shape")
+        return torch.cat([t[rows] for t, rows in zip(tensors, self.rows)])
+
+
 class ColumnOfTheFirstPieceOnly(ColumnParallelLinear):  # q's rows, and k's and v's left out
     def load_weight(self, name, tensors):
         return tensors[0][self.rows[0]]
@@ -140,6 +160,24 @@ class HeadInReverse(ParallelLMHead):  # the parts put side by side last rank fir
         return torch.cat(parts[::-1], dim=-1)[..., :self.vocab_size]
 
 
+class PartOneShort(Shard):  # the share's last thing left out
+    def part(self, n):
+        step = n // self.size
+        return slice(self.rank * step, (self.rank + 1) * step - 1)
+
+
+class PartInReverse(Shard):
+    """Rank 0 gets the last share (the layers agree, so the tokens would not tell; a sharded checkpoint would)."""
+    def part(self, n):
+        step = n // self.size
+        return slice(n - (self.rank + 1) * step, n - self.rank * step)
+
+
+class PartWhole(Shard):  # every rank keeps all n: the work not split
+    def part(self, n):
+        return slice(0, n)
+
+
 class ShardWithoutReplication(Shard):  # fewer KV heads than ranks: n // size = 0 heads for everyone
     def kv_heads(self, n):
         return self.part(n)
@@ -166,6 +204,9 @@ class ShardOfRankZero(Shard):  # every rank the share of rank 0
 
 # (the check, the wrong answer)
 MUTANTS = [
+    (testing.check_column, ColumnWithoutTheShapes),
+    (testing.check_column, ColumnCountingRowsOnly),
+    (testing.check_column, ColumnCheckingTheFirstPiece),
     (testing.check_column, ColumnOfTheFirstPieceOnly),
     (testing.check_column, ColumnWithTheFirstPiecesRows),
     (testing.check_column, ColumnWithTheWholeBias),
@@ -183,6 +224,9 @@ MUTANTS = [
     (testing.check_lm_head, HeadWithThePadding),
     (testing.check_lm_head, HeadReduced),
     (testing.check_lm_head, HeadInReverse),
+    (testing.check_shard, PartOneShort),
+    (testing.check_shard, PartInReverse),
+    (testing.check_shard, PartWhole),
     (testing.check_shard, ShardWithoutReplication),
     (testing.check_shard, ShardRoundRobin),
     (testing.check_shard, ShardOfRankZero),

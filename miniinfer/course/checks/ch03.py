@@ -23,7 +23,7 @@ from miniinfer.course.checks.harness import (
     unanswered,
     your_answers,
 )
-from miniinfer.worker.paged_cache import gather_kv, slot_mapping
+from miniinfer.worker.paged_cache import PagedKVCache, gather_kv, slot_mapping
 
 
 @exercise("03", 3, "slot_mapping")
@@ -121,19 +121,23 @@ def check_append_token(cls) -> None:
 PROMPTS = ["def add(a, b):\n", "class Stack:\n", "import os\n\n\ndef"]
 
 
-@exercise("03", 5, "paged_generation", argument="MyBlockManager")
-def check_paged_generation(cls) -> None:
+@exercise("03", 5, "paged_generation", argument="MyBlockManager, slot_mapping, gather_kv")
+def check_paged_generation(cls, slots: Callable, gather: Callable) -> None:
     """The last part: `generate_paged` on cls(num_blocks, 3), a pool just big enough for three prompts
-    of 16 new tokens each, gives the static cache's greedy tokens and ends with every block free."""
+    of 16 new tokens each, with chapter 03's backend writing through `slots` (slot_mapping) and
+    reading through `gather` (gather_kv), gives the static cache's greedy tokens and ends with every
+    block free."""
     __tracebackhide__ = True
     import miniinfer as mi
     model, tok = mi.load_model(), mi.load_tokenizer()
     prompts = [tok(text).input_ids for text in PROMPTS]
     params = mi.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     pool = sum(-(-(len(p) + params.max_tokens) // 3) for p in prompts)
+    yours = type("YourPagedKVCache", (PagedKVCache,), {"slot_mapping": staticmethod(slots),
+                                                       "gather_kv": staticmethod(gather)})
     with your_answers("03"):
         bm = cls(pool, 3)
-        got = mi.generate_paged(model, prompts, params, block_manager=bm, backend="gather")
+        got = mi.generate_paged(model, prompts, params, block_manager=bm, backend=yours)
     show(tok, [p + g for p, g in zip(prompts, got)])
     check_tokens(named(PROMPTS, "blocks of 3"),
                  [mi.generate_cached(model, p, params) for p in prompts], got)

@@ -91,6 +91,60 @@ def check_ngram_guesses(fn: Callable) -> None:
     check("ngram_guesses", as_tensor(fn), as_tensor(lambda t, k, n: ngram_guesses(t, k, n)), inputs, cases=80)
 
 
+class ToyDraft:
+    """A draft model small enough to read: the logits of the next token are a row of a random table
+    picked by the last token, plus one picked by the position (so every guess depends on the ones
+    before it), at a scale that makes softmax overflow when computed without its max subtracted."""
+
+    def __init__(self, vocab: int, seed: int, scale: float):
+        gen = torch.Generator().manual_seed(seed)
+        self.vocab, self.seed, self.scale = vocab, seed, scale
+        self.by_token = torch.randn(vocab, vocab, generator=gen) * scale
+        self.by_position = torch.randn(7, vocab, generator=gen) * scale
+        self.by_token[:, -1], self.by_position[:, -1] = self.by_token[:, 0], self.by_position[:, 0]  # ties
+
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        return self.by_token[tokens[-1]] + self.by_position[len(tokens) % 7]
+
+    def __repr__(self) -> str:
+        return f"ToyDraft(vocab={self.vocab}, seed={self.seed}, scale={self.scale})"
+
+
+def draft_guesses(draft: Callable[[list[int]], torch.Tensor], tokens: list[int], k: int, temperature: float,
+                  noise: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """k guesses drawn one after another from the draft: q_j = softmax(draft(tokens + guesses so far) /
+    temperature) (one-hot at the argmax at temperature 0), guess j = argmax(q_j / noise[j])."""
+    guesses: list[int] = []
+    qs = []
+    for j in range(k):
+        logits = draft(tokens + guesses).float()
+        q = (torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float() if temperature == 0
+             else (logits / temperature).softmax(-1))
+        guesses.append(int((q / noise[j]).argmax()))
+        qs.append(q)
+    return guesses, torch.stack(qs)
+
+
+@exercise("09", 4, "draft_guesses")
+def check_draft_guesses(fn: Callable) -> None:
+    """fn(draft, tokens, k, temperature, noise [k, V]) -> (k guesses, q [k, V]): each guess drawn from
+    the draft's distribution after the tokens and the guesses before it, by chapter 06's race."""
+    def inputs(gen, case):
+        V, k = randint(gen, 2, 40), (1, 5)[case % 2] if case < 4 else randint(gen, 1, 6)
+        temperature = (0.0, 0.05, 0.7, 1.0, 1.5)[case % 5]
+        draft = ToyDraft(V, randint(gen, 0, 10 ** 6), (1.0, 40.0)[case % 3 == 2])
+        tokens = [randint(gen, 0, V - 1) for _ in range(randint(gen, 1, 6))]
+        noise = -torch.rand(k, V, generator=gen).clamp(min=1e-9).log()
+        return draft, tokens, k, temperature, noise
+
+    def as_tensors(f):
+        def run(draft, tokens, k, temperature, noise):
+            guesses, q = f(draft, list(tokens), k, temperature, noise)
+            return torch.tensor(guesses, dtype=torch.int64), q
+        return run
+    check("draft_guesses", as_tensors(fn), as_tensors(draft_guesses), inputs, cases=40)
+
+
 RARE = 10  # categories seen fewer times than this in both samples together are pooled into one (expected 5 each)
 
 
@@ -108,7 +162,7 @@ def same_law(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(torch.tensor((counts.shape[1] - 1) / 2, dtype=torch.float64), stat / 2))
 
 
-@exercise("09", 4, "same_law")
+@exercise("09", 5, "same_law")
 def check_same_law(fn: Callable) -> None:
     """fn(a, b) -> the chi-square p-value that the samples a and b (lists of ints) have one law: the
     values seen, those seen fewer than 10 times in a and b together pooled into one category."""
@@ -143,7 +197,7 @@ def _engine(model, tok, runner: type | None = None, **config):
     return engine_with(spec, model, tok, runner=runner)
 
 
-@exercise("09", 5, "YourRunner", "YourRunner, same_law")
+@exercise("09", 6, "YourRunner", "YourRunner, same_law")
 def check_speculative_engine(runner: type, law: Callable) -> None:
     """The last part: the engine on runner (a SpeculativeRunner with the student's pieces) gives the
     tokens of the engine without speculation, greedy, in as many steps as the package's n-gram runner;
@@ -186,7 +240,7 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
           "every block back")
 
 
-@speed_item("09", 5, "YourRunner")
+@speed_item("09", 6, "YourRunner")
 def speed_speculative_runner(runner: type):
     """Greedy n-gram speculation (k = 4) on the three pieces of code that repeat themselves: the engine
     on runner against the package's speculative runner, each also against no speculation; the course

@@ -29,6 +29,7 @@ from miniinfer.course.checks.harness import (
     randint,
     run_answer,
     shape_differs,
+    unanswered,
     your_answers,
 )
 
@@ -183,25 +184,72 @@ def _column_inputs(gen: torch.Generator, case: int) -> tuple:
     return K, rows, pieces, name, [torch.randn(n, *((K,) if name == "weight" else ()), generator=gen) for n in pieces]
 
 
+# The cases of check_column whose checkpoint holds one piece of another shape: (which piece, what differs).
+MISSHAPEN = {5: (-1, "rows"), 11: (-1, "columns"), 17: (0, "rows"), 19: (-1, "rows"), 23: (0, "columns")}
+
+
+def _misshapen(gen: torch.Generator, tensors: list, which: int, what: str) -> tuple[int, list]:
+    """tensors with piece `which` replaced by one of more rows (or columns), whose slices still read."""
+    t = tensors[which]
+    shape = (t.shape[0] + 2, *t.shape[1:]) if what == "rows" else (t.shape[0], t.shape[1] + 1)
+    tensors = list(tensors)
+    tensors[which] = torch.randn(*shape, generator=gen)
+    return which % len(tensors), tensors
+
+
 @exercise("11", 1, "YourColumn")
 def check_column(cls: type) -> None:
     """cls(in_features, rows, sizes, bias).load_weight(name, tensors) -> of each packed piece i
-    (tensors[i], sizes[i] rows, read lazily from a safetensors file) the rows rows[i], in order."""
+    (tensors[i], sizes[i] rows, read lazily from a safetensors file) the rows rows[i], in order; a
+    ValueError when a piece is not the shape the layer implies ([sizes[i], in_features], or [sizes[i]])."""
     from miniinfer.layers.parallel import ColumnParallelLinear
     cases = 24
     gen = torch.Generator().manual_seed(0)
     for case in range(cases):
         K, rows, sizes, name, tensors = _column_inputs(gen, case)
+        which = None
+        if case in MISSHAPEN:
+            which, tensors = _misshapen(gen, tensors, *MISSHAPEN[case])
         path = _checkpoint({f"piece{i}": t for i, t in enumerate(tensors)})
         inputs = (K, rows, sizes, name, tensors)
         where = f"YourColumn({K}, rows={rows}, sizes={sizes}, bias=True).load_weight({name!r}, ...), case {case + 1} " \
                 f"of {cases}"
         names = [f"piece{i}" for i in range(len(sizes))]
-        expected = ColumnParallelLinear(K, rows, sizes, True).load_weight(name, _slices(path, names))
         layer = run_answer(cls, (K, rows, sizes, True), where, inputs)
+        if which is not None:
+            got = run_answer(_value_error(layer.load_weight), (name, _slices(path, names)), where, inputs)
+            if got is not None:
+                implied = [sizes[which], K] if name == "weight" else [sizes[which]]
+                raise AssertionError(f"{failing(where, inputs)}\n  piece {which} has shape "
+                                     f"{list(tensors[which].shape)}, the layer implies {implied}: expected "
+                                     f"ValueError\n  received {_describe_result(got)}")
+            continue
+        expected = ColumnParallelLinear(K, rows, sizes, True).load_weight(name, _slices(path, names))
         got = run_answer(layer.load_weight, (name, _slices(path, names)), where, inputs)
         _compare(where, inputs, [("the tensor it returns", expected, got)])
-    print(f"passed: YourColumn.load_weight keeps the package's rows on {cases} random layers")
+    print(f"passed: YourColumn.load_weight keeps the package's rows on {cases - len(MISSHAPEN)} random layers and "
+          f"refuses {len(MISSHAPEN)} checkpoints with a piece of another shape")
+
+
+def _value_error(fn: Callable) -> Callable:
+    """fn, returning None where it raised ValueError (what a misshapen checkpoint must get), and any
+    other error it raised (a NotImplementedError raised on)."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except ValueError:
+            return None
+        except Exception as err:
+            if unanswered(err):
+                raise
+            return err
+    return run
+
+
+def _describe_result(got: object) -> str:
+    if isinstance(got, Exception):
+        return f"{type(got).__name__}: {got}"
+    return f"a tensor of shape {list(got.shape)}" if isinstance(got, torch.Tensor) else f"{type(got).__name__}"
 
 
 def _load(layer: Any, path: Path, names: dict[str, str]) -> tuple[dict[str, torch.Tensor], bool]:
@@ -326,17 +374,21 @@ def check_lm_head(cls: type) -> None:
 
 @exercise("11", 5, "YourShard")
 def check_shard(cls: type) -> None:
-    """cls(rank, size).kv_heads(n) -> slice: the KV heads rank keeps of n: its even share, or, with
+    """cls(rank, size).part(n) -> slice: rank's even share of n things (n a multiple of size), in rank
+    order; cls(rank, size).kv_heads(n) -> slice: the KV heads rank keeps of n: its even share, or, with
     fewer KV heads than ranks, the one head that its query heads read."""
     from miniinfer.layers.parallel import Shard
-    cases = [(r, s, n) for s in (1, 2, 4, 8) for n in (1, 2, 4, 8, 16) if n % s == 0 or s % n == 0 for r in range(s)]
-    for rank, size, n in cases:
-        expected = Shard(rank, size).kv_heads(n)
-        where = f"YourShard({rank}, {size}).kv_heads({n})"
-        got = run_answer(lambda r, s, n: cls(r, s).kv_heads(n), (rank, size, n), where)
-        if not isinstance(got, slice) or (got.start, got.stop, got.step) != (expected.start, expected.stop, None):
-            raise AssertionError(f"{where}\n  expected {expected}\n  received {got!r}")
-    print(f"passed: YourShard.kv_heads is right on {len(cases)} (rank, size, KV heads)")
+    parts = [(r, s, n) for s in (1, 2, 3, 4, 8) for n in (s, 2 * s, 3 * s, 7 * s, 96) if n % s == 0 for r in range(s)]
+    heads = [(r, s, n) for s in (1, 2, 4, 8) for n in (1, 2, 4, 8, 16) if n % s == 0 or s % n == 0 for r in range(s)]
+    for method, cases in (("part", parts), ("kv_heads", heads)):
+        for rank, size, n in cases:
+            expected = getattr(Shard(rank, size), method)(n)
+            where = f"YourShard({rank}, {size}).{method}({n})"
+            got = run_answer(lambda r, s, n, m=method: getattr(cls(r, s), m)(n), (rank, size, n), where)
+            if not isinstance(got, slice) or (got.start, got.stop, got.step) != (expected.start, expected.stop, None):
+                raise AssertionError(f"{where}\n  expected {expected}\n  received {got!r}")
+    print(f"passed: YourShard.part is right on {len(parts)} (rank, size, n) and kv_heads on {len(heads)} "
+          "(rank, size, KV heads)")
 
 
 @functools.cache
