@@ -12,6 +12,8 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     hf         transformers generate_batch (all 256)
     hf_static  transformers static-batch generate (the first 64)
     batch1     one request: decode tokens/s against the weight-read floor
+    timeline1  one batch-1 decode step's kernels on the device (the CUDA graph replayed under torch.profiler):
+               each kernel's time and class, the matmuls' weight bytes at the copy bandwidth, the gaps
     hf_batch1  transformers generate at batch 1 with its static cache, compiled and eager
     profile    host and device time of decode steps
     structured_overlap  the overlap's lanes (as `overlap`, overlap on) plain and with every other
@@ -306,6 +308,70 @@ def batch1(model, gbps: float) -> dict:
     return res
 
 
+# The engine's own kernels by name; any other is cuBLAS's (the matmuls), or PyTorch's small ops.
+KERNEL_CLASSES = {"_rms_norm_kernel": "RMSNorm", "_rope_kernel": "RoPE", "_store_kv_kernel": "K/V store",
+                  "_decode_kernel": "attention", "_merge_kernel": "attention", "_silu_mul_kernel": "SiLU-and-multiply",
+                  "splitKreduce": "matmul's split-K sum", "index": "embedding", "elementwise": "other small ops",
+                  "Memset": "other small ops", "Memcpy": "other small ops"}
+
+
+def kernel_class(name: str) -> str:
+    return next((c for k, c in KERNEL_CLASSES.items() if k in name), "matmul")
+
+
+def timeline1(model, gbps: float, replays: int = 20) -> dict:
+    """Where a batch-1 decode step's device time goes: the batch-1 CUDA graph replayed under
+    torch.profiler, each kernel's span and class; the matmuls' weight bytes (in the model's order: per
+    layer qkv, o, gate/up, down, then the LM head) and their time at the copy bandwidth; the gaps."""
+    from torch.profiler import DeviceType, ProfilerActivity
+    engine = engine_for(model, max_num_seqs=8)
+    list(engine.stream(list(range(100, 132)), greedy(16)))  # the graphs captured; their inputs a real step's
+    graph = engine.executor.runner.graphs.graphs[1]
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # the replays apart, so that each one's kernels are its own
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    per = len(kernels) // replays
+    steps = [kernels[i * per:(i + 1) * per] for i in range(replays)]
+    step = sorted(steps, key=lambda k: k[-1][1] - k[0][0])[replays // 2]  # the median replay
+    t0 = step[0][0]
+    cfg = model.cfg
+    D, H, I = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    layer = [H * (cfg.num_heads + 2 * cfg.num_kv_heads) * D, cfg.num_heads * D * H, H * 2 * I, I * H]
+    weights = [2 * n for n in layer * cfg.num_layers + [cfg.vocab_size * H]]  # bf16 bytes of each matmul
+    rows = [{"name": n[:90], "class": kernel_class(n), "start_us": a - t0, "us": b - a} for a, b, n in step]
+    matmuls = [r for r in rows if r["class"] == "matmul"]
+    if len(matmuls) == len(weights):
+        for r, w in zip(matmuls, weights):
+            r["weight_bytes"], r["bytes_us"] = w, w / gbps / 1e3
+    span = step[-1][1] - t0
+    busy = sum(r["us"] for r in rows)
+    by_class: dict[str, dict] = {}
+    for r in rows:
+        c = by_class.setdefault(r["class"], {"kernels": 0, "us": 0.0, "bytes_us": 0.0})
+        c["kernels"] += 1
+        c["us"] += r["us"]
+        c["bytes_us"] += r.get("bytes_us", 0.0)
+    weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+    # Outside the layers: the embedding, the small ops (RoPE's cos and sin, copies), the final norm, the LM head.
+    outside = 2 + sum(by_class.get(c, {"kernels": 0})["kernels"] for c in ("embedding", "other small ops"))
+    res = {"kernels": len(rows), "kernels_per_layer": (len(rows) - outside) / cfg.num_layers, "step_us": span,
+           "busy_us": busy, "gaps_us": span - busy, "floor_us": weight_bytes / gbps / 1e3,
+           "matched_matmuls": len(matmuls) == len(weights), "by_class": by_class, "rows": rows}
+    res["fraction_of_floor"] = res["floor_us"] / span
+    print(f"timeline1: {len(rows)} kernels, step {span:.0f} us (busy {busy:.0f}, gaps {span - busy:.0f}), "
+          f"floor {res['floor_us']:.0f} us ({100 * res['fraction_of_floor']:.0f}%)", flush=True)
+    for c, v in sorted(by_class.items(), key=lambda kv: -kv[1]["us"]):
+        print(f"  {c:>22}: {v['kernels']:4d} kernels {v['us']:7.1f} us (bytes at copy bandwidth "
+              f"{v['bytes_us']:6.1f} us)", flush=True)
+    return res
+
+
 def hf_batch1(hf) -> dict:
     """transformers' generate of 256 tokens after a 32-token prompt with its static cache, with
     torch.compile (its default for that cache on a GPU) and without; tokens/s over the whole call."""
@@ -452,6 +518,8 @@ def main(out_path: str, parts: list[str]) -> None:
             r["profile"] = profile(model, prompts, outs)
         elif part == "batch1":
             r["batch1"] = batch1(model, gbps)
+        elif part == "timeline1":
+            r["timeline1"] = timeline1(model, gbps)
         elif part == "hf_batch1":
             r["hf_batch1"] = hf_batch1(hf)
         elif part == "static":
