@@ -19,6 +19,7 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     structured_overlap  the overlap's lanes (as `overlap`, overlap on) plain and with every other
                request held to a JSON schema: the host fills the grammars' masks while the device runs
                (xgrammar's batch call on several threads, and a row at a time as before)
+    logprobs_profile  the overlap's lanes (overlap on) with every request asking for top-5 log-probabilities
     sampling   chapter 12's costs in one run: the workload plain, with every other request held to a JSON
                schema (xgrammar's masks; the course tokenizer's 4,096 tokens inside the shape's vocabulary),
                and with every request asking for its tokens' top-5 log-probabilities
@@ -442,6 +443,11 @@ SCHEMA = json.dumps({"type": "object", "properties": {"name": {"type": "string"}
     "type": "array", "items": {"type": "string"}}}, "required": ["name", "items"]})
 
 
+def TOP5(i: int, n: int) -> mi.SamplingParams:
+    """Every request with its tokens' top-5 log-probabilities."""
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)
+
+
 def HALF_JSON(i: int, n: int) -> mi.SamplingParams:
     """Every other request held to SCHEMA."""
     return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
@@ -466,8 +472,7 @@ def one_by_one():
 
 def sampling(model, prompts, outs) -> dict:
     """The workload three ways in one run: plain, half of it held to SCHEMA, all of it with top-5 logprobs."""
-    ways = {"plain": lambda i, n: greedy(n), "half_json": HALF_JSON,
-            "logprobs_top5": lambda i, n: mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5)}
+    ways = {"plain": lambda i, n: greedy(n), "half_json": HALF_JSON, "logprobs_top5": TOP5}
     res = {}
     for name, params in ways.items():
         engine = engine_for(model, mi.load_tokenizer())  # the door checks grammars with it, as the runner does
@@ -509,6 +514,8 @@ def main(out_path: str, parts: list[str]) -> None:
             r["ours_no_overlap"] = ours(model, prompts, outs, overlap=False)
         elif part == "overlap":
             r["overlap_profile"] = {k: lanes(model, prompts, k == "on") for k in ("off", "on")}
+        elif part == "logprobs_profile":
+            r["logprobs_profile"] = lanes(model, prompts, True, params=TOP5)
         elif part == "structured_overlap":
             r["structured_overlap"] = {"plain": lanes(model, prompts, True), "half_json": lanes(model, prompts, True,
                                                                                                params=HALF_JSON)}
