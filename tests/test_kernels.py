@@ -79,14 +79,40 @@ def test_rope_on_strided_views_with_leading_dims():
         torch.testing.assert_close(got, ref)
 
 
-def test_greedy_tokens_unchanged_with_triton_ops(hf_checkpoint):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M, N, K, block_n, block_k", [(1, 37, 53, 8, 32), (1, 1, 7, 1, 8), (2, 19, 130, 4, 64),
+                                                       (3, 40, 96, 16, 16), (1, 130, 300, 64, 256)])
+@pytest.mark.parametrize("add, norm, bias, gated", [(False, False, False, False), (True, True, True, False),
+                                                    (True, True, False, True), (False, False, True, True)])
+def test_gemv(M, N, K, block_n, block_k, add, norm, bias, gated, dtype):
+    """Chapter 06's GEMV with each of its prologues and epilogues against the PyTorch ops, odd sizes."""
+    gen = torch.Generator().manual_seed(M * N + K)
+    h, x, nw = torch.randn(M, K, generator=gen), torch.randn(M, K, generator=gen), torch.randn(K, generator=gen)
+    w = torch.randn(2 * N if gated else N, K, generator=gen) / K ** 0.5
+    b = torch.randn(w.shape[0], generator=gen) if bias else None
+    h, x, nw, w, b = (t.to(dtype) if t is not None else None for t in (h, x, nw, w, b))
+    y, total = add_rms_norm(h, x, nw, 1e-6) if add else (h, None)
+    ref = torch.nn.functional.linear(y if norm else total if add else h, w, b)
+    ref = silu_and_mul(ref) if gated else ref
+    out, s = mi.kernels.gemv(h, w, b, residual=x if add else None, norm=(nw, 1e-6) if norm else None, gated=gated,
+                             config=dict(BLOCK_N=block_n, BLOCK_K=block_k))
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.float16 else {}
+    torch.testing.assert_close(out, ref, **tol)
+    if add:
+        torch.testing.assert_close(s, total)
+    else:
+        assert s is None
+
+
+@pytest.mark.parametrize("ops", ["triton", "fused"])
+def test_greedy_tokens_unchanged_with_triton_ops(hf_checkpoint, ops):
     kind, folder, _ = hf_checkpoint
     model = mi.load_model(folder)
     assert model.ops is mi.model.transformer.TORCH_OPS  # CPU default
     prompt = [5, 17, 200, 3, 99]
     params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = mi.generate_cached(model, prompt, params)
-    assert mi.generate_cached(model.use_ops("triton"), prompt, params) == ref, kind
+    assert mi.generate_cached(model.use_ops(ops), prompt, params) == ref, kind
 
 
 def test_course_model_with_triton_ops():
@@ -95,10 +121,11 @@ def test_course_model_with_triton_ops():
     params = mi.SamplingParams(temperature=0, max_tokens=10)
     ref = mi.generate_naive(model, prompt, params)
     assert mi.generate_cached(model.use_ops("triton"), prompt, params) == ref
+    assert mi.generate_cached(model.use_ops("fused"), prompt, params) == ref  # its decode steps through the GEMVs
 
 
 def test_ops_selection():
     assert mi.model.transformer.default_ops("cpu") is mi.model.transformer.TORCH_OPS
-    assert mi.model.transformer.default_ops("cuda") is mi.model.transformer.OPS_BACKENDS["triton"]
-    with pytest.raises(ValueError, match=r"no ops backend 'cuda': there are \['torch', 'triton'\]"):
+    assert mi.model.transformer.default_ops("cuda") is mi.model.transformer.OPS_BACKENDS["fused"]
+    with pytest.raises(ValueError, match=r"no ops backend 'cuda': there are \['fused', 'torch', 'triton'\]"):
         mi.load_model().use_ops("cuda")

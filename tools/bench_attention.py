@@ -53,9 +53,10 @@ def paged_pool(lens: list[int], D: int, seed: int = 0):
     return k_cache, v_cache, tables
 
 
-def graph_ms(calls: list) -> float:
+def graph_ms(calls: list, rep: int = 200, runs: int = 1) -> float:
     """GPU milliseconds per call: the calls, each over its own copy of the data, recorded in one CUDA
-    graph and replayed (the host's launch overhead stays out, as in the engine's decode steps)."""
+    graph and replayed (the host's launch overhead stays out, as in the engine's decode steps); the
+    best of `runs` medians over `rep` ms each."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -63,7 +64,7 @@ def graph_ms(calls: list) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    t = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") / len(calls)
+    t = min(do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") for _ in range(runs)) / len(calls)
     del graph
     return t
 

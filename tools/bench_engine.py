@@ -19,6 +19,7 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
     structured_overlap  the overlap's lanes (as `overlap`, overlap on) plain and with every other
                request held to a JSON schema: the host fills the grammars' masks while the device runs
                (xgrammar's batch call on several threads, and a row at a time as before)
+    lanes1     the overlap's lanes (as `overlap`, overlap on) with one request: a batch-1 step's host and device
     logprobs_profile  the overlap's lanes (overlap on) with every request asking for top-5 log-probabilities
     sampling   chapter 12's costs in one run: the workload plain, with every other request held to a JSON
                schema (xgrammar's masks; the course tokenizer's 4,096 tokens inside the shape's vocabulary),
@@ -69,6 +70,21 @@ def models(shape: str):
         hf.save_pretrained(folder)
         ours = mi.load_model(folder, device="cuda", dtype=DT)
     return hf, ours
+
+
+def llama_8b():
+    """An 8B-sized Llama (Llama-3.1-8B's shape) with random bf16 weights, built on the GPU: no
+    checkpoint, which would take minutes to write and read. No transformers model beside it."""
+    cfg = mi.ModelConfig.from_hf(dict(LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      head_dim=128, tie_word_embeddings=False))
+    torch.manual_seed(0)
+    torch.set_default_dtype(DT)
+    try:
+        with torch.device("cuda"):
+            model = mi.Transformer(cfg)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return model.to("cuda").use_ops("fused")  # .to: the rotary frequencies, made on the CPU in float32
 
 
 def workload(n: int = 256):
@@ -139,7 +155,7 @@ def lanes(model, prompts, overlap: bool, steps: int = 40, params=None) -> dict:
     from miniinfer.worker.logits_processors import Structured
     params = params or (lambda i, n: greedy(n))
     engine = engine_for(model, mi.load_tokenizer(), overlap=overlap)
-    engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
+    engine.generate(prompts[:8], [params(i, 8) for i in range(len(prompts[:8]))], use_tqdm=False)
     for i, p in enumerate(prompts):
         engine.add_request(p, params(i, 1024 - 100))
     while sum(engine.stats.scheduled.values()) != len(prompts):  # to the first step where all decode
@@ -498,22 +514,28 @@ def main(out_path: str, parts: list[str]) -> None:
     prompts, outs = workload()
     res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs)}
     loaded = {}
-    for part in parts:
-        shape, part = part.split(":") if ":" in part else ("llama", part)
+    for spec in parts:
+        shape, part = spec.split(":") if ":" in spec else ("llama", spec)
+        part, _, ops = part.partition("@")
         if shape not in loaded:
             loaded.clear()  # one shape's models on the device at a time
             gc.collect()
             torch.cuda.empty_cache()
-            loaded[shape] = models(shape)
+            loaded[shape] = (None, llama_8b()) if shape == "llama8b" else models(shape)
             res.setdefault(shape, {})["floor"] = floor(loaded[shape][1], prompts, outs, gbps, res["matmul_TFLOPs"])
         hf, model = loaded[shape]
+        model.use_ops(ops or "fused")
         r = res[shape]
+        if ops:  # the part with another ops backend (before/after a change of kernels): its own key
+            r = r.setdefault(f"ops_{ops}", {})
         if part == "ours":
             r["ours"] = ours(model, prompts, outs)
         elif part == "ours_sync":
             r["ours_no_overlap"] = ours(model, prompts, outs, overlap=False)
         elif part == "overlap":
             r["overlap_profile"] = {k: lanes(model, prompts, k == "on") for k in ("off", "on")}
+        elif part == "lanes1":
+            r["lanes1"] = lanes(model, [prompts[0][:32]], True)
         elif part == "logprobs_profile":
             r["logprobs_profile"] = lanes(model, prompts, True, params=TOP5)
         elif part == "structured_overlap":

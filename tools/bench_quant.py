@@ -154,30 +154,13 @@ def fp8_matmul(x, wq, ws):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=DT)
 
 
-def llama_8b():
-    """An 8B-sized Llama (Llama-3.1-8B's shape) with random bf16 weights, built on the GPU: no
-    checkpoint, which would take minutes to write and read."""
-    from bench_static_decode import LLAMA_3_2_1B
-
-    cfg = mi.ModelConfig.from_hf(dict(LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      head_dim=128, tie_word_embeddings=False))
-    torch.manual_seed(0)
-    torch.set_default_dtype(DT)
-    try:
-        with torch.device("cuda"):
-            model = mi.Transformer(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return model.to("cuda")  # the rotary frequencies, made on the CPU in float32
-
-
 def decode(gbps: float) -> dict:
     """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
     Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
     token)."""
     import copy
 
-    from bench_engine import batch1, models
+    from bench_engine import batch1, llama_8b, models
 
     res = {}
     for shape, build in (("llama-1b", lambda: models("llama")[1]), ("llama-8b", llama_8b)):

@@ -1,7 +1,8 @@
 """Greedy parity on the GPU: the engine (float32, Triton kernels, CUDA graphs, prefix caching and
 chunked prefill on) against transformers' generate on the same random checkpoints (the tests'
 Llama, Qwen2 and Qwen3 shapes), 48 requests over shared prefixes, each served twice (the second
-round hits the cache), with overlap on (the default) and off.
+round hits the cache), with overlap on (the default) and off; then six of them alone (batch 1, every
+decode step through chapter 06's one-row GEMVs).
 
     python tools/gpu_parity.py OUT.json
 """
@@ -32,12 +33,16 @@ def parity(kind: str, overlap: bool, n: int = 48) -> dict:
                                               enable_prefix_caching=True, enable_chunked_prefill=True,
                                               overlap=overlap))
         rounds = [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+        # and a few alone: every decode step one row, through chapter 06's GEMVs
+        alone = [engine.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts[:6], params[:6])]
         free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     same = [sum(o.token_ids == e for o, e in zip(outs, expected)) for outs in rounds]
     cached = [sum(o.num_cached_tokens for o in outs) for outs in rounds]
-    print(f"{kind}, overlap {overlap}: {same} of {n} equal to transformers; cached tokens {cached}; "
-          f"all blocks back {free}", flush=True)
-    return {"requests": n, "same_per_round": same, "cached_tokens_per_round": cached, "all_blocks_back": free}
+    same_alone = sum(o.token_ids == e for o, e in zip(alone, expected))
+    print(f"{kind}, overlap {overlap}: {same} of {n} equal to transformers; alone {same_alone} of {len(alone)}; "
+          f"cached tokens {cached}; all blocks back {free}", flush=True)
+    return {"requests": n, "same_per_round": same, "same_alone": [same_alone, len(alone)],
+            "cached_tokens_per_round": cached, "all_blocks_back": free}
 
 
 if __name__ == "__main__":

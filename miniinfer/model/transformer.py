@@ -179,13 +179,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class Ops:
-    """The elementwise ops the model calls (PyTorch here; chapter 04 registers Triton's)."""
+    """The elementwise ops the model calls (PyTorch here; chapter 04 registers Triton's), and the two
+    calls in which they meet a matmul (chapter 06 makes each one kernel when a step has one row)."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     apply_rope = staticmethod(apply_rope)
     qk_norm_rope = staticmethod(qk_norm_rope)
     silu_and_mul = staticmethod(silu_and_mul)
+
+    def add_norm_linear(self, h: torch.Tensor, x: torch.Tensor, norm: "RMSNorm", linear: nn.Module,
+                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(h + x)), h + x): the residual add, the norm after it and the matmul it
+        feeds; gated: silu(gate) * up of the matmul's two halves."""
+        y, x = self.add_rms_norm(h, x, norm.weight, norm.eps)
+        y = linear(y)
+        return (self.silu_and_mul(y) if gated else y), x
+
+    def linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A matmul with no op before it: the o and down projections."""
+        return linear(x)
 
 
 class Registry(dict):
@@ -214,12 +227,13 @@ class Registry(dict):
 
 
 TORCH_OPS = Ops()
-OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS"})
+OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS",
+                                        "fused": "miniinfer.kernels.gemv:FUSED_OPS"})
 
 
 def default_ops(device: str | torch.device) -> Ops:
-    """Triton kernels on CUDA, PyTorch everywhere else."""
-    return OPS_BACKENDS["triton" if torch.device(device).type == "cuda" else "torch"]
+    """Triton kernels on CUDA (chapter 04's, and chapter 06's one-row matmuls), PyTorch everywhere else."""
+    return OPS_BACKENDS["fused" if torch.device(device).type == "cuda" else "torch"]
 
 
 class Linear(nn.Linear):
@@ -255,28 +269,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
-        B, T, _ = x.shape
+    def forward(self, qkv, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
+        """qkv [B, T, ...]: qkv_proj of the normed input, which the layer computes with the norm."""
+        B, T, _ = qkv.shape
         D = self.cfg.head_dim
-        q, k, v = (t.view(B, T, -1, D) for t in self.qkv_proj(x).split(self.sizes, dim=-1))
+        q, k, v = (t.view(B, T, -1, D) for t in qkv.split(self.sizes, dim=-1))
         if self.cfg.qk_norm:
             q, k = ops.qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:
             q, k = ops.apply_rope(q, k, cos, sin)
         o = attn(layer, q, k, v, D ** -0.5)
-        return self.o_proj(o.reshape(B, T, -1))
+        return ops.linear(self.o_proj, o.reshape(B, T, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up packed into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up packed into one matmul. The layer runs it
+    through its ops: the norm before gate/up and the activation after them go with that matmul."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -293,10 +306,10 @@ class DecoderLayer(nn.Module):
         -> what this layer adds, and the stream before it. Each add is left to the norm after it,
         which does both in one pass (chapter 04's fused kernel)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        h, x = ops.add_rms_norm(h, x, n1.weight, n1.eps)
-        h = self.self_attn(h, cos, sin, layer, attn, ops)
-        h, x = ops.add_rms_norm(h, x, n2.weight, n2.eps)  # x += attention; h = norm(x)
-        return self.mlp(h, ops), x
+        qkv, x = ops.add_norm_linear(h, x, n1, self.self_attn.qkv_proj)
+        h = self.self_attn(qkv, cos, sin, layer, attn, ops)
+        up, x = ops.add_norm_linear(h, x, n2, self.mlp.gate_up_proj, gated=True)  # x += attention
+        return ops.linear(self.mlp.down_proj, up), x
 
 
 class Backbone(nn.Module):
@@ -357,5 +370,4 @@ class Transformer(nn.Module):
             # Generation needs only the last token's logits: the lm_head of every other token of
             # a long prompt would be the largest matmul of the forward, and [T, vocab] of memory.
             h, x = h.flatten(0, 1)[logits_at], x.flatten(0, 1)[logits_at]
-        norm = self.model.norm
-        return self.lm_head(self.ops.add_rms_norm(h, x, norm.weight, norm.eps)[0])
+        return self.ops.add_norm_linear(h, x, self.model.norm, self.lm_head)[0]

@@ -1,0 +1,202 @@
+"""Small-batch matmuls of decode on the GPU: our GEMV (kernels/gemv.py) against cuBLAS, one weight at
+a time and a decoder layer's chain of kernels, each replayed from a CUDA graph. Hand-written tool.
+
+Every timed call reads a different copy of the weight (copies totalling more than 4x the L2 cache),
+as a decode step does: a weight read twice in a row would come from L2 and flatter the kernel.
+
+Parts (any, in one run; results merge into the JSON):
+    sweep   each layer shape of three models x rows 1, 2, 4: cuBLAS (F.linear) and every config of
+            our GEMV, the best recorded as the tuning table, and gemv_config's choice (rule_us)
+    fused   the norm + qkv and norm + gate/up + SiLU pairs: two kernels (ours Triton norm or SiLU +
+            cuBLAS) against one fused GEMV (its configs swept as well)
+    chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
+            with programmatic dependent launch (each launched while the one before drains), and without
+    python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
+"""
+
+import contextlib
+import datetime
+import functools
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from bench_attention import graph_ms
+from copy_bandwidth import copy_bandwidth
+
+import miniinfer as mi
+from miniinfer.kernels.gemv import gemv
+
+gemv_module = sys.modules[gemv.__module__]  # the package's `gemv` is the function, which hides its module
+
+DT = torch.bfloat16
+EPS = 1e-6
+# (hidden, intermediate, q heads, kv heads, head dim, vocab)
+MODELS = {"llama_1b": (2048, 8192, 32, 8, 64, 128256), "qwen3_0_6b": (1024, 3072, 16, 8, 128, 151936),
+          "llama_8b": (4096, 14336, 32, 8, 128, 128256)}
+ROWS = (1, 2, 4)
+
+
+def layers(model: str) -> dict[str, tuple[int, int]]:
+    """Each matmul of a decoder layer (and the LM head) as (N, K)."""
+    H, inter, hq, hk, D, vocab = MODELS[model]
+    return {"qkv": ((hq + 2 * hk) * D, H), "o": (H, hq * D), "gate_up": (2 * inter, H), "down": (H, inter),
+            "lm_head": (vocab, H)}
+
+
+def copies(N: int, K: int, bytes_at_least: int = 1 << 30) -> list[torch.Tensor]:
+    n = max(2, -(-bytes_at_least // (N * K * 2)))
+    return [torch.randn(N, K, device="cuda", dtype=DT) * 0.02 for _ in range(min(n, 64))]
+
+
+def graph_us(fns: list) -> float:
+    """Microseconds per call of fns (each once, in order) replayed from a CUDA graph: the best of 3."""
+    return graph_ms(fns, rep=20, runs=3) * 1e3
+
+
+CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in
+           itertools.product((2, 4, 8, 16), (256, 512, 1024), (4,)) if n * k <= 8192]
+
+
+def sweep(gbps: float) -> dict:
+    res = {}
+    for model in MODELS:
+        for name, (N, K) in layers(model).items():
+            ws = copies(N, K)
+            for M in ROWS:
+                x = torch.randn(M, K, device="cuda", dtype=DT)
+                ref = F.linear(x, ws[0])
+                row = {"model": model, "layer": name, "N": N, "K": K, "rows": M,
+                       "cublas_us": graph_us([lambda w=w: F.linear(x, w) for w in ws])}
+                best = None
+                for cfg in CONFIGS:
+                    out, _ = gemv(x, ws[0], config=cfg)
+                    if not torch.allclose(out.float(), ref.float(), atol=0.05, rtol=0.05):
+                        raise AssertionError(f"{model} {name} {M} {cfg}: wrong")
+                    t = graph_us([lambda w=w: gemv(x, w, config=cfg) for w in ws])
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+                row["ours_us"], row["best_config"] = best
+                row["rule_us"] = graph_us([lambda w=w: gemv(x, w) for w in ws])  # gemv_config's choice
+                row["ours_GBps"] = N * K * 2 / (row["ours_us"] * 1e-6) / 1e9
+                row["cublas_GBps"] = N * K * 2 / (row["cublas_us"] * 1e-6) / 1e9
+                row["ours_of_copy"] = row["ours_GBps"] / gbps
+                row["cublas_of_copy"] = row["cublas_GBps"] / gbps
+                print(json.dumps(row), flush=True)
+                res[f"{model}/{name}/{M}"] = row
+            del ws
+            torch.cuda.empty_cache()
+    return res
+
+
+def fused(gbps: float, table: dict) -> dict:
+    """norm + matmul (+ SiLU) as two or three kernels against one, with the sweep's best configs."""
+    res = {}
+    for model in MODELS:
+        H = MODELS[model][0]
+        for name, (N, K) in layers(model).items():
+            if name not in ("qkv", "gate_up", "lm_head"):
+                continue
+            ws = copies(N, K)
+            nw = torch.randn(K, device="cuda", dtype=DT)
+            gated = name == "gate_up"
+            for M in ROWS:
+                h, x = (torch.randn(M, H, device="cuda", dtype=DT) for _ in range(2))
+
+                def unfused(w):
+                    y = F.linear(mi.kernels.fused_add_rms_norm(h, x, nw, EPS)[0], w)
+                    return mi.kernels.silu_and_mul(y) if gated else y
+                ref = unfused(ws[0])
+                best = None
+                for cfg in CONFIGS:
+                    def call(w, cfg=cfg):
+                        return gemv(h, w, residual=x, norm=(nw, EPS), gated=gated, config=cfg)[0]
+                    assert torch.allclose(call(ws[0]).float(), ref.float(), atol=0.05, rtol=0.05), (model, name, M)
+                    t = graph_us([lambda w=w: call(w) for w in ws])
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
+                row = {"model": model, "layer": name, "rows": M, "config": best[1],
+                       "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]), "fused_us": best[0],
+                       "rule_us": graph_us([lambda w=w: gemv(h, w, residual=x, norm=(nw, EPS), gated=gated)[0]
+                                            for w in ws]),
+                       "floor_us": N * K * 2 / gbps / 1e3}
+                print(json.dumps(row), flush=True)
+                res[f"{model}/{name}/{M}"] = row
+            del ws
+            torch.cuda.empty_cache()
+    return res
+
+
+@contextlib.contextmanager
+def no_pdl():
+    """The GEMVs launched without programmatic dependent launch."""
+    saved, gemv_module.pdl = gemv_module.pdl, functools.cache(lambda device: False)
+    try:
+        yield
+    finally:
+        gemv_module.pdl = saved
+
+
+def chain(gbps: float, layers_cap: int = 16) -> dict:
+    """A decoder layer's matmuls at one row, layer after layer with their own weights (attention left
+    out): chapter 04's kernels (add + norm, cuBLAS, SiLU) against chapter 06's GEMVs, with PDL and
+    without."""
+    out = {}
+    for model, (H, _, hq, _, D, _) in MODELS.items():
+        shapes = {k: v for k, v in layers(model).items() if k != "lm_head"}
+        n_layers = min(layers_cap, -(-(1 << 30) // sum(N * K * 2 for N, K in shapes.values())))
+        ws = [{k: torch.randn(N, K, device="cuda", dtype=DT) * 0.02 for k, (N, K) in shapes.items()}
+              for _ in range(n_layers)]
+        nw = torch.ones(H, device="cuda", dtype=DT)
+        h, x = (torch.randn(1, H, device="cuda", dtype=DT) for _ in range(2))
+        o_in = torch.randn(1, hq * D, device="cuda", dtype=DT)
+
+        def today(w):
+            y = F.linear(mi.kernels.fused_add_rms_norm(h, x, nw, EPS)[0], w["qkv"])
+            F.linear(o_in, w["o"])
+            y = mi.kernels.silu_and_mul(F.linear(mi.kernels.fused_add_rms_norm(h, x, nw, EPS)[0], w["gate_up"]))
+            return F.linear(y, w["down"])
+
+        def ours(w):
+            gemv(h, w["qkv"], residual=x, norm=(nw, EPS))
+            gemv(o_in, w["o"])
+            y, _ = gemv(h, w["gate_up"], residual=x, norm=(nw, EPS), gated=True)
+            return gemv(y, w["down"])[0]
+
+        torch.testing.assert_close(ours(ws[0]), today(ws[0]), atol=0.05, rtol=0.05)
+        row = {"layers": n_layers, "floor_us": sum(N * K * 2 for N, K in shapes.values()) / gbps / 1e3}
+        for name, fn in (("today", today), ("gemv", ours)):
+            row[f"{name}_us"] = graph_us([lambda w=w: fn(w) for w in ws])
+        with no_pdl():
+            row["gemv_without_pdl_us"] = graph_us([lambda w=w: ours(w) for w in ws])
+        print(model, json.dumps(row), flush=True)
+        out[model] = row
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(out: str, parts: list[str]) -> None:
+    path = Path(out)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.date.today().isoformat(), copy_GBps=copy_bandwidth())
+    for part in parts:
+        if part == "sweep":
+            res["sweep"] = sweep(res["copy_GBps"])
+        elif part == "chain":
+            res["chain"] = chain(res["copy_GBps"])
+        elif part == "fused":
+            res["fused"] = fused(res["copy_GBps"], res.get("sweep", {}))
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+        path.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        main(sys.argv[2], sys.argv[3:])
