@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from miniinfer.kernels.norm_rope import pdl_args, wait_for_input
 from miniinfer.worker.kv_cache import AttentionKernels
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
@@ -15,8 +16,9 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's nati
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride, v_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, TOP: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, TOP: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
+    wait_for_input(PDL)  # chapter 04: launched early, it waits for the projection that made k and v
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         offs = tl.arange(0, BLOCK)
@@ -36,7 +38,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k2.stride(1) != 1 or v2.stride(1) != 1:
         k2, v2 = k2.contiguous(), v2.contiguous()
     _store_kv_kernel[(k.shape[0],)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row), TOP=torch.finfo(k_cache.dtype).max)
+                                    ROW=row, BLOCK=triton.next_power_of_2(row), TOP=torch.finfo(k_cache.dtype).max,
+                                    **pdl_args(k.device))
 
 
 @triton.jit
@@ -55,8 +58,10 @@ def _kv_tile(k_ptr, v_ptr, table_ptr, pos, valid, block_size, h, d, HK: tl.const
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, qk_scale,
                    q_stride_b, q_stride_h, table_stride, block_size, num_splits,
                    HK: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                   BLOCK_D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    wait_for_input(PDL)
     length = tl.load(lens_ptr + b)
     # This program's piece of the context: whole tiles, the same number for every split. Computed
     # here from the length, so one launch (and one recorded CUDA graph) serves any lengths.
@@ -97,8 +102,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)  # one (sequence, query head)
+    wait_for_input(PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(lse_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
@@ -164,10 +170,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.shape[1], num_splits,
         HK=Hk, GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hk)),
         BLOCK_D=BLOCK_D, TILE=tile, SPLIT=split, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
     if split:
         _merge_kernel[(B * Hq,)](part, lse, out, num_splits, HEAD_DIM=D,
-                                 BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D)
+                                 BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=BLOCK_D, **pdl_args(q.device))
     return out
 
 

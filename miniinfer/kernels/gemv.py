@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from miniinfer.kernels.norm_rope import TritonOps
+from miniinfer.kernels.norm_rope import TritonOps, pdl_args, wait_for_input
 
 
 @triton.jit
@@ -51,9 +49,7 @@ def _gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K
     w_next = _weights(w_ptr, rn, 0, N, K, BLOCK_K)
     if GATED:
         u_next = _weights(w_ptr, rn + N, 0, 2 * N, K, BLOCK_K)
-    if PDL:  # launched while the kernel before drains: let the next one launch, then wait for our input
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    wait_for_input(PDL)  # chapter 04: launched early, it waits only now for the kernel before
     if NORM:  # a first pass for each row's RMS: K numbers a row from L2, against BLOCK_N * K weights
         ss = tl.zeros([ROWS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -100,12 +96,6 @@ def gemv_config(N: int, K: int, norm: bool, device: torch.device) -> dict:
     return dict(BLOCK_N=4 if norm or N >= 65536 else 2, BLOCK_K=1024 if K >= 2048 else 512, num_warps=4)
 
 
-@functools.cache
-def pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper (compute capability 9.0) and later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
          gated: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,12 +111,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     total = torch.empty_like(x2) if residual is not None else None
     cfg = config or gemv_config(N, K, norm is not None, x.device)
     nw, eps = norm if norm is not None else (weight, 0.0)  # unread without a norm
-    on = pdl(x.device)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x2, residual.reshape(-1, K) if residual is not None else x2, total if total is not None else x2, nw,
         weight, bias if bias is not None else weight, out, M, N, K, eps, x2.stride(0),
         ROWS=triton.next_power_of_2(M), ADD=residual is not None, NORM=norm is not None,
-        HAS_BIAS=bias is not None, GATED=gated, PDL=on, **cfg, **({"launch_pdl": True} if on else {}))
+        HAS_BIAS=bias is not None, GATED=gated, **cfg, **pdl_args(x.device))
     return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
 
 

@@ -69,6 +69,27 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
+def wait_for_input(PDL: tl.constexpr):
+    """With programmatic dependent launch, a kernel starts while the one before drains: let the next
+    one launch in turn, then wait until the one before has finished and its writes are visible. Every
+    kernel launched so calls this before it reads what the kernel before wrote."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper (compute capability 9.0) and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """A launch's arguments for a kernel with a PDL parameter: launched early where the GPU can."""
+    return {"PDL": True, "launch_pdl": True} if pdl(device) else {"PDL": False}
+
+
+@triton.jit
 def _rotate_heads(x_ptr, out_ptr, w_ptr, t, x_tok, x_head, c, s, eps, n_heads: tl.constexpr,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -93,8 +114,10 @@ def _rotate_heads(x_ptr, out_ptr, w_ptr, t, x_tok, x_head, c, s, eps, n_heads: t
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, q_tok, q_head, k_tok, k_head,
                  n_q: tl.constexpr, n_k: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                 PDL: tl.constexpr):
     t = tl.program_id(0)
+    wait_for_input(PDL)
     d = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + t * HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
@@ -118,7 +141,7 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
         n_q=q3.shape[1], n_k=k3.shape[1], HALF=D // 2, BLOCK_HQ=triton.next_power_of_2(q3.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k3.shape[1]), BLOCK_D=triton.next_power_of_2(D // 2),
-        NORM=norm is not None, num_warps=4 if q3.shape[1] * D <= 2048 else 8)
+        NORM=norm is not None, num_warps=4 if q3.shape[1] * D <= 2048 else 8, **pdl_args(q.device))
     return q_out.view(q.shape), k_out.view(k.shape)
 
 
@@ -168,4 +191,4 @@ class TritonOps(Ops):
     silu_and_mul = staticmethod(silu_and_mul)
 
 
-TRITON_OPS = TritonOps()  # OPS_BACKENDS["triton"]: load_model picks it on CUDA; model.use_ops selects it by name
+TRITON_OPS = TritonOps()  # OPS_BACKENDS["triton"]: model.use_ops selects it by name (chapter 06's extends it)

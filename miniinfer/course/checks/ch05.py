@@ -161,7 +161,7 @@ def speed_merge_kernel(fn: Callable):
     def package(part, lse):
         out = torch.empty(R, D, device="cuda")
         _merge_kernel[(R,)](part, lse2, out, S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S),
-                            BLOCK_D=triton.next_power_of_2(D))
+                            BLOCK_D=triton.next_power_of_2(D), PDL=False)
         return out
     return kernel_ratio("merge_splits on 32,768 rows x 16 splits x 128 float32", fn, package, (part, lse),
                         (part.numel() + lse.numel() + R * D) * 4, rtol=1e-4, atol=1e-5)
