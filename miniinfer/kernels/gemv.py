@@ -92,7 +92,7 @@ def gemv_config(N: int, K: int, norm: bool, device: torch.device) -> dict:
     shared among them or the matrix is an LM head's. Under the CPU interpreter a program costs a
     Python loop: wide tiles there."""
     if device.type != "cuda":
-        return dict(BLOCK_N=min(64, triton.next_power_of_2(N)), BLOCK_K=min(256, triton.next_power_of_2(K)))
+        return dict(BLOCK_N=min(512, triton.next_power_of_2(N)), BLOCK_K=min(512, triton.next_power_of_2(K)))
     return dict(BLOCK_N=4 if norm or N >= 65536 else 2, BLOCK_K=1024 if K >= 2048 else 512, num_warps=4)
 
 
