@@ -119,37 +119,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
 
 
-def plain_weight(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The weight of a layer that is nothing but x @ W^T + b in x's dtype, or None: not one whose
-    forward does more (chapter 11's all-reduced projections), or whose weight is stored otherwise
-    (chapter 10's quantized ones)."""
-    plain = (isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
-             and not linear._forward_hooks and not linear._forward_pre_hooks)
-    weight = linear.weight if plain else None
-    return weight if isinstance(weight, torch.Tensor) and weight.dtype == x.dtype else None
-
-
 # Rows up to which the GEMV takes a matmul; above, cuBLAS was faster (gemv_h100.json: at 2 rows
 # about even, at 4 rows up to 1.3x on the 8B layers).
 GEMV_ROWS = 1
 
+
+def gemv_weight(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The weight to multiply x by in the GEMV, or None: x has more than GEMV_ROWS rows, or the layer
+    is more than x @ W^T + b in x's dtype (chapter 11's all-reduced projections, chapter 10's
+    quantized weights)."""
+    plain = (isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
+             and not linear._forward_hooks and not linear._forward_pre_hooks)
+    weight = linear.weight if plain and x.numel() <= GEMV_ROWS * x.shape[-1] else None
+    return weight if isinstance(weight, torch.Tensor) and weight.dtype == x.dtype else None
 
 class FusedOps(TritonOps):
     """Chapter 04's kernels, and a step of one row's matmuls as GEMVs with the add and the norm
     before them and the activation after them inside."""
 
     def add_norm_linear(self, h, x, norm, linear, gated=False):
-        weight = plain_weight(linear, h)
-        if weight is None or h.numel() > GEMV_ROWS * h.shape[-1]:
+        weight = gemv_weight(linear, h)
+        if weight is None:
             return super().add_norm_linear(h, x, norm, linear, gated)
-        out, total = gemv(h, weight, linear.bias, residual=x, norm=(norm.weight, norm.eps), gated=gated)
-        return out, total
+        return gemv(h, weight, linear.bias, residual=x, norm=(norm.weight, norm.eps), gated=gated)
 
     def linear(self, linear, x):
-        weight = plain_weight(linear, x)
-        if weight is None or x.numel() > GEMV_ROWS * x.shape[-1]:
-            return linear(x)
-        return gemv(x, weight, linear.bias)[0]
+        weight = gemv_weight(linear, x)
+        return linear(x) if weight is None else gemv(x, weight, linear.bias)[0]
 
 
 FUSED_OPS = FusedOps()  # OPS_BACKENDS["fused"], the default on CUDA
