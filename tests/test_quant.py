@@ -53,9 +53,32 @@ def test_int_matmul_equals_dequantize_then_matmul(bits, group, M):
     out = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, bias)
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
     for config in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if group == 32 else 128, SPLIT_K=3),  # tiled
-                   dict(BLOCK_N=16, WORDS=16 if bits == 8 else group // 8, SPLIT_K=3)):  # GEMV, any M
-        split = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, None, config)
-        assert torch.allclose(split, ref - bias, atol=1e-4, rtol=1e-4)
+                   dict(BLOCK_N=16, WORDS=8)):  # GEMV, any M; tiles of 64 int8 or 16 int4 inputs
+        other = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, None, config)
+        assert torch.allclose(other, ref - bias, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 128), (4, 32)])
+@pytest.mark.parametrize("M,N,K,gated,bias", [(1, 37, 256, False, False), (1, 19, 384, True, True),
+                                              (3, 40, 256, True, False), (2, 33, 512, False, True)])
+def test_int_gemv_with_the_add_norm_and_gate_inside(bits, group, M, N, K, gated, bias):
+    """Chapter 06's fused GEMV over packed codes against the add, the norm, the dequantized matmul and
+    SiLU-and-multiply one by one (tiles that split K in several, groups across tiles and within)."""
+    from miniinfer.kernels.quant import int_gemv
+
+    torch.manual_seed(M * N)
+    h, x, nw = torch.randn(M, K), torch.randn(M, K), torch.randn(K)
+    codes, scale = quant.quantize_int(torch.randn(2 * N if gated else N, K), bits, group)
+    packed = quant.pack(codes, bits)
+    b = torch.randn(codes.shape[0]) if bias else None
+    y, total = mi.model.transformer.add_rms_norm(h, x, nw, 1e-6)
+    ref = torch.nn.functional.linear(y, quant.dequantize(packed, scale, bits), b)
+    ref = mi.model.transformer.silu_and_mul(ref) if gated else ref
+    out, s = int_gemv(h, packed.t().contiguous(), scale.t().contiguous(), bits, b, residual=x, norm=(nw, 1e-6),
+                      gated=gated, config=dict(BLOCK_N=16, WORDS=8))
+    torch.testing.assert_close(s, total)
+    # sum x*v - 1.5 * sum x cancels a few bits of float32 (the tiled kernel's exact codes keep them)
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
@@ -160,6 +183,28 @@ def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
     model = quant.quantize_model(mi.load_model(), scheme)
     assert [o.token_ids for o in outs] == [mi.generate_naive(model, p, greedy) for p in prompts]
     assert engine.block_manager.num_free_blocks == 24
+
+
+def test_fused_ops_send_quantized_decode_steps_through_the_int_gemv(monkeypatch):
+    """With the Triton GEMV (as on a GPU; the prefill's matmuls stay PyTorch's here, to be quick) and
+    chapter 06's fused ops, a one-row step's projections go through the int GEMV with the norm and
+    SiLU inside; the tokens stay the PyTorch path's."""
+    from miniinfer.kernels import quant as kq
+
+    class GemvOnly(quant.QuantKernels):
+        int_gemv = kq.TritonQuantKernels.int_gemv
+
+    model = quant.quantize_model(mi.load_model(), "int4")
+    prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ref = mi.generate_cached(model, prompt, greedy)
+    calls = []
+    original = kq.int_gemv
+    monkeypatch.setattr(kq, "int_gemv", lambda *a, **k: calls.append(k) or original(*a, **k))
+    for m in model.modules():
+        if isinstance(m, quant.IntLinear):
+            m.kernels = GemvOnly()
+    assert mi.generate_cached(model.use_ops("fused"), prompt, greedy) == ref
+    assert any(k.get("gated") for k in calls) and any("norm" in k for k in calls)
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():

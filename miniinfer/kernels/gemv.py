@@ -25,6 +25,38 @@ def _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD: tl.c
 
 
 @triton.jit
+def _rstd(x_ptr, res_ptr, rows, M, K, x_stride, eps, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each row of x (+ res): a first pass over the input, K numbers a row from L2."""
+    ss = tl.zeros([rows.shape[0]], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _input_tile(x_ptr, res_ptr, res_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, ADD)
+        ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _normed(x, k, rstd, nw_ptr, K):
+    """The input tile x (inputs k) through the RMSNorm, rounded where the unfused norm rounds."""
+    y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return (nw[None, :] * y.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    """Stores out [ROWS, BLOCK_N] (+ bias); GATED: silu(out) * up instead, up the channels N + rn."""
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # the matmul's outputs rounded as stored, then silu(gate) * up in float32
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        gate, up = out.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
+        out = gate / (1 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rows[:, None] * N + rn[None, :], out.to(dt), mask=(rows[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
 def _weights(w_ptr, rn, k0, N, K, BLOCK_K: tl.constexpr):
     """Rows rn x inputs k0.. of W [N, K] as a [1, BLOCK_N, BLOCK_K] tile: loaded in the 3D shape the
     products take, so that no layout conversion stands between the load and its use."""
@@ -51,21 +83,15 @@ def _gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K
         u_next = _weights(w_ptr, rn + N, 0, 2 * N, K, BLOCK_K)
     wait_for_input(PDL)  # chapter 04: launched early, it waits only now for the kernel before
     if NORM:  # a first pass for each row's RMS: K numbers a row from L2, against BLOCK_N * K weights
-        ss = tl.zeros([ROWS], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = _input_tile(x_ptr, res_ptr, sum_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, ADD)
-            ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-        rstd = tl.rsqrt(ss / K + eps)
+        rstd = _rstd(x_ptr, res_ptr, rows, M, K, x_stride, eps, ADD, BLOCK_K)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)  # summed along K once, at the end
     if GATED:
         acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD)
-        if NORM:  # rounded where the unfused norm rounds
-            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = (nw[None, :] * y.to(tl.float32)).to(x.dtype)
+        if NORM:
+            x = _normed(x, k, rstd, nw_ptr, K)
         x = x.to(tl.float32)[:, None, :]
         # the next tile asked for before this one is used: its loads wait while this one multiplies
         w, w_next = w_next, _weights(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K)
@@ -73,17 +99,7 @@ def _gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K
         if GATED:
             u, u_next = u_next, _weights(w_ptr, rn + N, k0 + BLOCK_K, 2 * N, K, BLOCK_K)
             acc_up += x * u.to(tl.float32)
-    out = tl.sum(acc, 2)
-    dt = out_ptr.dtype.element_ty
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if GATED:  # the matmul's outputs rounded as stored, then silu(gate) * up in float32
-        up = tl.sum(acc_up, 2)
-        if HAS_BIAS:
-            up += tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        gate, up = out.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
-        out = gate / (1 + tl.exp(-gate)) * up
-    tl.store(out_ptr + rows[:, None] * N + rn[None, :], out.to(dt), mask=(rows[:, None] < M) & (rn[None, :] < N))
+    _finish(tl.sum(acc, 2), tl.sum(acc_up, 2) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS, GATED)
 
 
 def gemv_config(N: int, K: int, norm: bool, device: torch.device) -> dict:
@@ -96,27 +112,37 @@ def gemv_config(N: int, K: int, norm: bool, device: torch.device) -> dict:
     return dict(BLOCK_N=4 if norm or N >= 65536 else 2, BLOCK_K=1024 if K >= 2048 else 512, num_warps=4)
 
 
+def launch_gemv(kernel, weights: tuple, N: int, x: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, norm: tuple[torch.Tensor, float] | None, gated: bool,
+                config: dict, **meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Runs a GEMV kernel taking `_gemv_kernel`'s arguments with `weights` (the weight's tensors) in
+    the place of its weight, one program per BLOCK_N of the N outputs (chapter 10's packed codes
+    take it too) -> (out [..., N], the sum x + residual or None)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    total = torch.empty_like(x2) if residual is not None else None
+    nw, eps = norm if norm is not None else (x2, 0.0)  # unread without a norm
+    kernel[(triton.cdiv(N, config["BLOCK_N"]),)](
+        x2, residual.reshape(-1, K) if residual is not None else x2, total if total is not None else x2, nw,
+        *weights, bias if bias is not None else x2, out, M, N, K, eps, x2.stride(0),
+        ROWS=triton.next_power_of_2(M), ADD=residual is not None, NORM=norm is not None,
+        HAS_BIAS=bias is not None, GATED=gated, **config, **meta, **pdl_args(x.device))
+    return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
          gated: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """For a few rows x [..., K]: s = x + residual (if given), y = rms_norm(s) * norm weight (if
     given), out = y @ weight^T + bias, then silu(gate) * up of out's two halves if gated
     -> (out [..., N or N/2], s or None)."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M, N = x2.shape[0], weight.shape[0] // (2 if gated else 1)
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    total = torch.empty_like(x2) if residual is not None else None
-    cfg = config or gemv_config(N, K, norm is not None, x.device)
-    nw, eps = norm if norm is not None else (weight, 0.0)  # unread without a norm
-    _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x2, residual.reshape(-1, K) if residual is not None else x2, total if total is not None else x2, nw,
-        weight, bias if bias is not None else weight, out, M, N, K, eps, x2.stride(0),
-        ROWS=triton.next_power_of_2(M), ADD=residual is not None, NORM=norm is not None,
-        HAS_BIAS=bias is not None, GATED=gated, **cfg, **pdl_args(x.device))
-    return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
+    N = weight.shape[0] // (2 if gated else 1)
+    cfg = config or gemv_config(N, x.shape[-1], norm is not None, x.device)
+    return launch_gemv(_gemv_kernel, (weight,), N, x, bias, residual, norm, gated, cfg)
 
 
 # Rows up to which the GEMV takes a matmul; above, cuBLAS was faster (gemv_h100.json: at 2 rows
@@ -124,28 +150,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 GEMV_ROWS = 1
 
 
-def gemv_weight(linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The weight to multiply x by in the GEMV, or None: x has more than GEMV_ROWS rows, or the layer
-    is more than x @ W^T + b in x's dtype (chapter 11's all-reduced projections, chapter 10's
-    quantized weights)."""
-    plain = (isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
-             and not linear._forward_hooks and not linear._forward_pre_hooks)
-    weight = linear.weight if plain and x.numel() <= GEMV_ROWS * x.shape[-1] else None
-    return weight if isinstance(weight, torch.Tensor) and weight.dtype == x.dtype else None
+def layer_gemv(linear: nn.Module, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """gemv(x, ...) by the layer's weight, or None where the GEMV does not serve: x has more than
+    GEMV_ROWS rows, or the layer is more than x @ W^T + b in x's dtype (chapter 11's all-reduced
+    projections). A layer with a `gemv` method has a GEMV of its own (chapter 10's quantized ones)."""
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return None
+    own = getattr(linear, "gemv", None)
+    if own is not None:
+        return own(x, **fused)
+    plain = isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
+    if not plain or x.numel() > GEMV_ROWS * x.shape[-1] or linear.weight.dtype != x.dtype:
+        return None
+    return gemv(x, linear.weight, linear.bias, **fused)
+
 
 class FusedOps(TritonOps):
     """Chapter 04's kernels, and a step of one row's matmuls as GEMVs with the add and the norm
     before them and the activation after them inside."""
 
     def add_norm_linear(self, h, x, norm, linear, gated=False):
-        weight = gemv_weight(linear, h)
-        if weight is None:
-            return super().add_norm_linear(h, x, norm, linear, gated)
-        return gemv(h, weight, linear.bias, residual=x, norm=(norm.weight, norm.eps), gated=gated)
+        out = layer_gemv(linear, h, residual=x, norm=(norm.weight, norm.eps), gated=gated)
+        return super().add_norm_linear(h, x, norm, linear, gated) if out is None else out
 
     def linear(self, linear, x):
-        weight = gemv_weight(linear, x)
-        return linear(x) if weight is None else gemv(x, weight, linear.bias)[0]
+        out = layer_gemv(linear, x)
+        return linear(x) if out is None else out[0]
 
 
 FUSED_OPS = FusedOps()  # OPS_BACKENDS["fused"], the default on CUDA

@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.attention import _multiprocessors
+from miniinfer.kernels.gemv import _finish, _input_tile, _normed, _rstd, launch_gemv
+from miniinfer.kernels.norm_rope import wait_for_input
 from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
 
 
@@ -71,40 +73,79 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride
            HAS_BIAS, SPLIT_K)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride, SPLIT_K,
-                     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """One row of x against BLOCK_N output channels, WORDS words of each per step, on the CUDA cores.
-    Each code costs a shift, a mask-and-OR (one LOP3) and a multiply-add: its bits become the top of
-    a float32 mantissa, v = 1 + u / 2^BITS for the unsigned code u = s + 2^(BITS-1), so
-    sum x*s = 2^BITS * (sum x*v - 1.5 * sum x), and the subtraction is paid once per word."""
+@triton.jit
+def _codes(w_ptr, s_ptr, cols, limit, k0, stride, K, PER: tl.constexpr, GROUP: tl.constexpr,
+           WORDS: tl.constexpr):
+    """Words k0/PER.. of columns `cols` (< limit) of the packed [K/PER, stride] codes as a [1, WORDS,
+    BLOCK_N] tile, and each word's scale in the same shape."""
+    wk = k0 // PER + tl.arange(0, WORDS)
+    mask = (wk[None, :, None] < K // PER) & (cols[None, None, :] < limit)
+    # read once: evicted first, so that L2 keeps the activations
+    words = tl.load(w_ptr + wk[None, :, None] * stride + cols[None, None, :], mask=mask, other=0,
+                    eviction_policy="evict_first")
+    scale = tl.load(s_ptr + (wk * PER // GROUP)[None, :, None] * stride + cols[None, None, :], mask=mask, other=0.0)
+    return words, scale
+
+
+@triton.jit
+def _code(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Code j of every word as v = 1 + u / 2^BITS (u = s + 2^(BITS-1), unsigned): its bits moved to
+    the top of a float32 mantissa and ORed under the exponent of 1, a shift and one LOP3."""
+    TOP: tl.constexpr = 23 - BITS  # the code's lowest bit in the mantissa
+    if j * BITS <= TOP:
+        at_top = words << (TOP - j * BITS)
+    else:
+        at_top = words >> (j * BITS - TOP)
+    return (at_top & (((1 << BITS) - 1) << TOP) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _int_gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, eps, x_stride,
+                     ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GATED: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     WORDS: tl.constexpr, PDL: tl.constexpr):
+    """Chapter 06's _gemv_kernel over packed codes: a code costs a shift, a LOP3 and a multiply-add
+    (`_code`): sum x*s = 2^BITS * (sum x*v - 1.5 * sum x), the subtraction paid once per word."""
     PER: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = WORDS * PER
-    TOP: tl.constexpr = 23 - BITS  # the code's lowest bit in the mantissa
-    row, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    acc = tl.zeros([WORDS, BLOCK_N], tl.float32)  # summed over its WORDS rows once, at the end
-    for k0 in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, K), BLOCK_K):
-        wk = k0 // PER + tl.arange(0, WORDS)
-        # read once: evicted first, so that L2 keeps the activations
-        words = tl.load(w_ptr + wk[:, None] * N + rn[None, :], mask=(wk[:, None] < K // PER) & (rn[None, :] < N),
-                        other=0, eviction_policy="evict_first")
-        part = tl.zeros([WORDS, BLOCK_N], tl.float32)
-        x_sum = tl.zeros([WORDS], tl.float32)
+    NT = 2 * N if GATED else N  # columns of the codes: gate's N, then up's
+    pid = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_next, s_next = _codes(w_ptr, s_ptr, rn, N, 0, NT, K, PER, GROUP, WORDS)
+    if GATED:
+        u_next, us_next = _codes(w_ptr, s_ptr, rn + N, NT, 0, NT, K, PER, GROUP, WORDS)
+    wait_for_input(PDL)
+    if NORM:
+        rstd = _rstd(x_ptr, res_ptr, rows, M, K, x_stride, eps, ADD, 512)
+    acc = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)  # summed over its words once, at the end
+    if GATED:
+        acc_up = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # the next tile asked for before this one is used, as in chapter 06
+        words, scale = w_next, s_next
+        w_next, s_next = _codes(w_ptr, s_ptr, rn, N, k0 + BLOCK_K, NT, K, PER, GROUP, WORDS)
+        part = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
+        if GATED:
+            u, u_scale = u_next, us_next
+            u_next, us_next = _codes(w_ptr, s_ptr, rn + N, NT, k0 + BLOCK_K, NT, K, PER, GROUP, WORDS)
+            part_up = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
+        x_sum = tl.zeros([ROWS, WORDS], tl.float32)
         for j in tl.static_range(PER):  # code j of every word, against the inputs k = word * PER + j
-            x = tl.load(x_ptr + row * x_stride + wk * PER + j, mask=wk < K // PER, other=0.0).to(tl.float32)
-            if j * BITS <= TOP:
-                at_top = words << (TOP - j * BITS)
-            else:
-                at_top = words >> (j * BITS - TOP)
-            v = (at_top & (((1 << BITS) - 1) << TOP) | 0x3F800000).to(tl.float32, bitcast=True)
-            part += x[:, None] * v
+            k = k0 + tl.arange(0, WORDS) * PER + j
+            x = _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD)
+            if NORM:
+                x = _normed(x, k, rstd, nw_ptr, K)
+            x = x.to(tl.float32)
+            part += x[:, :, None] * _code(words, j, BITS)
+            if GATED:
+                part_up += x[:, :, None] * _code(u, j, BITS)
             x_sum += x
-        scale = tl.load(s_ptr + (k0 // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
-        acc += (part - 1.5 * x_sum[:, None]) * scale[None, :]
-    _write(tl.sum(acc, 0) * (1 << BITS), out_ptr, bias_ptr, row, rn, rn < N, M, N, pid_k, HAS_BIAS, SPLIT_K)
+        acc += (part - 1.5 * x_sum[:, :, None]) * scale.to(tl.float32)
+        if GATED:
+            acc_up += (part_up - 1.5 * x_sum[:, :, None]) * u_scale.to(tl.float32)
+    _finish(tl.sum(acc, 1) * (1 << BITS), tl.sum(acc_up, 1) * (1 << BITS) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N,
+            HAS_BIAS, GATED)
 
 
 @triton.jit
@@ -150,21 +191,31 @@ def pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def gemv_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: int) -> dict:
-    """The GEMV kernel's tile and K-splits for M <= GEMV_ROWS rows: a tile of 128 inputs (one int4
-    group) by 256 channels, and K split as the tiled kernel's sweep found best, until the GPU has
-    about 4 programs per multiprocessor. Not yet swept for this kernel (tools/bench_quant.py
-    gemv_sweep does that)."""
-    words = pow2_at_most(min(16 if bits == 4 else 32, group * bits // 32))
-    block_n = 256
-    programs = M * -(-N // block_n)
-    split = max(1, min(16, -(-K // (words * 32 // bits)), 4 * multiprocessors // programs))
-    return dict(BLOCK_N=block_n, WORDS=words, SPLIT_K=split, num_warps=4)
+def gemv_config(N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The GEMV kernel's tile: BLOCK_N channels by WORDS words (not yet swept: tools/bench_gemv.py
+    formats does that). Under the CPU interpreter a program costs a Python loop: wide tiles there."""
+    if device.type != "cuda":
+        return dict(BLOCK_N=min(256, triton.next_power_of_2(N)), WORDS=min(64, triton.next_power_of_2(K * bits // 32)))
+    return dict(BLOCK_N=16, WORDS=64, num_warps=4)
+
+
+def int_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
+             bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+             norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chapter 06's gemv with the weight in IntLinear's packed codes: the add and the norm before, the
+    bias and silu(gate) * up after -> (out [..., N], x + residual or None)."""
+    K = packed.shape[0] * 32 // bits
+    N = packed.shape[1] // (2 if gated else 1)
+    cfg = config or gemv_config(N, K, bits, x.device)
+    return launch_gemv(_int_gemv_kernel, (packed, scale), N, x, bias, residual, norm, gated, cfg, BITS=bits,
+                       GROUP=K // scale.shape[0])
 
 
 def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: int) -> dict:
     """Tiles and K-splits of the tiled kernel for more than GEMV_ROWS rows, from a sweep on the H200
-    (docs/benchmarks/quant_h200.json): tensor cores (16 rows at least), and K split as in gemv_config."""
+    (docs/benchmarks/quant_h200.json): tensor cores (16 rows at least), and K split until the GPU has
+    about 4 programs per multiprocessor."""
     block_m = 16 if M <= 16 else 32
     block_n = 128 if N >= 4096 else 64
     block_k = pow2_at_most(min(128 if bits == 4 else 256, group))
@@ -176,42 +227,39 @@ def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: i
 # Above this many rows the weight is dequantized whole and multiplied by cuBLAS: at 256 rows our
 # tiled kernel took 4-5x cuBLAS's time on bf16 weights (quant_h200.json, sweep).
 DEQUANTIZE_ROWS = 32
-# Up to this many rows the GEMV kernel, each row reading the words again (from L2, mostly); a
-# guess until gemv_sweep measures where the tiled kernel overtakes it
+# Up to this many rows the GEMV kernel; a guess until tools/bench_gemv.py formats measures where the
+# tiled kernel overtakes it
 GEMV_ROWS = 4
 
 
 def int_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
                bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """x [..., K] @ W^T for W [N, K] stored as `bits`-bit codes packed into int32 along K, transposed
-    ([K*bits/32, N]), with scales [K/group, N] -> [..., N] in x's dtype."""
+    ([K*bits/32, N]), with scales [K/group, N] -> [..., N] in x's dtype. config: a kernel's tiles,
+    which name it (WORDS: the GEMV's, BLOCK_M: the tiled one's)."""
     K = x.shape[-1]
     N = packed.shape[1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if (M <= GEMV_ROWS and config is None) or (config is not None and "WORDS" in config):
+        return int_gemv(x, packed, scale, bits, bias, config=config)[0]
     if M > DEQUANTIZE_ROWS and config is None:
         out = x2 @ dequantize_t(packed, scale, bits, x.dtype)
         return (out if bias is None else out + bias).view(*x.shape[:-1], N)
     group = K // scale.shape[0]
-    cfg = dict(config or (gemv_config if M <= GEMV_ROWS else int_config)(M, N, K, bits, group,
-                                                                       _multiprocessors(x.device)))
-    gemv = "WORDS" in cfg  # a config names the kernel by its keys
-    block_k = cfg["WORDS"] * 32 // bits if gemv else cfg["BLOCK_K"]
+    cfg = dict(config or int_config(M, N, K, bits, group, _multiprocessors(x.device)))
+    block_k = cfg["BLOCK_K"]
     if group % block_k and scale.shape[0] > 1:
         raise ValueError(f"a tile of {block_k} inputs must divide the group size {group}")
     split = cfg.pop("SPLIT_K")
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     target = out if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     args = (x2, packed, scale, bias if bias is not None else scale, target, M, N, K, x2.stride(0), split)
-    if gemv:
-        _int_gemv_kernel[(M, triton.cdiv(N, cfg["BLOCK_N"]), split)](*args, BITS=bits, GROUP=group,
-                                                                      HAS_BIAS=bias is not None, **cfg)
-    else:
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
-        _int_matmul_kernel[grid](*args, BITS=bits, GROUP=group, HAS_BIAS=bias is not None,
-                                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), split)
+    _int_matmul_kernel[grid](*args, BITS=bits, GROUP=group, HAS_BIAS=bias is not None,
+                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg)
     if split > 1:
         block = 1024
         _split_k_sum[(triton.cdiv(M * N, block),)](target, bias if bias is not None else out, out, M * N, N,
@@ -246,6 +294,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class TritonQuantKernels(QuantKernels):
     def int_linear(self, x, packed, scale, bits, bias):
         return int_matmul(x, packed, scale, bits, bias)
+
+    def int_gemv(self, x, packed, scale, bits, bias, **fused):
+        return int_gemv(x, packed, scale, bits, bias, **fused) if x.numel() <= GEMV_ROWS * x.shape[-1] else None
 
     def quantize_fp8(self, x):
         return quantize_fp8(x)

@@ -75,6 +75,12 @@ class QuantKernels:
                    bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, dequantize(packed.t(), scale.t(), bits).to(x.dtype), bias)
 
+    def int_gemv(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Chapter 06's fused GEMV (`fused`: its residual, norm and gated) over packed codes, or None
+        where there is none: PyTorch has none, the add, norm and matmul then run one by one."""
+        return None
+
 
 QUANT_KERNELS = Registry("quantized matmul kernels", {"torch": QuantKernels(),
                                                       "triton": "miniinfer.kernels.quant:TRITON_QUANT"})
@@ -141,6 +147,11 @@ class IntLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.kernels or _kernels(x)
         return kernels.int_linear(x, self.weight_packed, self.weight_scale, self.bits, self.bias)
+
+    def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Chapter 06's FusedOps asks here first: the add and norm before, the activation after."""
+        kernels = self.kernels or _kernels(x)
+        return kernels.int_gemv(x, self.weight_packed, self.weight_scale, self.bits, self.bias, **fused)
 
 
 class FP8Linear(nn.Module):
