@@ -11,6 +11,11 @@ Parts (any, in one run; results merge into the JSON):
             cuBLAS) against one fused GEMV (its configs swept as well)
     chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
             with programmatic dependent launch (each launched while the one before drains), and without
+    int_sweep  the int8/int4 GEMV's tiles at one row on the 1B and 8B layers (chapter 10's gemv_config)
+    formats the weight formats at 1-16 rows on the same layers: bf16 (cuBLAS, our GEMV), int8 and int4
+            (our GEMV, our tiled kernel, what int_matmul picks), fp8 (torch._scaled_mm after our
+            activation quantization), gemlite's A16W8 and A16W4, torchao's int4 weight-only; and at
+            one row the int GEMV with the norm (and SiLU) inside against them apart
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
 """
 
@@ -30,7 +35,9 @@ from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
 from miniinfer.kernels import norm_rope
+from miniinfer.kernels import quant as kq
 from miniinfer.kernels.gemv import gemv
+from miniinfer.layers import quantization as quant
 
 DT = torch.bfloat16
 EPS = 1e-6
@@ -179,6 +186,150 @@ def chain(gbps: float, layers_cap: int = 16) -> dict:
     return out
 
 
+INT_FORMATS = {"int8": (8, None), "int4": (4, 128)}
+INT_MODELS = ("llama_1b", "llama_8b")
+INT_CONFIGS = [dict(BLOCK_N=n, WORDS=w, num_warps=nw) for n, w, nw in
+               itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (4, 8)) if 512 <= n * w <= 4096]
+
+
+def int_copies(N: int, K: int, bits: int, group: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(packed, scale) in IntLinear's layout, copied until the copies exceed 4x the L2 cache."""
+    codes, scale = quant.quantize_int(torch.randn(N, K, device="cuda", dtype=DT) * 0.02, bits, group)
+    one = (quant.pack(codes, bits).t().contiguous(), scale.t().contiguous())
+    n = max(2, -(-(1 << 30) // (one[0].numel() * 4)) // 4)
+    return [one] + [(one[0].clone(), one[1].clone()) for _ in range(min(n, 64) - 1)]
+
+
+def int_sweep(gbps: float) -> dict:
+    res = {}
+    for fmt, (bits, group) in INT_FORMATS.items():
+        for model in INT_MODELS:
+            for name, (N, K) in layers(model).items():
+                if name == "lm_head":
+                    continue
+                ws = int_copies(N, K, bits, group)
+                x = torch.randn(1, K, device="cuda", dtype=DT)
+                times = sorted((graph_us([lambda w=w, c=c: kq.int_gemv(x, *w, bits, config=c) for w in ws]), i)
+                               for i, c in enumerate(INT_CONFIGS))
+                nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
+                row = {"N": N, "K": K, "best_us": times[0][0], "best_config": INT_CONFIGS[times[0][1]],
+                       "rule_us": graph_us([lambda w=w: kq.int_gemv(x, *w, bits) for w in ws]),
+                       "top5": [(t, INT_CONFIGS[i]) for t, i in times[:5]], "copy_us": nbytes / gbps / 1e3}
+                print(f"int_sweep {fmt} {model} {name}: best {row['best_us']:.1f} us {row['best_config']}, "
+                      f"rule {row['rule_us']:.1f}, copy {row['copy_us']:.1f}", flush=True)
+                res[f"{fmt}/{model}/{name}"] = row
+                del ws
+    return res
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=DT).requires_grad_(False)
+    layer.weight.copy_(w)
+    return layer
+
+
+def peers() -> dict:
+    """The maintained kernels a user would pick instead, each a factory (w [N, K] bf16) -> callable(x),
+    or the reason it cannot run here."""
+    out: dict = {}
+    try:
+        from gemlite.helper import A16W8_INT8, A16Wn
+
+        def gemlite_w4(w):
+            codes, scale = quant.quantize_int(w, 4, 128)  # ours, symmetric: zero point 8 on unsigned codes
+            u = (codes.to(torch.int16) + 8).to(torch.uint8)
+            layer = A16Wn(device="cuda", dtype=DT).from_weights(u, scale, torch.full_like(scale, 8), 4, 128)
+            return layer
+
+        out["gemlite_a16w4"] = gemlite_w4
+        out["gemlite_a16w8"] = lambda w: A16W8_INT8(device="cuda", dtype=DT).from_linear(_linear(w))
+    except Exception as e:  # noqa: BLE001 - what the table says instead of a figure
+        out["gemlite"] = f"{type(e).__name__}: {e}"
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+        def torchao_w4(w, packing="tile_packed_to_4d"):
+            layer = _linear(w)
+            quantize_(layer, Int4WeightOnlyConfig(group_size=128, int4_packing_format=packing))
+            return layer
+
+        out["torchao_int4_tinygemm"] = torchao_w4
+        out["torchao_int4_plain"] = lambda w: torchao_w4(w, "plain")
+    except Exception as e:  # noqa: BLE001
+        out["torchao"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def fp8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    xq, x_scale = kq.quantize_fp8(x)  # the activations' quantization is part of the cost
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=DT)
+
+
+def formats(gbps: float) -> dict:
+    res: dict = {"peers_unavailable": {}}
+    makers = peers()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for model in INT_MODELS:
+        for name, (N, K) in layers(model).items():
+            if name == "lm_head":
+                continue
+            w = torch.randn(N, K, device="cuda", dtype=DT) * 0.02
+            ws = copies(N, K)
+            ints = {fmt: int_copies(N, K, bits, group) for fmt, (bits, group) in INT_FORMATS.items()}
+            wq, w_scale = quant.quantize_fp8(w)
+            fp8 = [(wq.clone(), w_scale.float().reshape(1, N)) for _ in range(min(64, 2 * len(ws)))]  # a byte each
+            built = {}
+            for peer, make in makers.items():
+                if isinstance(make, str):
+                    res["peers_unavailable"][peer] = make
+                    continue
+                try:
+                    built[peer] = [make(w) for _ in range(max(2, len(ws) * (3 if "4" in peer else 2)))][:64]
+                except Exception as e:  # noqa: BLE001
+                    res["peers_unavailable"][peer] = f"{type(e).__name__}: {str(e)[:300]}"
+            for M in (1, 2, 4, 8, 16):
+                x = torch.randn(M, K, device="cuda", dtype=DT)
+                runs = {"bf16_cublas": [lambda w=w: F.linear(x, w) for w in ws],
+                        "fp8_scaled_mm": [lambda q=q, s=s: fp8_matmul(x, q, s) for q, s in fp8]}
+                if M <= 4:
+                    runs["bf16_gemv"] = [lambda w=w: gemv(x, w) for w in ws]
+                for fmt, (bits, group) in INT_FORMATS.items():
+                    tiled = kq.int_config(M, N, K, bits, group or K, sms)
+                    runs[f"{fmt}_gemv"] = [lambda w=w, b=bits: kq.int_gemv(x, *w, b) for w in ints[fmt]]
+                    runs[f"{fmt}_tiled"] = [lambda w=w, b=bits, c=tiled: kq.int_matmul(x, *w, b, None, c)
+                                            for w in ints[fmt]]
+                    runs[f"{fmt}_picked"] = [lambda w=w, b=bits: kq.int_matmul(x, *w, b) for w in ints[fmt]]
+                for peer, layers_ in built.items():
+                    runs[peer] = [lambda m=m: m(x) for m in layers_]
+                row = {"model": model, "layer": name, "N": N, "K": K, "rows": M, "us": {}}
+                for key, fns in runs.items():
+                    try:
+                        row["us"][key] = graph_us(fns)
+                    except Exception as e:  # noqa: BLE001
+                        res["peers_unavailable"][f"{key}@{M}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(model, name, M, json.dumps({k: round(v, 1) for k, v in row["us"].items()}), flush=True)
+                res[f"{model}/{name}/{M}"] = row
+            if name in ("qkv", "gate_up"):  # one row: the norm (and SiLU) inside or apart
+                h, r = (torch.randn(1, K, device="cuda", dtype=DT) for _ in range(2))
+                nw = torch.randn(K, device="cuda", dtype=DT)
+                gated = name == "gate_up"
+                for fmt, (bits, _) in INT_FORMATS.items():
+                    def apart(wq, b=bits):
+                        y = kq.int_gemv(mi.kernels.fused_add_rms_norm(h, r, nw, EPS)[0], *wq, b)[0]
+                        return mi.kernels.silu_and_mul(y) if gated else y
+
+                    def inside(wq, b=bits):
+                        return kq.int_gemv(h, *wq, b, residual=r, norm=(nw, EPS), gated=gated)[0]
+                    torch.testing.assert_close(inside(ints[fmt][0]), apart(ints[fmt][0]), atol=0.05, rtol=0.05)
+                    res[f"{model}/{name}/fused_{fmt}"] = {
+                        "apart_us": graph_us([lambda w=w: apart(w) for w in ints[fmt]]),
+                        "inside_us": graph_us([lambda w=w: inside(w) for w in ints[fmt]])}
+                    print(model, name, fmt, res[f"{model}/{name}/fused_{fmt}"], flush=True)
+            del ws, ints, fp8, built
+            torch.cuda.empty_cache()
+    return res
+
+
 def main(out: str, parts: list[str]) -> None:
     path = Path(out)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -191,6 +342,8 @@ def main(out: str, parts: list[str]) -> None:
             res["chain"] = chain(res["copy_GBps"])
         elif part == "fused":
             res["fused"] = fused(res["copy_GBps"], res.get("sweep", {}))
+        elif part in ("int_sweep", "formats"):
+            res[part] = {"int_sweep": int_sweep, "formats": formats}[part](res["copy_GBps"])
         else:
             raise SystemExit(f"unknown part {part!r}")
         path.write_text(json.dumps(res, indent=1) + "\n")

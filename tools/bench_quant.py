@@ -9,8 +9,7 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes
     kv_check the attention kernels over e4m3 pools against the PyTorch references
     e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
-    gemv_sweep  the GEMV kernel's tiles at one row; GEMV against tiled at 2, 4 and 8 rows
-    ablation where the int4 GEMV's time goes at one row: its loads alone and a copy of its bytes
+    (the GEMV at 1-16 rows and against gemlite and torchao: tools/bench_gemv.py int_sweep formats)
     python tools/bench_quant.py run docs/benchmarks/quant_h200.json check sweep kernels
     python tools/bench_quant.py plot docs/benchmarks/quant_h200.json
 """
@@ -24,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
@@ -160,7 +158,7 @@ def decode(gbps: float) -> dict:
     token)."""
     import copy
 
-    from bench_engine import batch1, llama_8b, models
+    from bench_engine import batch1, llama_8b, models, timeline1
 
     res = {}
     for shape, build in (("llama-1b", lambda: models("llama")[1]), ("llama-8b", llama_8b)):
@@ -174,12 +172,18 @@ def decode(gbps: float) -> dict:
                        if t is not model.inv_freq}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             r = batch1(model, gbps)
+            t = timeline1(model, gbps)  # the step replayed on the device: no host in it
             d = res[shape][fmt] = {"tokens_per_s": r["tokens_per_s"], "weight_bytes": nbytes,
-                                   "floor_tokens_per_s": gbps * 1e9 / nbytes}
+                                   "floor_tokens_per_s": gbps * 1e9 / nbytes, "step_us": t["step_us"],
+                                   "kernels": t["kernels"], "by_class": t["by_class"]}
             d["fraction_of_floor"] = d["tokens_per_s"] / d["floor_tokens_per_s"]
+            d["step_fraction_of_floor"] = nbytes / gbps / 1e3 / d["step_us"]
             d["speedup_vs_bf16"] = d["tokens_per_s"] / res[shape]["bf16"]["tokens_per_s"]
+            d["step_speedup_vs_bf16"] = res[shape]["bf16"]["step_us"] / d["step_us"]
             print(f"decode {shape} {fmt}: {r['tokens_per_s']:.0f} tok/s ({d['speedup_vs_bf16']:.2f}x bf16), "
-                  f"{nbytes / 1e9:.2f} GB of weights, {100 * d['fraction_of_floor']:.0f}% of its floor", flush=True)
+                  f"{nbytes / 1e9:.2f} GB of weights, {100 * d['fraction_of_floor']:.0f}% of its floor; step "
+                  f"{d['step_us']:.0f} us on the device ({d['step_speedup_vs_bf16']:.2f}x bf16, "
+                  f"{100 * d['step_fraction_of_floor']:.0f}% of its floor)", flush=True)
             del model
         del base
     return res
@@ -248,78 +252,7 @@ def e2e() -> dict:
     return res
 
 
-@triton.jit
-def _load_only_kernel(w_ptr, out_ptr, N, K, SPLIT_K, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """The GEMV kernel's loads alone (same tiles, same K-splits), XORed together so that none is dropped:
-    what reading the words costs without unpacking or multiplying."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    per_split = tl.cdiv(tl.cdiv(K, WORDS * 8), SPLIT_K) * WORDS * 8
-    acc = tl.zeros([WORDS, BLOCK_N], tl.int32)
-    for k0 in range(pid_k * per_split, tl.minimum(pid_k * per_split + per_split, K), WORDS * 8):
-        wk = k0 // 8 + tl.arange(0, WORDS)
-        acc ^= tl.load(w_ptr + wk[:, None] * N + rn[None, :], eviction_policy="evict_first")
-    tl.store(out_ptr + pid_k * N + rn, tl.xor_sum(acc, 0))
-
-
-def ablation() -> dict:
-    """The int4 GEMV at one row on the 8B-sized layers against its own loads alone, and a copy of
-    the same bytes: how much of its time is instruction work beyond reading."""
-    res = {}
-    for name, N, K in SHAPES["llama-8b"]:
-        _, (packed, scale) = layer("int4", N, K)
-        x = torch.randn(1, K, device="cuda", dtype=DT)
-        nbytes = packed.numel() * 4 + scale.numel() * 2
-        cfg = kq.gemv_config(1, N, K, 4, 128, torch.cuda.get_device_properties(0).multi_processor_count)
-        split = cfg["SPLIT_K"]
-        out = torch.empty(split, N, device="cuda", dtype=torch.int32)
-        dst = torch.empty_like(packed)
-        res[name] = {"config": cfg, "bytes": nbytes,
-                     "copy_us": us(lambda: dst.copy_(packed)),
-                     "load_us": us(lambda: _load_only_kernel[(N // cfg["BLOCK_N"], split)](
-                         packed, out, N, K, split, BLOCK_N=cfg["BLOCK_N"], WORDS=cfg["WORDS"],
-                         num_warps=cfg["num_warps"])),
-                     "kernel_us": us(lambda: kq.int_matmul(x, packed, scale, 4))}
-        print(f"ablation 8B {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in res[name].items() if k.endswith("us")),
-              flush=True)
-    return res
-
-
-def gemv_sweep() -> dict:
-    """The GEMV kernel's tiles, K-splits and warps at one row per shape; then, at 2, 4 and 8 rows, the
-    GEMV kernel and the tiled one with their default configs (where GEMV_ROWS comes from)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    best, rows = {}, {}
-    for fmt, (bits, group) in FORMATS.items():
-        for model, shapes in SHAPES.items():
-            for name, N, K in shapes:
-                _, (packed, scale) = layer(fmt, N, K)
-                nbytes = packed.numel() * 4 + scale.numel() * 2
-                x = torch.randn(8, K, device="cuda", dtype=DT)
-                times = []
-                for bn, words, warps, split in itertools.product((128, 256, 512), (8, 16) if bits == 4 else (16, 32),
-                                                                 (4, 8), (1, 2, 4, 8, 16)):
-                    cfg = dict(BLOCK_N=bn, WORDS=words, SPLIT_K=split, num_warps=warps)
-                    times.append((us(lambda: kq.int_matmul(x[:1], packed, scale, bits, None, cfg)), cfg))
-                t, cfg = min(times, key=lambda tc: tc[0])
-                key = f"{fmt}/{model}/{name}"
-                best[key] = {"us": t, "config": cfg, "GBps": nbytes / t / 1e3,
-                             "default_us": us(lambda: kq.int_matmul(x[:1], packed, scale, bits)),
-                             "default_config": kq.gemv_config(1, N, K, bits, group or K, sms),
-                             "top5": sorted(times, key=lambda tc: tc[0])[:5]}
-                print(f"gemv {key}: best {t:.1f} us ({best[key]['GBps']:.0f} GB/s) with {cfg}; "
-                      f"default {best[key]['default_us']:.1f} us", flush=True)
-                for M in (2, 4, 8):
-                    rows[f"{key}/{M}"] = {
-                        "gemv_us": us(lambda: kq.int_matmul(x[:M], packed, scale, bits, None,
-                                                            kq.gemv_config(M, N, K, bits, group or K, sms))),
-                        "tiled_us": us(lambda: kq.int_matmul(x[:M], packed, scale, bits, None,
-                                                             kq.int_config(M, N, K, bits, group or K, sms)))}
-                    print(f"  M={M}: {rows[f'{key}/{M}']}", flush=True)
-    return {"best": best, "rows": rows}
-
-
-PARTS = {"check": check, "sweep": sweep, "gemv_sweep": gemv_sweep, "ablation": ablation, "kv_check": kv_check,
+PARTS = {"check": check, "sweep": sweep, "kv_check": kv_check,
          "e2e": e2e, "decode": decode, "kernels": kernels}
 
 
