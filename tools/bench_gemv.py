@@ -189,7 +189,7 @@ def chain(gbps: float, layers_cap: int = 16) -> dict:
 INT_FORMATS = {"int8": (8, None), "int4": (4, 128)}
 INT_MODELS = ("llama_1b", "llama_8b")
 INT_CONFIGS = [dict(BLOCK_N=n, WORDS=w, num_warps=nw) for n, w, nw in
-               itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (4, 8)) if 512 <= n * w <= 4096]
+               itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024), (4, 8)) if 1024 <= n * w <= 8192]
 
 
 def int_copies(N: int, K: int, bits: int, group: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -192,11 +192,16 @@ def pow2_at_most(n: int) -> int:
 
 
 def gemv_config(N: int, K: int, bits: int, device: torch.device) -> dict:
-    """The GEMV kernel's tile: BLOCK_N channels by WORDS words (not yet swept: tools/bench_gemv.py
-    formats does that). Under the CPU interpreter a program costs a Python loop: wide tiles there."""
+    """The GEMV kernel's tile for N columns of codes (gate and up together): BLOCK_N channels by WORDS
+    words, from tools/bench_gemv.py int_sweep on an H100 (docs/benchmarks/gemv_formats_h100.json).
+    A program walks its channels' K in turn, each tile waiting for its loads: few channels and long
+    tiles keep enough programs and few steps; wide matrices have programs to spare. Under the CPU
+    interpreter a program costs a Python loop: wide tiles there."""
     if device.type != "cuda":
         return dict(BLOCK_N=min(256, triton.next_power_of_2(N)), WORDS=min(64, triton.next_power_of_2(K * bits // 32)))
-    return dict(BLOCK_N=16, WORDS=64, num_warps=4)
+    if N >= 16384:
+        return dict(BLOCK_N=32, WORDS=64, num_warps=8)
+    return dict(BLOCK_N=8 if N <= 2048 else 16, WORDS=512 if N <= 2048 and K >= 8192 else 256, num_warps=8)
 
 
 def int_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
@@ -207,7 +212,7 @@ def int_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: i
     bias and silu(gate) * up after -> (out [..., N], x + residual or None)."""
     K = packed.shape[0] * 32 // bits
     N = packed.shape[1] // (2 if gated else 1)
-    cfg = config or gemv_config(N, K, bits, x.device)
+    cfg = config or gemv_config(packed.shape[1], K, bits, x.device)
     return launch_gemv(_int_gemv_kernel, (packed, scale), N, x, bias, residual, norm, gated, cfg, BITS=bits,
                        GROUP=K // scale.shape[0])
 
