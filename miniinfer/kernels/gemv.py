@@ -68,7 +68,7 @@ def _weights(w_ptr, rn, k0, N, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["eps"])
-def _gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps, x_stride,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
                  ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[:M, n] = norm(x + res)[:M] @ W[n]^T (+ bias) for this program's BLOCK_N outputs n, on the
@@ -112,26 +112,17 @@ def gemv_config(N: int, K: int, norm: bool, device: torch.device) -> dict:
     return dict(BLOCK_N=4 if norm or N >= 65536 else 2, BLOCK_K=1024 if K >= 2048 else 512, num_warps=4)
 
 
-def launch_gemv(kernel, weights: tuple, N: int, x: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None, norm: tuple[torch.Tensor, float] | None, gated: bool,
-                config: dict, **meta) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Runs a GEMV kernel taking `_gemv_kernel`'s arguments with `weights` (the weight's tensors) in
-    the place of its weight, one program per BLOCK_N of the N outputs (chapter 10's packed codes
-    take it too) -> (out [..., N], the sum x + residual or None)."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
+def launch_gemv(kernel, weights: tuple, N: int, x: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+                config: dict, **args) -> torch.Tensor:
+    """Runs a GEMV kernel whose first arguments are `_gemv_kernel`'s, with `weights` (the weight's
+    tensors: chapter 10's packed codes and scales too) in the place of its weight, one program per
+    BLOCK_N of the N outputs; `args`: the kernel's own -> out [M, N] for x [M, K]."""
+    M, K = x.shape
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    total = torch.empty_like(x2) if residual is not None else None
-    nw, eps = norm if norm is not None else (x2, 0.0)  # unread without a norm
     kernel[(triton.cdiv(N, config["BLOCK_N"]),)](
-        x2, residual.reshape(-1, K) if residual is not None else x2, total if total is not None else x2, nw,
-        *weights, bias if bias is not None else x2, out, M, N, K, eps, x2.stride(0),
-        ROWS=triton.next_power_of_2(M), ADD=residual is not None, NORM=norm is not None,
-        HAS_BIAS=bias is not None, GATED=gated, **config, **meta, **pdl_args(x.device))
-    return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
+        x, *weights, bias if bias is not None else x, out, M, N, K, x.stride(0), **args,
+        ROWS=triton.next_power_of_2(M), HAS_BIAS=bias is not None, GATED=gated, **config, **pdl_args(x.device))
+    return out
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -140,9 +131,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """For a few rows x [..., K]: s = x + residual (if given), y = rms_norm(s) * norm weight (if
     given), out = y @ weight^T + bias, then silu(gate) * up of out's two halves if gated
     -> (out [..., N or N/2], s or None)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     N = weight.shape[0] // (2 if gated else 1)
-    cfg = config or gemv_config(N, x.shape[-1], norm is not None, x.device)
-    return launch_gemv(_gemv_kernel, (weight,), N, x, bias, residual, norm, gated, cfg)
+    total = torch.empty_like(x2) if residual is not None else None
+    nw, eps = norm if norm is not None else (x2, 0.0)  # unread without a norm
+    out = launch_gemv(_gemv_kernel, (weight,), N, x2, bias, gated, config or gemv_config(N, K, norm is not None, x.device),
+                      res_ptr=residual.reshape(-1, K) if residual is not None else x2,
+                      sum_ptr=total if total is not None else x2, nw_ptr=nw, eps=eps, ADD=residual is not None,
+                      NORM=norm is not None)
+    return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
 
 
 # Rows up to which the GEMV takes a matmul; above, cuBLAS was faster (gemv_h100.json: at 2 rows

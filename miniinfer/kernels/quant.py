@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.attention import _multiprocessors
-from miniinfer.kernels.gemv import _finish, _input_tile, _normed, _rstd, launch_gemv
-from miniinfer.kernels.norm_rope import wait_for_input
+from miniinfer.kernels.gemv import _finish, launch_gemv
+from miniinfer.kernels.norm_rope import fused_add_rms_norm, wait_for_input
 from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
 
 
@@ -99,13 +99,13 @@ def _code(words, j: tl.constexpr, BITS: tl.constexpr):
     return (at_top & (((1 << BITS) - 1) << TOP) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["eps"])
-def _int_gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, eps, x_stride,
-                     ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     GATED: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     WORDS: tl.constexpr, PDL: tl.constexpr):
-    """Chapter 06's _gemv_kernel over packed codes: a code costs a shift, a LOP3 and a multiply-add
-    (`_code`): sum x*s = 2^BITS * (sum x*v - 1.5 * sum x), the subtraction paid once per word."""
+@triton.jit
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROWS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
+    """Chapter 06's _gemv_kernel over packed codes, its gated epilogue and early launch with it: a
+    code costs a shift, a LOP3 and a multiply-add (`_code`): sum x*s = 2^BITS * (sum x*v - 1.5 *
+    sum x), the subtraction paid once per word."""
     PER: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = WORDS * PER
     NT = 2 * N if GATED else N  # columns of the codes: gate's N, then up's
@@ -116,8 +116,6 @@ def _int_gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_p
     if GATED:
         u_next, us_next = _codes(w_ptr, s_ptr, rn + N, NT, 0, NT, K, PER, GROUP, WORDS)
     wait_for_input(PDL)
-    if NORM:
-        rstd = _rstd(x_ptr, res_ptr, rows, M, K, x_stride, eps, ADD, 512)
     acc = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)  # summed over its words once, at the end
     if GATED:
         acc_up = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
@@ -133,10 +131,8 @@ def _int_gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_p
         x_sum = tl.zeros([ROWS, WORDS], tl.float32)
         for j in tl.static_range(PER):  # code j of every word, against the inputs k = word * PER + j
             k = k0 + tl.arange(0, WORDS) * PER + j
-            x = _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD)
-            if NORM:
-                x = _normed(x, k, rstd, nw_ptr, K)
-            x = x.to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                        other=0.0).to(tl.float32)
             part += x[:, :, None] * _code(words, j, BITS)
             if GATED:
                 part_up += x[:, :, None] * _code(u, j, BITS)
@@ -144,8 +140,8 @@ def _int_gemv_kernel(x_ptr, res_ptr, sum_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, out_p
         acc += (part - 1.5 * x_sum[:, :, None]) * scale.to(tl.float32)
         if GATED:
             acc_up += (part_up - 1.5 * x_sum[:, :, None]) * u_scale.to(tl.float32)
-    _finish(tl.sum(acc, 1) * (1 << BITS), tl.sum(acc_up, 1) * (1 << BITS) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N,
-            HAS_BIAS, GATED)
+    _finish(tl.sum(acc, 1) * (1 << BITS), tl.sum(acc_up, 1) * (1 << BITS) if GATED else acc, b_ptr, out_ptr, rows, rn,
+            M, N, HAS_BIAS, GATED)
 
 
 @triton.jit
@@ -205,16 +201,17 @@ def gemv_config(N: int, K: int, bits: int, device: torch.device) -> dict:
 
 
 def int_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
-             bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-             norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
-             config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chapter 06's gemv with the weight in IntLinear's packed codes: the add and the norm before, the
-    bias and silu(gate) * up after -> (out [..., N], x + residual or None)."""
+             bias: torch.Tensor | None = None, gated: bool = False, config: dict | None = None) -> torch.Tensor:
+    """Chapter 06's gemv with the weight in IntLinear's packed codes, the bias and silu(gate) * up
+    after it -> out [..., N]."""
     K = packed.shape[0] * 32 // bits
     N = packed.shape[1] // (2 if gated else 1)
-    cfg = config or gemv_config(packed.shape[1], K, bits, x.device)
-    return launch_gemv(_int_gemv_kernel, (packed, scale), N, x, bias, residual, norm, gated, cfg, BITS=bits,
-                       GROUP=K // scale.shape[0])
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = launch_gemv(_int_gemv_kernel, (packed, scale), N, x2, bias, gated,
+                      config or gemv_config(packed.shape[1], K, bits, x.device), BITS=bits, GROUP=K // scale.shape[0])
+    return out.view(*x.shape[:-1], N)
 
 
 def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: int) -> dict:
@@ -232,9 +229,9 @@ def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: i
 # Above this many rows the weight is dequantized whole and multiplied by cuBLAS: at 256 rows our
 # tiled kernel took 4-5x cuBLAS's time on bf16 weights (quant_h200.json, sweep).
 DEQUANTIZE_ROWS = 32
-# Up to this many rows the GEMV kernel; a guess until tools/bench_gemv.py formats measures where the
-# tiled kernel overtakes it
-GEMV_ROWS = 4
+# Up to this many rows the GEMV kernel: at 4 the tiled one was as fast or faster on every 1B and 8B
+# layer (gemv_formats_h100.json, formats), at 2 mostly slower
+GEMV_ROWS = 2
 
 
 def int_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
@@ -249,7 +246,7 @@ def int_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits:
         x2 = x2.contiguous()
     M = x2.shape[0]
     if (M <= GEMV_ROWS and config is None) or (config is not None and "WORDS" in config):
-        return int_gemv(x, packed, scale, bits, bias, config=config)[0]
+        return int_gemv(x, packed, scale, bits, bias, config=config)
     if M > DEQUANTIZE_ROWS and config is None:
         out = x2 @ dequantize_t(packed, scale, bits, x.dtype)
         return (out if bias is None else out + bias).view(*x.shape[:-1], N)
@@ -300,8 +297,14 @@ class TritonQuantKernels(QuantKernels):
     def int_linear(self, x, packed, scale, bits, bias):
         return int_matmul(x, packed, scale, bits, bias)
 
-    def int_gemv(self, x, packed, scale, bits, bias, **fused):
-        return int_gemv(x, packed, scale, bits, bias, **fused) if x.numel() <= GEMV_ROWS * x.shape[-1] else None
+    def int_gemv(self, x, packed, scale, bits, bias, residual=None, norm=None, gated=False):
+        if x.numel() > GEMV_ROWS * x.shape[-1]:
+            return None
+        total = None
+        if norm is not None:  # apart: inside, every program redid them for each word of its tile, and the
+            # GEMV took 1.2-2.9x as long on the 8B layers (gemv_formats_h100.json, formats)
+            x, total = fused_add_rms_norm(x, residual, *norm)
+        return int_gemv(x, packed, scale, bits, bias, gated=gated), total
 
     def quantize_fp8(self, x):
         return quantize_fp8(x)
