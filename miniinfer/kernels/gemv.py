@@ -138,7 +138,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N = weight.shape[0] // (2 if gated else 1)
     total = torch.empty_like(x2) if residual is not None else None
     nw, eps = norm if norm is not None else (x2, 0.0)  # unread without a norm
-    out = launch_gemv(_gemv_kernel, (weight,), N, x2, bias, gated, config or gemv_config(N, K, norm is not None, x.device),
+    cfg = config or gemv_config(N, K, norm is not None, x.device)
+    out = launch_gemv(_gemv_kernel, (weight,), N, x2, bias, gated, cfg,
                       res_ptr=residual.reshape(-1, K) if residual is not None else x2,
                       sum_ptr=total if total is not None else x2, nw_ptr=nw, eps=eps, ADD=residual is not None,
                       NORM=norm is not None)
