@@ -192,12 +192,16 @@ INT_CONFIGS = [dict(BLOCK_N=n, WORDS=w, num_warps=nw) for n, w, nw in
                itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024), (4, 8)) if 1024 <= n * w <= 8192]
 
 
+def how_many(nbytes: int) -> int:
+    """Copies of a weight of nbytes that a timed loop cycles through: 256 MB, over 4x the L2 cache."""
+    return max(2, min(64, -(-(1 << 28) // nbytes)))
+
+
 def int_copies(N: int, K: int, bits: int, group: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(packed, scale) in IntLinear's layout, copied until the copies exceed 4x the L2 cache."""
     codes, scale = quant.quantize_int(torch.randn(N, K, device="cuda", dtype=DT) * 0.02, bits, group)
     one = (quant.pack(codes, bits).t().contiguous(), scale.t().contiguous())
-    n = max(2, -(-(1 << 30) // (one[0].numel() * 4)) // 4)
-    return [one] + [(one[0].clone(), one[1].clone()) for _ in range(min(n, 64) - 1)]
+    return [one] + [(one[0].clone(), one[1].clone()) for _ in range(how_many(one[0].numel() * 4) - 1)]
 
 
 def int_sweep(gbps: float) -> dict:
@@ -265,7 +269,7 @@ def fp8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torc
     return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=DT)
 
 
-def formats(gbps: float) -> dict:
+def formats(gbps: float, save) -> dict:
     res: dict = {"peers_unavailable": {}}
     makers = peers()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -277,14 +281,14 @@ def formats(gbps: float) -> dict:
             ws = copies(N, K)
             ints = {fmt: int_copies(N, K, bits, group) for fmt, (bits, group) in INT_FORMATS.items()}
             wq, w_scale = quant.quantize_fp8(w)
-            fp8 = [(wq.clone(), w_scale.float().reshape(1, N)) for _ in range(min(64, 2 * len(ws)))]  # a byte each
+            fp8 = [(wq.clone(), w_scale.float().reshape(1, N)) for _ in range(how_many(N * K))]
             built = {}
             for peer, make in makers.items():
                 if isinstance(make, str):
                     res["peers_unavailable"][peer] = make
                     continue
                 try:
-                    built[peer] = [make(w) for _ in range(max(2, len(ws) * (3 if "4" in peer else 2)))][:64]
+                    built[peer] = [make(w) for _ in range(how_many(N * K // (2 if "4" in peer else 1)))]
                 except Exception as e:  # noqa: BLE001
                     res["peers_unavailable"][peer] = f"{type(e).__name__}: {str(e)[:300]}"
             for M in (1, 2, 4, 8, 16):
@@ -324,6 +328,7 @@ def formats(gbps: float) -> dict:
                     print(model, name, fmt, res[f"{model}/{name}/silu_{fmt}"], flush=True)
             del ws, ints, fp8, built
             torch.cuda.empty_cache()
+            save(res)  # layer by layer: a run cut short keeps what it measured
     return res
 
 
@@ -339,8 +344,10 @@ def main(out: str, parts: list[str]) -> None:
             res["chain"] = chain(res["copy_GBps"])
         elif part == "fused":
             res["fused"] = fused(res["copy_GBps"], res.get("sweep", {}))
-        elif part in ("int_sweep", "formats"):
-            res[part] = {"int_sweep": int_sweep, "formats": formats}[part](res["copy_GBps"])
+        elif part == "int_sweep":
+            res[part] = int_sweep(res["copy_GBps"])
+        elif part == "formats":
+            res[part] = formats(res["copy_GBps"], lambda r: path.write_text(json.dumps(dict(res, formats=r), indent=1)))
         else:
             raise SystemExit(f"unknown part {part!r}")
         path.write_text(json.dumps(res, indent=1) + "\n")

@@ -156,16 +156,15 @@ def decode(gbps: float) -> dict:
     """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
     Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
     token)."""
-    import copy
+    import gc
 
     from bench_engine import batch1, llama_8b, models, timeline1
 
     res = {}
     for shape, build in (("llama-1b", lambda: models("llama")[1]), ("llama-8b", llama_8b)):
-        base = build()
         res[shape] = {}
         for fmt in ("bf16", "int8", "int4", "fp8"):
-            model = copy.deepcopy(base)
+            model = build()  # anew for each format: two 8B models and a pool do not fit an 80 GB card
             if fmt != "bf16":
                 quant.quantize_model(model, fmt)
             tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
@@ -185,7 +184,8 @@ def decode(gbps: float) -> dict:
                   f"{d['step_us']:.0f} us on the device ({d['step_speedup_vs_bf16']:.2f}x bf16, "
                   f"{100 * d['step_fraction_of_floor']:.0f}% of its floor)", flush=True)
             del model
-        del base
+            gc.collect()
+            torch.cuda.empty_cache()
     return res
 
 
