@@ -17,6 +17,8 @@ Parts (any, in one run; results merge into the JSON):
             activation quantization), gemlite's A16W8 and A16W4, torchao's int4 weight-only; and at
             one row the int GEMV with SiLU-and-multiply inside against it apart
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
+    python tools/bench_gemv.py plot docs/benchmarks/gemv_formats_h100.json docs/benchmarks/quant_decode_h100.json
+        (the formats beside batch-1 decode per format from tools/bench_quant.py decode, as a PNG)
 """
 
 import contextlib
@@ -353,6 +355,69 @@ def main(out: str, parts: list[str]) -> None:
         path.write_text(json.dumps(res, indent=1) + "\n")
 
 
+FORMAT_STYLE = {"bf16_cublas": ("bf16, cuBLAS", "#bdbdbd"), "fp8_scaled_mm": ("fp8, _scaled_mm", "#fdae6b"),
+                "int8_picked": ("int8, ours", "#9ecae1"), "gemlite_a16w8": ("int8, gemlite", "#a1d99b"),
+                "int4_picked": ("int4, ours", "#3182bd"), "gemlite_a16w4": ("int4, gemlite", "#31a354"),
+                "torchao_int4_tinygemm": ("int4, torchao", "#756bb1")}
+
+
+def plot(formats_path: str, decode_path: str) -> None:
+    """Three panels beside the formats JSON: the 8B layers at one row against the copy bandwidth; int4
+    against bf16 at 1-16 rows; batch-1 decode per format against bf16, with the issue's goals."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(formats_path).read_text())
+    dec = json.loads(Path(decode_path).read_text())["decode"]
+    f, gbps = res["formats"], res["copy_GBps"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.6, 1.2, 1]})
+    names = ("qkv", "o", "gate_up", "down")
+    width = 0.8 / len(FORMAT_STYLE)
+    for i, (key, (label, color)) in enumerate(FORMAT_STYLE.items()):
+        frac = []
+        for name in names:
+            r = f[f"llama_8b/{name}/1"]
+            nbytes = r["N"] * r["K"] * 2  # bf16 bytes: the bar is the speed of the same layer, bf16 copy = 1
+            frac.append(nbytes / gbps / 1e3 / r["us"][key])
+        a.bar([j + i * width for j in range(len(names))], frac, width, label=label, color=color)
+    a.axhline(1, color="k", lw=0.8)
+    a.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], [f"8B {n}" for n in names])
+    a.set(ylabel="bf16 bytes at copy speed / time", title="one row: each layer alone (1 = bf16 at the copy bandwidth)")
+    a.legend(fontsize=7, ncol=2)
+    for name, ls in zip(names, ("-", "--", ":", "-.")):
+        for key in ("int4_picked", "gemlite_a16w4", "torchao_int4_tinygemm"):
+            rows, color = (1, 2, 4, 8, 16), FORMAT_STYLE[key][1]
+            b.plot(rows, [f[f"llama_8b/{name}/{m}"]["us"]["bf16_cublas"] / f[f"llama_8b/{name}/{m}"]["us"][key]
+                          for m in rows], color=color, ls=ls, lw=1.2,
+                   label=f"{FORMAT_STYLE[key][0]}" if name == "qkv" else None)
+    b.axhline(1, color="k", lw=0.8)
+    b.set(xscale="log", xticks=(1, 2, 4, 8, 16), xticklabels=("1", "2", "4", "8", "16"), xlabel="rows",
+          ylabel="bf16 cuBLAS time / int4 time", title="8B layers (line style: qkv, o, gate_up, down)")
+    b.legend(fontsize=7)
+    fmts = ("int8", "int4", "fp8")
+    goals = {("llama-8b", "int8"): 1.6, ("llama-8b", "int4"): 2.5, ("llama-8b", "fp8"): 1.6, ("llama-1b", "int4"): 1.8}
+    for i, shape in enumerate(("llama-1b", "llama-8b")):
+        xs = [j + 0.4 * i for j in range(len(fmts))]
+        c.bar(xs, [dec[shape][m]["speedup_vs_bf16"] for m in fmts], 0.4, label=f"{shape}, served",
+              color=("#9ecae1", "#3182bd")[i])
+        c.scatter(xs, [dec[shape][m]["step_speedup_vs_bf16"] for m in fmts], color="k", s=12, zorder=3,
+                  label="the step on the device" if i else None)
+        for x, m in zip(xs, fmts):
+            if (shape, m) in goals:
+                c.plot([x - 0.18, x + 0.18], [goals[shape, m]] * 2, color="#e6550d", lw=2,
+                       label="goal" if (shape, m) == ("llama-8b", "int8") else None)
+    c.axhline(1, color="k", lw=0.8)
+    c.set_xticks([j + 0.2 for j in range(len(fmts))], fmts)
+    c.set(ylabel="tokens/s relative to bf16", title="batch-1 decode, same run per shape")
+    c.legend(fontsize=7)
+    fig.suptitle(f"{res['gpu']}, copy {gbps:,.0f} GB/s, torch {res['torch']}, triton {res['triton']}, {res['date']}")
+    fig.tight_layout()
+    fig.savefig(Path(formats_path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         main(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "plot":
+        plot(sys.argv[2], sys.argv[3])
