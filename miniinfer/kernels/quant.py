@@ -302,7 +302,7 @@ class TritonQuantKernels(QuantKernels):
             return None
         total = None
         if norm is not None:  # apart: inside, every program redid them for each word of its tile, and the
-            # GEMV took 1.2-2.9x as long on the 8B layers (gemv_formats_h100.json, formats)
+            # GEMV took 1.3-2.5x as long on the 8B layers (gemv_formats_h100.json, norm_inside)
             x, total = fused_add_rms_norm(x, residual, *norm)
         return int_gemv(x, packed, scale, bits, bias, gated=gated), total
 
