@@ -160,8 +160,9 @@ def layer_gemv(linear: nn.Module, x: torch.Tensor, **fused) -> tuple[torch.Tenso
     own = getattr(linear, "gemv", None)
     if own is not None:
         return own(x, **fused)
-    plain = isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
-    if not plain or x.numel() > GEMV_ROWS * x.shape[-1] or linear.weight.dtype != x.dtype:
+    if not isinstance(linear, nn.Linear) or type(linear).forward is not nn.Linear.forward:
+        return None
+    if x.numel() > GEMV_ROWS * x.shape[-1] or linear.weight.dtype != x.dtype:
         return None
     return gemv(x, linear.weight, linear.bias, **fused)
 

@@ -76,9 +76,12 @@ class QuantKernels:
         return F.linear(x, dequantize(packed.t(), scale.t(), bits).to(x.dtype), bias)
 
     def int_gemv(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Chapter 06's fused GEMV (`fused`: its residual, norm and gated) over packed codes, or None
-        where there is none: PyTorch has none, the add, norm and matmul then run one by one."""
+                 bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+                 norm: tuple[torch.Tensor, float] | None = None,
+                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Chapter 06's GEMV step over packed codes (the add and norm before it, silu(gate) * up after:
+        -> (out, x + residual or None)), or None where there is none: PyTorch has none, the add, norm
+        and matmul then run one by one."""
         return None
 
 
