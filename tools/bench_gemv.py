@@ -12,7 +12,7 @@ Parts (any, in one run; results merge into the JSON):
     chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
             with programmatic dependent launch (each launched while the one before drains), and without
     int_sweep  the int8/int4 GEMV's tiles at one row on the 1B and 8B layers (chapter 10's gemv_config)
-    formats the weight formats at 1-16 rows on the same layers: bf16 (cuBLAS, our GEMV), int8 and int4
+    formats[:MODEL] the weight formats at 1-16 rows on the same layers: bf16 (cuBLAS, our GEMV), int8 and int4
             (our GEMV, our tiled kernel, what int_matmul picks), fp8 (torch._scaled_mm after our
             activation quantization), gemlite's A16W8 and A16W4, torchao's int4 weight-only; and at
             one row the int GEMV with SiLU-and-multiply inside against it apart
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from bench_attention import graph_ms
+from bench_quant import fp8_matmul
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -266,16 +267,12 @@ def peers() -> dict:
     return out
 
 
-def fp8_matmul(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    xq, x_scale = kq.quantize_fp8(x)  # the activations' quantization is part of the cost
-    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=DT)
-
-
-def formats(gbps: float, save) -> dict:
-    res: dict = {"peers_unavailable": {}}
+def formats(gbps: float, save, models: tuple[str, ...], res: dict) -> dict:
+    """Adds the rows of `models` to res (the JSON's earlier rows: a run per model fits a device call)."""
+    res.setdefault("peers_unavailable", {})
     makers = peers()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for model in INT_MODELS:
+    for model in models:
         for name, (N, K) in layers(model).items():
             if name == "lm_head":
                 continue
@@ -348,8 +345,11 @@ def main(out: str, parts: list[str]) -> None:
             res["fused"] = fused(res["copy_GBps"], res.get("sweep", {}))
         elif part == "int_sweep":
             res[part] = int_sweep(res["copy_GBps"])
-        elif part == "formats":
-            res[part] = formats(res["copy_GBps"], lambda r: path.write_text(json.dumps(dict(res, formats=r), indent=1)))
+        elif part.startswith("formats"):  # formats or formats:llama_8b (one model's rows, the others kept)
+            models = tuple(part.split(":")[1:]) or INT_MODELS
+            def save(rows: dict) -> None:
+                path.write_text(json.dumps(dict(res, formats=rows), indent=1))
+            res["formats"] = formats(res["copy_GBps"], save, models, res.get("formats", {}))
         else:
             raise SystemExit(f"unknown part {part!r}")
         path.write_text(json.dumps(res, indent=1) + "\n")

@@ -119,6 +119,8 @@ def launch_gemv(kernel, weights: tuple, N: int, x: torch.Tensor, bias: torch.Ten
     BLOCK_N of the N outputs; `args`: the kernel's own -> out [M, N] for x [M, K]."""
     M, K = x.shape
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:  # no rows: tl.arange takes none
+        return out
     kernel[(triton.cdiv(N, config["BLOCK_N"]),)](
         x, *weights, bias if bias is not None else x, out, M, N, K, x.stride(0), **args,
         ROWS=triton.next_power_of_2(M), HAS_BIAS=bias is not None, GATED=gated, **config, **pdl_args(x.device))
@@ -154,7 +156,8 @@ GEMV_ROWS = 1
 def layer_gemv(linear: nn.Module, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """gemv(x, ...) by the layer's weight, or None where the GEMV does not serve: x has more than
     GEMV_ROWS rows, or the layer is more than x @ W^T + b in x's dtype (chapter 11's all-reduced
-    projections). A layer with a `gemv` method has a GEMV of its own (chapter 10's quantized ones)."""
+    projections). A layer with a `gemv` method has a GEMV of its own and its own row limit (chapter
+    10's quantized ones)."""
     if linear._forward_hooks or linear._forward_pre_hooks:
         return None
     own = getattr(linear, "gemv", None)

@@ -229,8 +229,8 @@ def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: i
 # Above this many rows the weight is dequantized whole and multiplied by cuBLAS: at 256 rows our
 # tiled kernel took 4-5x cuBLAS's time on bf16 weights (quant_h200.json, sweep).
 DEQUANTIZE_ROWS = 32
-# Up to this many rows the GEMV kernel: at 4 the tiled one was as fast or faster on every 1B and 8B
-# layer (gemv_formats_h100.json, formats), at 2 mostly slower
+# Up to this many rows the GEMV kernel: at 2 rows it was the faster on 15 of the 16 1B and 8B layers
+# and formats, at 4 on 3 (gemv_formats_h100.json, formats)
 GEMV_ROWS = 2
 
 
@@ -301,7 +301,7 @@ class TritonQuantKernels(QuantKernels):
         if x.numel() > GEMV_ROWS * x.shape[-1]:
             return None
         total = None
-        if norm is not None:  # apart: inside, every program redid them for each word of its tile, and the
+        if norm is not None:  # (with the residual, as FusedOps.add_norm_linear passes them) apart: inside, every program redid them for each word of its tile, and the
             # GEMV took 1.3-2.5x as long on the 8B layers (gemv_formats_h100.json, norm_inside)
             x, total = fused_add_rms_norm(x, residual, *norm)
         return int_gemv(x, packed, scale, bits, bias, gated=gated), total
