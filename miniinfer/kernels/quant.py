@@ -301,8 +301,9 @@ class TritonQuantKernels(QuantKernels):
         if x.numel() > GEMV_ROWS * x.shape[-1]:
             return None
         total = None
-        if norm is not None:  # (with the residual, as FusedOps.add_norm_linear passes them) apart: inside, every program redid them for each word of its tile, and the
-            # GEMV took 1.3-2.5x as long on the 8B layers (gemv_formats_h100.json, norm_inside)
+        if norm is not None:  # with the residual (FusedOps.add_norm_linear passes both), apart: inside,
+            # every program redid them for each word of its tile, and the GEMV took 1.3-2.5x as long
+            # on the 8B layers (gemv_formats_h100.json, norm_inside)
             x, total = fused_add_rms_norm(x, residual, *norm)
         return int_gemv(x, packed, scale, bits, bias, gated=gated), total
 
