@@ -111,15 +111,17 @@ def errors(cell) -> list[str]:
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_exercises_fail_unfilled_and_pass_solved(solution):
-    """Every check cell after an exercise fails on the unfilled notebook and passes on the solution."""
-    sol = execute(solution)
+def test_exercises_fail_unfilled(solution):
+    """Every check cell after an exercise fails on the unfilled notebook. (That each passes on the
+    solution is nbval's to see: `make test` runs the solutions and compares their outputs, and
+    test_notebook_outputs_obey_nbval_conventions finds no error among those stored.)"""
+    import nbformat
+
+    sol = nbformat.read(solution, as_version=4)
     ex = execute(ROOT / "exercises" / solution.name)
     code = [i for i, c in enumerate(sol.cells) if c.cell_type == "code"]
     exercises = [i for i in code if "### BEGIN SOLUTION" in sol.cells[i].source]
     assert exercises, "a problem set without exercises"
-    for i in code:
-        assert not errors(sol.cells[i]), f"solution cell {i} fails: {errors(sol.cells[i])}"
     for i in exercises:
         check = code[code.index(i) + 1]
         assert "# YOUR CODE HERE" in ex.cells[i].source
