@@ -25,24 +25,6 @@ def _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD: tl.c
 
 
 @triton.jit
-def _rstd(x_ptr, res_ptr, rows, M, K, x_stride, eps, ADD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row of x (+ res): a first pass over the input, K numbers a row from L2."""
-    ss = tl.zeros([rows.shape[0]], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = _input_tile(x_ptr, res_ptr, res_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, ADD)
-        ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
-def _normed(x, k, rstd, nw_ptr, K):
-    """The input tile x (inputs k) through the RMSNorm, rounded where the unfused norm rounds."""
-    y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-    nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    return (nw[None, :] * y.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
 def _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
     """Stores out [ROWS, BLOCK_N] (+ bias); GATED: silu(out) * up instead, up the channels N + rn."""
     dt = out_ptr.dtype.element_ty
@@ -83,15 +65,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_p
         u_next = _weights(w_ptr, rn + N, 0, 2 * N, K, BLOCK_K)
     wait_for_input(PDL)  # chapter 04: launched early, it waits only now for the kernel before
     if NORM:  # a first pass for each row's RMS: K numbers a row from L2, against BLOCK_N * K weights
-        rstd = _rstd(x_ptr, res_ptr, rows, M, K, x_stride, eps, ADD, BLOCK_K)
+        ss = tl.zeros([ROWS], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = _input_tile(x_ptr, res_ptr, sum_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, ADD)
+            ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+        rstd = tl.rsqrt(ss / K + eps)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)  # summed along K once, at the end
     if GATED:
         acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD)
-        if NORM:
-            x = _normed(x, k, rstd, nw_ptr, K)
+        if NORM:  # rounded where the unfused norm rounds
+            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+            nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (nw[None, :] * y.to(tl.float32)).to(x.dtype)
         x = x.to(tl.float32)[:, None, :]
         # the next tile asked for before this one is used: its loads wait while this one multiplies
         w, w_next = w_next, _weights(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K)
