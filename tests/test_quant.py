@@ -8,12 +8,14 @@ from unittest import mock
 import pytest
 import torch
 import transformers
+import triton
+import triton.language as tl
 from conftest import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniinfer as mi
-from miniinfer.kernels.quant import int_matmul
+from miniinfer.kernels.quant import _e4m3, _e4m3_bits, int_matmul
 from miniinfer.layers import quantization as quant
 
 ct = pytest.importorskip("compressed_tensors")
@@ -84,6 +86,65 @@ def test_int_gemv_with_the_add_norm_before_and_the_gate_inside(bits, group, M, N
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
     tiles = kq.int_gemv(y, *args, gated=gated, config=dict(BLOCK_N=16, WORDS=8))
     torch.testing.assert_close(tiles, ref, atol=1e-3, rtol=1e-3)
+
+
+@triton.jit
+def _round_all(x_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _e4m3(tl.load(x_ptr + i)))
+
+
+@triton.jit
+def _read_all(b_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, _e4m3_bits(tl.load(b_ptr + i)))
+
+
+def test_e4m3_rounding_and_reading_are_torchs_casts():
+    """The fp8 GEMV's rounding of activations, on every e4m3 value, every midpoint between two (the
+    ties), and random values at several scales (subnormals among them)."""
+    exact = torch.arange(256, dtype=torch.uint8).view(quant.FP8).float()
+    exact = exact[exact.isfinite()].sort().values
+    torch.manual_seed(0)
+    x = torch.cat([exact, (exact[1:] + exact[:-1]) / 2, torch.randn(3000) * 100, torch.randn(3000) * 1e-2,
+                   torch.randn(1000) * 1e-4]).clamp(-quant.FP8_MAX, quant.FP8_MAX)
+    x = torch.cat([x, torch.zeros(8192 - len(x))])
+    out = torch.empty_like(x)
+    _round_all[(1,)](x, out, N=len(x))
+    assert torch.equal(out, x.to(quant.FP8).float())
+    # and the fp8 GEMV's reading of weights: every byte but e4m3's two NaNs, subnormals and signs included
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.int8)
+    read = torch.empty(256)
+    _read_all[(1,)](codes, read, N=256)
+    exact = codes.view(quant.FP8).float()
+    finite = exact.isfinite()
+    assert torch.equal(read[finite].double() * 2.0 ** 120, exact[finite].double())
+
+
+@pytest.mark.parametrize("M,N,K,gated,bias", [(1, 37, 256, False, False), (1, 19, 384, True, True),
+                                              (2, 33, 520, False, True), (3, 8, 1000, True, False)])
+def test_fp8_gemv_computes_what_scaled_mm_does(M, N, K, gated, bias):
+    """The add and norm kernel, then the fp8 GEMV, against FP8Linear's activations quantized by
+    quantize_fp8, float32 products, the scales and the bf16 bias after, rounded to bf16 (what
+    `_scaled_mm` returns), SiLU after: equal up to the order of the sums (a bf16 step)."""
+    from miniinfer.kernels import quant as kq
+
+    torch.manual_seed(M * N)
+    h, x, nw = torch.randn(M, K), torch.randn(M, K), torch.randn(K)
+    w, ws = quant.quantize_fp8(torch.randn(2 * N if gated else N, K))
+    b = torch.randn(w.shape[0]) if bias else None
+    y, total = mi.model.transformer.add_rms_norm(h, x, nw, 1e-6)
+    yq, ys = quant.quantize_fp8(y)
+    ref = yq.float() @ w.float().T * ys * ws.T + (b.bfloat16().float() if bias else 0)
+    ref = ref.bfloat16().float()
+    ref = mi.model.transformer.silu_and_mul(ref) if gated else ref
+    with mock.patch.object(kq, "FP8_GEMV_ROWS", 4):
+        out, s = kq.TRITON_QUANT.fp8_gemv(h, w, ws, b, residual=x, norm=(nw, 1e-6), gated=gated)
+    torch.testing.assert_close(s, total)
+    step = 2 ** -7 * ref.abs().max().item()
+    torch.testing.assert_close(out, ref, atol=step, rtol=2 ** -7)
+    tiles = kq.fp8_gemv(y, w, ws, b, gated=gated, config=dict(BLOCK_N=4, BLOCK_K=64))  # K in several tiles
+    torch.testing.assert_close(tiles, ref, atol=step, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
@@ -190,24 +251,25 @@ def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
     assert engine.block_manager.num_free_blocks == 24
 
 
-def test_fused_ops_send_quantized_decode_steps_through_the_int_gemv(monkeypatch):
-    """With the Triton GEMV (as on a GPU; the prefill's matmuls stay PyTorch's here, to be quick) and
-    chapter 06's fused ops, a one-row step's projections go through the int GEMV (the norm before it,
-    SiLU inside gate/up's); the tokens stay the PyTorch path's."""
+@pytest.mark.parametrize("scheme", ["int4", "fp8"])
+def test_fused_ops_send_quantized_decode_steps_through_their_gemv(monkeypatch, scheme):
+    """With the Triton GEMVs (as on a GPU; the prefill's matmuls stay PyTorch's here, to be quick) and
+    chapter 06's fused ops, a one-row step's projections go through the int or fp8 GEMV (the norm
+    before it, SiLU inside gate/up's); the tokens stay the PyTorch path's."""
     from miniinfer.kernels import quant as kq
 
     class GemvOnly(quant.QuantKernels):
         int_gemv = kq.TritonQuantKernels.int_gemv
+        fp8_gemv = kq.TritonQuantKernels.fp8_gemv
 
-    model = quant.quantize_model(mi.load_model(), "int4")
+    model = quant.quantize_model(mi.load_model(), scheme)
     prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     ref = mi.generate_cached(model, prompt, greedy)
     calls = []
-    original = kq.int_gemv
-    monkeypatch.setattr(kq, "int_gemv", lambda *a, **k: calls.append(k) or original(*a, **k))
-    for m in model.modules():
-        if isinstance(m, quant.IntLinear):
-            m.kernels = GemvOnly()
+    name = "int_gemv" if scheme == "int4" else "fp8_gemv"
+    original = getattr(kq, name)
+    monkeypatch.setattr(kq, name, lambda *a, **k: calls.append(k) or original(*a, **k))
+    monkeypatch.setitem(quant.QUANT_KERNELS, "torch", GemvOnly())
     assert mi.generate_cached(model.use_ops("fused"), prompt, greedy) == ref
     assert any(k.get("gated") for k in calls) and any(not k.get("gated") for k in calls)  # gate/up, and the rest
 

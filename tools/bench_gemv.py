@@ -12,6 +12,9 @@ Parts (any, in one run; results merge into the JSON):
     chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
             with programmatic dependent launch (each launched while the one before drains), and without
     int_sweep  the int8/int4 GEMV's tiles at one row on the 1B and 8B layers (chapter 10's gemv_config)
+    fp8_sweep  the fp8 GEMV's tiles at 1 and 2 rows on the same layers (chapter 10's fp8_config), beside
+            torch._scaled_mm after our activation quantization and bf16 cuBLAS; its outputs checked
+            against _scaled_mm's
     formats[:MODEL] the weight formats at 1-16 rows on the same layers: bf16 (cuBLAS, our GEMV), int8 and int4
             (our GEMV, our tiled kernel, what int_matmul picks), fp8 (torch._scaled_mm after our
             activation quantization), gemlite's A16W8 and A16W4, torchao's int4 weight-only; and at
@@ -229,6 +232,54 @@ def int_sweep(gbps: float) -> dict:
     return res
 
 
+FP8_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in
+               itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8)) if 1024 <= n * k <= 16384]
+
+
+def fp8_subnormals() -> float:
+    """The fp8 GEMV on weights that are all e4m3 subnormals, against _scaled_mm: it reads them as
+    float32 subnormals, which a flush to zero would lose (a relative error of 1)."""
+    N, K = 64, 1024
+    magnitude = torch.randint(1, 8, (N, K), device="cuda", dtype=torch.uint8)  # exponent 0, mantissa 1..7
+    w = (magnitude | (torch.randint(0, 2, (N, K), device="cuda", dtype=torch.uint8) << 7)).view(quant.FP8)
+    scale = torch.ones(N, 1, device="cuda")
+    x = torch.randn(1, K, device="cuda", dtype=DT)
+    ref = fp8_matmul(x, w, scale.reshape(1, N))
+    return ((kq.fp8_gemv(x, w, scale) - ref).abs().max() / ref.abs().max()).item()
+
+
+def fp8_sweep(gbps: float) -> dict:
+    res = {"subnormal_weights_max_rel_err": fp8_subnormals()}
+    print(f"fp8 GEMV on subnormal weights: relative error {res['subnormal_weights_max_rel_err']:.1e}", flush=True)
+    for model in INT_MODELS:
+        for name, (N, K) in layers(model).items():
+            if name == "lm_head":
+                continue
+            wq, w_scale = quant.quantize_fp8(torch.randn(N, K, device="cuda", dtype=DT) * 0.02)
+            fp8 = [(wq.clone(), w_scale.clone()) for _ in range(how_many(N * K))]
+            ws = copies(N, K)
+            for M in (1, 2):
+                x = torch.randn(M, K, device="cuda", dtype=DT)
+                ref = fp8_matmul(x, wq, w_scale.reshape(1, N))
+                err = (kq.fp8_gemv(x, wq, w_scale) - ref).abs().max().item() / ref.abs().max().item()
+                times = sorted((graph_us([lambda w=w, c=c: kq.fp8_gemv(x, *w, config=c) for w in fp8]), i)
+                               for i, c in enumerate(FP8_CONFIGS))
+                row = {"N": N, "K": K, "rows": M, "max_rel_err_vs_scaled_mm": err, "best_us": times[0][0],
+                       "best_config": FP8_CONFIGS[times[0][1]],
+                       "rule_us": graph_us([lambda w=w: kq.fp8_gemv(x, *w) for w in fp8]),
+                       "top5": [(t, FP8_CONFIGS[i]) for t, i in times[:5]],
+                       "scaled_mm_us": graph_us([lambda q=q, s=s: fp8_matmul(x, q, s.reshape(1, N)) for q, s in fp8]),
+                       "bf16_cublas_us": graph_us([lambda w=w: F.linear(x, w) for w in ws]),
+                       "copy_us": (N * K + 4 * N) / gbps / 1e3}
+                print(f"fp8_sweep {model} {name} {M}: best {row['best_us']:.1f} us {row['best_config']}, rule "
+                      f"{row['rule_us']:.1f}, _scaled_mm {row['scaled_mm_us']:.1f}, bf16 {row['bf16_cublas_us']:.1f}, "
+                      f"copy {row['copy_us']:.1f}, err {err:.1e}", flush=True)
+                res[f"{model}/{name}/{M}"] = row
+            del fp8, ws
+            torch.cuda.empty_cache()
+    return res
+
+
 def _linear(w: torch.Tensor) -> torch.nn.Linear:
     layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=DT).requires_grad_(False)
     layer.weight.copy_(w)
@@ -345,6 +396,8 @@ def main(out: str, parts: list[str]) -> None:
             res["fused"] = fused(res["copy_GBps"], res.get("sweep", {}))
         elif part == "int_sweep":
             res[part] = int_sweep(res["copy_GBps"])
+        elif part == "fp8_sweep":
+            res[part] = fp8_sweep(res["copy_GBps"])
         elif part.startswith("formats"):  # formats or formats:llama_8b (one model's rows, the others kept)
             models = tuple(part.split(":")[1:]) or INT_MODELS
             def save(rows: dict) -> None:

@@ -152,7 +152,7 @@ def fp8_matmul(x, wq, ws):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=DT)
 
 
-def decode(gbps: float) -> dict:
+def decode(gbps: float, save=lambda res: None) -> dict:
     """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
     Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
     token)."""
@@ -186,6 +186,7 @@ def decode(gbps: float) -> dict:
             del model
             gc.collect()
             torch.cuda.empty_cache()
+            save(res)  # format by format: a run cut short keeps what it measured
     return res
 
 
@@ -265,7 +266,12 @@ def main(out: str, parts: list[str]) -> None:
     for part in parts:
         if part not in PARTS:
             raise SystemExit(f"unknown part {part!r}")
-        res[part] = PARTS[part](res["copy_GBps"]) if part in ("decode", "kernels") else PARTS[part]()
+        if part == "decode":
+            def save(rows: dict) -> None:
+                path.write_text(json.dumps(dict(res, decode=rows), indent=1))
+            res[part] = decode(res["copy_GBps"], save)
+        else:
+            res[part] = PARTS[part](res["copy_GBps"]) if part == "kernels" else PARTS[part]()
         path.write_text(json.dumps(res, indent=1))
 
 

@@ -2,9 +2,11 @@
 chunked prefill on) against transformers' generate on the same random checkpoints (the tests'
 Llama, Qwen2 and Qwen3 shapes), 48 requests over shared prefixes, each served twice (the second
 round hits the cache), with overlap on (the default) and off; then six of them alone (batch 1, every
-decode step through chapter 06's one-row GEMVs).
+decode step through chapter 06's one-row GEMVs). Then the course model quantized (int8, int4, fp8;
+float32 and bf16): each request served among the others (chapter 10's batched kernels) against the
+same request alone (the one-row GEMVs) and against chapter 04's ops (the plain matmuls, no GEMV).
 
-    python tools/gpu_parity.py OUT.json
+    python tools/gpu_parity.py OUT.json [quantized]   (quantized: that part only)
 """
 
 import json
@@ -45,7 +47,25 @@ def parity(kind: str, overlap: bool, n: int = 48) -> dict:
             "cached_tokens_per_round": cached, "all_blocks_back": free}
 
 
+def quantized(fmt: str, dtype: torch.dtype, n: int = 12) -> dict:
+    prompts, params = shared_workload(n, vocab=4096)
+    engine = mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=dtype, quantization=fmt, num_blocks=256,
+                                          max_num_seqs=16))
+    together = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    alone = [engine.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts, params)]
+    free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    model = engine.executor.runner.model
+    plain = [mi.generate_cached(model.use_ops("triton"), p, sp) for p, sp in zip(prompts, params)]
+    res = {"requests": n, "alone_same_as_together": sum(a == t for a, t in zip(alone, together)),
+           "chapter04_ops_same_as_together": sum(a == t for a, t in zip(plain, together)), "all_blocks_back": free}
+    print(f"{fmt} {dtype}: {res}", flush=True)
+    return res
+
+
 if __name__ == "__main__":
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           **{f"{kind}_overlap_{o}": parity(kind, o == "on") for kind in SHAPES for o in ("on", "off")}}
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if sys.argv[2:] != ["quantized"]:
+        res.update({f"{kind}_overlap_{o}": parity(kind, o == "on") for kind in SHAPES for o in ("on", "off")})
+    res.update({f"{fmt}_{str(dt)[6:]}": quantized(fmt, dt) for fmt in ("int8", "int4", "fp8")
+                for dt in (torch.float32, torch.bfloat16)})
     Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")

@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.attention import _multiprocessors
-from miniinfer.kernels.gemv import _finish, launch_gemv
+from miniinfer.kernels.gemv import _finish, _input_tile, _weights, launch_gemv
+from miniinfer.kernels.gemv import gemv_config as bf16_gemv_config
 from miniinfer.kernels.norm_rope import fused_add_rms_norm, wait_for_input
 from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
 
@@ -293,22 +294,129 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
+@triton.jit
+def _e4m3(x):
+    """float32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, as torch's cast rounds.
+    e4m3 keeps 3 bits below x's leading one, 2^e (and steps of 2^-9 below 2^-6): adding 1.5 * 2^(e+20)
+    puts the sum where float32's last bit is worth 2^(e-3), so the addition's own rounding drops the
+    rest, and subtracting it again is exact. Arithmetic, not a cast: Triton's CPU interpreter casts
+    to e4m3 without carrying a rounded-up mantissa into the exponent."""
+    top = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^e
+    c = tl.maximum(top, 0.015625) * 1572864.0
+    return (x + c) - c
+
+
+@triton.jit
+def _e4m3_bits(b):
+    """e4m3 bytes (as int8) -> float32 equal to 2^-120 of their values, exactly, without a conversion
+    instruction (Hopper issues those at a quarter of an add's rate): the byte shifted so that its
+    exponent and mantissa sit at the bottom of float32's, its sign (copied up by the int8's sign
+    extension) at the top. Exponent biases 7 and 127 differ by 120; e4m3's subnormals land on
+    float32's subnormals, which the GPU computes with at full speed."""
+    return ((b.to(tl.int32) << 20) & -0x78100000).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
+
+@triton.jit
+def _fp8_out(acc, x_scale, s_ptr, b_ptr, rn, N, HAS_BIAS: tl.constexpr):
+    # x was taken at 2^64 and W at 2^-120 (_e4m3_bits): 2^56 puts the sums back, exactly
+    out = acc * 72057594037927936.0 * x_scale[:, None] * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    if HAS_BIAS:  # `_scaled_mm` takes a bf16 bias
+        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.bfloat16).to(tl.float32)[None, :]
+    return out.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROWS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+    """Chapter 06's _gemv_kernel over FP8Linear's e4m3 weights, computing what `_scaled_mm` does: each
+    row of x rounded to e4m3 by its own largest |x| (a first pass over x, as chapter 06's norm
+    makes one), the products summed in float32, both scales and the bias applied once, the result
+    rounded to bf16, `_scaled_mm`'s output."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_next = _weights(w_ptr, rn, 0, N, K, BLOCK_K)
+    if GATED:
+        u_next = _weights(w_ptr, rn + N, 0, 2 * N, K, BLOCK_K)
+    wait_for_input(PDL)
+    top = tl.zeros([ROWS], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _input_tile(x_ptr, x_ptr, x_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, False)
+        top = tl.maximum(top, tl.max(tl.abs(x.to(tl.float32)), 1))
+    x_scale = tl.maximum(top, 1e-12) / FP8_MAX
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    if GATED:
+        acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _input_tile(x_ptr, x_ptr, x_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, False)
+        xq = _e4m3(tl.clamp(x.to(tl.float32) / x_scale[:, None], -FP8_MAX, FP8_MAX)) * 18446744073709551616.0
+        xq = xq[:, None, :]  # at 2^64, so that no product with W at 2^-120 falls below float32's range
+        w, w_next = w_next, _weights(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K)
+        acc += xq * _e4m3_bits(w)
+        if GATED:
+            u, u_next = u_next, _weights(w_ptr, rn + N, k0 + BLOCK_K, 2 * N, K, BLOCK_K)
+            acc_up += xq * _e4m3_bits(u)
+    out = _fp8_out(tl.sum(acc, 2), x_scale, s_ptr, b_ptr, rn, N, HAS_BIAS)
+    up = _fp8_out(tl.sum(acc_up, 2), x_scale, s_ptr + N, b_ptr + N, rn, N, HAS_BIAS) if GATED else out
+    _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, False, GATED)
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+             gated: bool = False, config: dict | None = None) -> torch.Tensor:
+    """FP8Linear's product (weight [N, K] in e4m3, scales [N, 1]) for a few rows x [..., K] in one
+    kernel, silu(gate) * up after it if gated -> out [..., N]."""
+    K = weight.shape[1]
+    N = weight.shape[0] // (2 if gated else 1)
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = launch_gemv(_fp8_gemv_kernel, (weight.view(torch.int8), scale), N, x2, bias, gated,
+                      config or fp8_config(weight.shape[0], K, x.device), FP8_MAX=FP8_MAX)
+    return out.view(*x.shape[:-1], N)
+
+
+def fp8_config(N: int, K: int, device: torch.device) -> dict:
+    """The fp8 GEMV's tile for N columns (gate and up together), from tools/bench_gemv.py fp8_sweep at
+    one row on an H200 (docs/benchmarks/gemv_fp8_h200.json): 8 channels by 1024 inputs, within 5% of
+    the best tile on 6 of the 8 Llama-1B and 8B layers; 2048 inputs for the 1B's 2048-wide o and
+    down, where 1024 took 1.2x the best. Under the CPU interpreter chapter 06's wide tiles."""
+    if device.type != "cuda":
+        return bf16_gemv_config(N, K, False, device)
+    return dict(BLOCK_N=8, BLOCK_K=2048 if N <= 2048 else 1024, num_warps=4)
+
+
 class TritonQuantKernels(QuantKernels):
     def int_linear(self, x, packed, scale, bits, bias):
         return int_matmul(x, packed, scale, bits, bias)
 
     def int_gemv(self, x, packed, scale, bits, bias, residual=None, norm=None, gated=False):
-        if x.numel() > GEMV_ROWS * x.shape[-1]:
-            return None
-        total = None
-        if norm is not None:  # with the residual (FusedOps.add_norm_linear passes both), apart: inside,
-            # every program redid them for each word of its tile, and the GEMV took 1.3-2.5x as long
-            # on the 8B layers (gemv_formats_h100.json, norm_inside)
-            x, total = fused_add_rms_norm(x, residual, *norm)
-        return int_gemv(x, packed, scale, bits, bias, gated=gated), total
+        return _gemv_after_norm(lambda y: int_gemv(y, packed, scale, bits, bias, gated=gated), x, residual, norm,
+                                GEMV_ROWS)
+
+    def fp8_gemv(self, x, weight, scale, bias, residual=None, norm=None, gated=False):
+        return _gemv_after_norm(lambda y: fp8_gemv(y, weight, scale, bias, gated=gated), x, residual, norm,
+                                FP8_GEMV_ROWS)
 
     def quantize_fp8(self, x):
         return quantize_fp8(x)
+
+
+# One row only: at two the fp8 GEMV lost to _scaled_mm on the 8B gate/up, 76.5 us against 51.6
+# (gemv_fp8_h200.json); at one it won on every 1B and 8B layer.
+FP8_GEMV_ROWS = 1
+
+
+def _gemv_after_norm(gemv, x, residual, norm, rows: int):
+    """gemv(x) up to `rows` rows, with chapter 06's add and norm before it in chapter 04's kernel
+    (inside, every program redid them for each word of its tile, and the int GEMV took 1.3-2.5x as
+    long on the 8B layers: gemv_formats_h100.json, norm_inside) -> (out, x + residual), or None."""
+    if x.numel() > rows * x.shape[-1]:
+        return None
+    total = None
+    if norm is not None:  # with the residual: FusedOps.add_norm_linear passes both
+        x, total = fused_add_rms_norm(x, residual, *norm)
+    return gemv(x), total
 
 
 TRITON_QUANT = TritonQuantKernels()  # QUANT_KERNELS["triton"]

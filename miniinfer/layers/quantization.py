@@ -84,6 +84,12 @@ class QuantKernels:
         and matmul then run one by one."""
         return None
 
+    def fp8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
+                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The same over FP8Linear's e4m3 weight, or None."""
+        return None
+
 
 QUANT_KERNELS = Registry("quantized matmul kernels", {"torch": QuantKernels(),
                                                       "triton": "miniinfer.kernels.quant:TRITON_QUANT"})
@@ -192,6 +198,10 @@ class FP8Linear(nn.Module):
             out = F.linear((xq.to(torch.float32) * x_scale), w, None if self.bias is None else self.bias.float())
             out = out.to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
+
+    def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """As IntLinear's: chapter 06's FusedOps asks here first."""
+        return _kernels(x).fp8_gemv(x, self.weight, self.weight_scale, self.bias, **fused)
 
 
 @dataclass(frozen=True)
