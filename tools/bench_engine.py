@@ -26,6 +26,7 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
                and with every request asking for its tokens' top-5 log-probabilities
     python tools/bench_engine.py run docs/benchmarks/engine_h200.json ours qwen3:ours ...
     python tools/bench_engine.py plot docs/benchmarks/engine_h200.json
+    python tools/bench_engine.py plot_layers docs/benchmarks/decode_batch1_h200.json  (timeline1's middle layers)
 """
 
 import contextlib
@@ -381,12 +382,65 @@ def timeline1(model, gbps: float, replays: int = 20) -> dict:
            "busy_us": busy, "gaps_us": span - busy, "floor_us": weight_bytes / gbps / 1e3,
            "matched_matmuls": len(matmuls) == len(weights), "by_class": by_class, "rows": rows}
     res["fraction_of_floor"] = res["floor_us"] / span
+    res["layer"] = layer_adds(res, cfg.num_layers // 2)
     print(f"timeline1: {len(rows)} kernels, step {span:.0f} us (busy {busy:.0f}, gaps {span - busy:.0f}), "
           f"floor {res['floor_us']:.0f} us ({100 * res['fraction_of_floor']:.0f}%)", flush=True)
     for c, v in sorted(by_class.items(), key=lambda kv: -kv[1]["us"]):
         print(f"  {c:>22}: {v['kernels']:4d} kernels {v['us']:7.1f} us (bytes at copy bandwidth "
               f"{v['bytes_us']:6.1f} us)", flush=True)
     return res
+
+
+def layer_adds(t: dict, layer: int) -> list[dict]:
+    """One decoder layer's kernels in a timeline1 step (from its qkv GEMV to the next layer's), each
+    with the time it adds to the step: its end past the latest end before it. With PDL the spans
+    overlap (a kernel starts before the one it waits for ends); the ends do not. For steps with one
+    kernel before RoPE in a layer (the GEMV path)."""
+    rows = t["rows"]
+    rope = [i for i, r in enumerate(rows) if r["class"] == "RoPE"]
+    first, last = rope[layer] - 1, rope[layer + 1] - 1
+    before = max(r["start_us"] + r["us"] for r in rows[:first])
+    out = []
+    for r in rows[first:last]:
+        end = r["start_us"] + r["us"]
+        out.append({"name": r["name"], "class": r["class"], "adds_us": max(0.0, end - before),
+                    "bytes_us": r.get("bytes_us", 0.0)})
+        before = max(before, end)
+    return out
+
+
+def plot_layers(path: str, shapes: tuple[str, ...] = ("llama", "qwen3", "llama8b")) -> None:
+    """A middle layer of each shape's batch-1 step, kernel by kernel (the time each adds, and its
+    weights' time at copy bandwidth), beside the PNG; adds `layer` to timeline1 where a run predates it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(path).read_text())
+    names = {"_gemv_kernel": "GEMV", "_rope_kernel": "RoPE", "_store_kv_kernel": "K/V store",
+             "_decode_kernel": "attention", "_merge_kernel": "merge"}
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.2))
+    for ax, shape in zip(axes, shapes):
+        t = res[shape]["timeline1"]
+        t.setdefault("layer", layer_adds(t, sum(r["class"] == "RoPE" for r in t["rows"]) // 2))
+        rows = t["layer"]
+        gemvs = iter(("qkv", "o", "gate/up + SiLU", "down"))
+        labels = [next(gemvs) if r["name"] == "_gemv_kernel" else names.get(r["name"], r["name"][:12]) for r in rows]
+        y = range(len(rows))
+        ax.barh(y, [r["adds_us"] for r in rows], color="#3182bd", label="adds to the step")
+        ax.barh(y, [r["bytes_us"] for r in rows], color="none", edgecolor="k", hatch="//", lw=0.6,
+                label="its weights at copy bandwidth")
+        ax.set_yticks(list(y), labels, fontsize=8)
+        ax.invert_yaxis()
+        total, weights = sum(r["adds_us"] for r in rows), sum(r["bytes_us"] for r in rows)
+        ax.set_title(f"{shape}: a layer {total:.1f} us, its weights {weights:.1f} us", fontsize=9)
+        ax.set_xlabel("us", fontsize=8)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"One decoder layer of a batch-1 decode step ({res['gpu']}, copy {res['copy_GBps']:,.0f} GB/s)",
+                 fontsize=10)
+    plt.tight_layout()
+    plt.savefig(Path(path).with_suffix(".png"), dpi=110)
+    Path(path).write_text(json.dumps(res, indent=1) + "\n")
 
 
 def hf_batch1(hf) -> dict:
@@ -622,5 +676,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     if sys.argv[1] == "plot":
         plot(sys.argv[2])
+    elif sys.argv[1] == "plot_layers":
+        plot_layers(sys.argv[2])
     else:
         main(sys.argv[2], sys.argv[3:])

@@ -275,6 +275,11 @@ def main(out: str, parts: list[str]) -> None:
         path.write_text(json.dumps(res, indent=1))
 
 
+# Issue 42's goals for batch-1 decode against bf16
+DECODE_GOALS = {("llama-8b", "int4"): 2.5, ("llama-8b", "int8"): 1.6, ("llama-8b", "fp8"): 1.6,
+                ("llama-1b", "int4"): 1.8}
+
+
 def plot(path: str) -> None:
     """The kernels' share of the copy bandwidth at one row (8B-sized layers) and batch-1 decode per
     format, beside the JSON."""
@@ -284,22 +289,33 @@ def plot(path: str) -> None:
 
     res = json.loads(Path(path).read_text())
     fmts = ("bf16", "int8", "int4", "fp8")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
-    rows = [r for r in res["kernels"]["rows"] if r["model"] == "llama-8b" and r["M"] == 1]
-    for i, f in enumerate(fmts):
-        a.bar([j + 0.2 * i for j in range(len(rows))], [100 * r["fraction_of_copy"][f] for r in rows], 0.2, label=f)
-    a.set_xticks([j + 0.3 for j in range(len(rows))], [r["layer"] for r in rows])
-    a.set_ylabel("% of copy bandwidth")
-    a.set_title("8B-sized layers, one row")
-    a.legend()
+    fig, axes = plt.subplots(1, 2 if "kernels" in res else 1, figsize=(12 if "kernels" in res else 7, 4.2),
+                             squeeze=False)
+    if "kernels" in res:  # the kernels' table, where the run had that part
+        a = axes[0][0]
+        rows = [r for r in res["kernels"]["rows"] if r["model"] == "llama-8b" and r["M"] == 1]
+        for i, f in enumerate(fmts):
+            a.bar([j + 0.2 * i for j in range(len(rows))], [100 * r["fraction_of_copy"][f] for r in rows], 0.2, label=f)
+        a.set_xticks([j + 0.3 for j in range(len(rows))], [r["layer"] for r in rows])
+        a.set_ylabel("% of copy bandwidth")
+        a.set_title("8B-sized layers, one row")
+        a.legend()
+    b = axes[0][-1]
     for i, shape in enumerate(res["decode"]):
         d = res["decode"][shape]
-        b.bar([j + 0.4 * i for j in range(len(fmts))], [d[f]["speedup_vs_bf16"] for f in fmts], 0.4, label=shape)
+        x = [j + 0.4 * i for j in range(len(fmts))]
+        b.bar(x, [d[f]["speedup_vs_bf16"] for f in fmts], 0.38, color=f"C{i}", label=f"{shape}, served")
+        b.bar(x, [d[f].get("step_speedup_vs_bf16", 0) for f in fmts], 0.38, color="none", edgecolor="k",
+              hatch="//", lw=0.6, label="hatched: the step on the device" if i == 0 else None)
+        for j, f in enumerate(fmts):
+            if (shape, f) in DECODE_GOALS:
+                b.plot([x[j] - 0.19, x[j] + 0.19], [DECODE_GOALS[shape, f]] * 2, color="r", lw=2,
+                       label="goal" if (i, j) == (1, 1) else None)
     b.axhline(1, color="gray", lw=0.8)
     b.set_xticks([j + 0.2 for j in range(len(fmts))], fmts)
     b.set_ylabel("tokens/s relative to bf16")
     b.set_title("batch-1 decode")
-    b.legend()
+    b.legend(fontsize=8)
     fig.suptitle(f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}, {res['date']}")
     fig.tight_layout()
     fig.savefig(Path(path).with_suffix(".png"), dpi=110)

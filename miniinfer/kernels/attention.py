@@ -18,8 +18,8 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's nati
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride, v_stride,
                      ROW: tl.constexpr, BLOCK: tl.constexpr, TOP: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # a step input: read before the wait (the decode kernel says why)
     wait_for_input(PDL)  # chapter 04: launched early, it waits for the projection that made k and v
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         offs = tl.arange(0, BLOCK)
         mask = offs < ROW
@@ -43,9 +43,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
-def _kv_tile(k_ptr, v_ptr, table_ptr, pos, valid, block_size, h, d, HK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """K and V [len(pos), BLOCK_D] of one KV head at token positions pos, through a block table."""
-    block = tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+def _blocks(table_ptr, pos, valid, block_size):
+    """The pool blocks that hold token positions pos: their entries in the sequence's block table."""
+    return tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, table_ptr, pos, valid, block_size, h, d, HK: tl.constexpr, HEAD_DIM: tl.constexpr,
+             block=None):
+    """K and V [len(pos), BLOCK_D] of one KV head at token positions pos, through a block table
+    (or the positions' blocks, when the caller read them already)."""
+    if block is None:
+        block = _blocks(table_ptr, pos, valid, block_size)
     row = (block * block_size + pos % block_size) * HK + h  # the pool seen as [slots * HK, HEAD_DIM]
     offs = row[:, None] * HEAD_DIM + d[None, :]
     mask = valid[:, None] & (d[None, :] < HEAD_DIM)
@@ -61,13 +70,19 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
                    BLOCK_D: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    PDL: tl.constexpr):
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    wait_for_input(PDL)
     length = tl.load(lens_ptr + b)
     # This program's piece of the context: whole tiles, the same number for every split. Computed
     # here from the length, so one launch (and one recorded CUDA graph) serves any lengths.
     per_split = tl.cdiv(tl.cdiv(length, TILE), num_splits) * TILE
     start = s * per_split
     end = tl.minimum(start + per_split, length)
+    # Lengths and block tables are the step's inputs, on the device before its first kernel: read
+    # (with the first tile's blocks) while the kernel before still drains, as its weights are in
+    # chapter 06's GEMV. Only q and the K/V just stored wait for it.
+    table = tables_ptr + b * table_stride
+    pos = start + tl.arange(0, TILE)
+    blocks = _blocks(table, pos, pos < end, block_size)
+    wait_for_input(PDL)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = h * GROUP + g  # the query heads that share KV head h
@@ -79,7 +94,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
     for t0 in range(start, end, TILE):
         pos = t0 + tl.arange(0, TILE)
         valid = pos < end
-        k, v = _kv_tile(k_ptr, v_ptr, tables_ptr + b * table_stride, pos, valid, block_size, h, d, HK, HEAD_DIM)
+        k, v = _kv_tile(k_ptr, v_ptr, table, pos, valid, block_size, h, d, HK, HEAD_DIM, blocks)
+        blocks = _blocks(table, pos + TILE, pos + TILE < end, block_size)  # the next tile's, ahead of use
         k, v = k.to(q.dtype), v.to(q.dtype)  # a pool may be narrower than the model (chapter 10's e4m3)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
