@@ -756,7 +756,7 @@ def test_ctrl_c_drains_then_ends_what_is_left_cleanly_and_exits_in_time(tmp_path
     """10 streams and 5 whole requests of 2,000 tokens, and a short one, are running: one SIGINT stops
     new requests (503 with Retry-After, /health 503) while the short one finishes; after the shutdown
     timeout the rest end cleanly (whole: 503; streams: an error event, then [DONE]); the server exits
-    within the timeout + 3 s, with no traceback and no process left. A connection that sends half a
+    within the timeout + 4 s, with no traceback and no process left. A connection that sends half a
     header is closed after --header-timeout."""
     proc, url = start_server(tmp_path / "server.log", "--max-num-seqs", "16", "--shutdown-timeout", "2",
                              "--header-timeout", "1")
@@ -799,7 +799,9 @@ def test_ctrl_c_drains_then_ends_what_is_left_cleanly_and_exits_in_time(tmp_path
     log = (tmp_path / "server.log").read_text()
     # 130: a shell's status for a process ended by Ctrl-C, which uvicorn passes on once it has shut down.
     # Alone on the 2-core machine it exits 3.1-3.4 s after the signal; beside the parallel suite, 4.25 s once.
-    assert code in (0, 130) and 2 <= seconds < 5 and "Traceback" not in log, (code, seconds, log[-3000:])
+    # the timeout + 4 s: the engine process's exit and the interpreter's teardown, on a 2-core machine
+    # busy with the rest of the suite (5.3 s seen once in CI with 3 s)
+    assert code in (0, 130) and 2 <= seconds < 6 and "Traceback" not in log, (code, seconds, log[-3000:])
     deadline = time.monotonic() + 3  # multiprocessing's resource tracker ends itself once the server is gone
     while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
         time.sleep(0.1)

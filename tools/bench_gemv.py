@@ -18,7 +18,8 @@ Parts (any, in one run; results merge into the JSON):
     formats[:MODEL] the weight formats at 1-16 rows on the same layers: bf16 (cuBLAS, our GEMV), int8 and int4
             (our GEMV, our tiled kernel, what int_matmul picks), fp8 (torch._scaled_mm after our
             activation quantization), gemlite's A16W8 and A16W4, torchao's int4 weight-only; and at
-            one row the int GEMV with SiLU-and-multiply inside against it apart
+            one row the int GEMV with SiLU-and-multiply inside against it apart; formats@1,16,64: other
+            row counts, without the peers
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
     python tools/bench_gemv.py plot docs/benchmarks/gemv_formats_h100.json docs/benchmarks/quant_decode_h100.json
         (the formats beside batch-1 decode per format from tools/bench_quant.py decode, as a PNG)
@@ -318,10 +319,12 @@ def peers() -> dict:
     return out
 
 
-def formats(gbps: float, save, models: tuple[str, ...], res: dict) -> dict:
-    """Adds the rows of `models` to res (the JSON's earlier rows: a run per model fits a device call)."""
+def formats(gbps: float, save, models: tuple[str, ...], res: dict,
+            rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict:
+    """Adds the rows of `models` to res (the JSON's earlier rows: a run per model fits a device call);
+    with rows other than the default, without the peers (their builds take most of a call)."""
     res.setdefault("peers_unavailable", {})
-    makers = peers()
+    makers = peers() if rows == (1, 2, 4, 8, 16) else {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for model in models:
         for name, (N, K) in layers(model).items():
@@ -341,12 +344,14 @@ def formats(gbps: float, save, models: tuple[str, ...], res: dict) -> dict:
                     built[peer] = [make(w) for _ in range(how_many(N * K // (2 if "4" in peer else 1)))]
                 except Exception as e:  # noqa: BLE001
                     res["peers_unavailable"][peer] = f"{type(e).__name__}: {str(e)[:300]}"
-            for M in (1, 2, 4, 8, 16):
+            for M in rows:
                 x = torch.randn(M, K, device="cuda", dtype=DT)
                 runs = {"bf16_cublas": [lambda w=w: F.linear(x, w) for w in ws],
                         "fp8_scaled_mm": [lambda q=q, s=s: fp8_matmul(x, q, s) for q, s in fp8]}
                 if M <= 4:
                     runs["bf16_gemv"] = [lambda w=w: gemv(x, w) for w in ws]
+                if M == 1:
+                    runs["fp8_gemv"] = [lambda q=q, s=s: kq.fp8_gemv(x, q, s.reshape(N, 1)) for q, s in fp8]
                 for fmt, (bits, group) in INT_FORMATS.items():
                     tiled = kq.int_config(M, N, K, bits, group or K, sms)
                     runs[f"{fmt}_gemv"] = [lambda w=w, b=bits: kq.int_gemv(x, *w, b) for w in ints[fmt]]
@@ -363,7 +368,7 @@ def formats(gbps: float, save, models: tuple[str, ...], res: dict) -> dict:
                         res["peers_unavailable"][f"{key}@{M}"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(model, name, M, json.dumps({k: round(v, 1) for k, v in row["us"].items()}), flush=True)
                 res[f"{model}/{name}/{M}"] = row
-            if name == "gate_up":  # one row: SiLU-and-multiply in the GEMV's epilogue or a kernel after it
+            if name == "gate_up" and makers:  # one row: SiLU-and-multiply in the GEMV's epilogue or a kernel after it
                 h = torch.randn(1, K, device="cuda", dtype=DT)
                 for fmt, (bits, _) in INT_FORMATS.items():
                     def apart(wq, b=bits):
@@ -398,11 +403,13 @@ def main(out: str, parts: list[str]) -> None:
             res[part] = int_sweep(res["copy_GBps"])
         elif part == "fp8_sweep":
             res[part] = fp8_sweep(res["copy_GBps"])
-        elif part.startswith("formats"):  # formats or formats:llama_8b (one model's rows, the others kept)
+        elif part.startswith("formats"):  # formats, formats:llama_8b (one model's rows, the others kept), formats@1,64
+            part, _, rows = part.partition("@")
             models = tuple(part.split(":")[1:]) or INT_MODELS
             def save(rows: dict) -> None:
                 path.write_text(json.dumps(dict(res, formats=rows), indent=1))
-            res["formats"] = formats(res["copy_GBps"], save, models, res.get("formats", {}))
+            res["formats"] = formats(res["copy_GBps"], save, models, res.get("formats", {}),
+                                     tuple(map(int, rows.split(","))) if rows else (1, 2, 4, 8, 16))
         else:
             raise SystemExit(f"unknown part {part!r}")
         path.write_text(json.dumps(res, indent=1) + "\n")

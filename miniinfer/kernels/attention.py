@@ -32,7 +32,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride,
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N]."""
+    """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N].
+    slot_mapping is read before the kernel waits for the one before it (PDL): it must be a step
+    input, written before the forward's first kernel, never by the kernel just before."""
     row = k.shape[1] * k.shape[2]
     k2, v2 = k.reshape(k.shape[0], row), v.reshape(v.shape[0], row)  # views when heads are contiguous
     if k2.stride(1) != 1 or v2.stride(1) != 1:
@@ -165,6 +167,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Decode attention through the block tables: q [B, Hq, D], each sequence's newest token, over
     its context_lens[b] tokens in the pools [num_blocks, block_size, Hk, D] -> [B, Hq, D].
 
+    context_lens and block_tables are read before the kernel waits for the one before it (PDL), as
+    store_kv's slots are: step inputs, not a kernel's output in the same forward.
     max_len, the longest context (a host int), sets the split; without it, it is read from the
     device. num_splits, tile and num_warps override decode_config's choice.
     """

@@ -228,8 +228,9 @@ def int_config(M: int, N: int, K: int, bits: int, group: int, multiprocessors: i
 
 
 # Above this many rows the weight is dequantized whole and multiplied by cuBLAS: at 256 rows our
-# tiled kernel took 4-5x cuBLAS's time on bf16 weights (quant_h200.json, sweep).
-DEQUANTIZE_ROWS = 32
+# tiled kernel took 4-5x cuBLAS's time on bf16 weights (quant_h200.json, sweep), and at 32 rows it
+# was slower than dequantizing at 64 on 5 of the 6 layers measured (gemv_rows_h100.json).
+DEQUANTIZE_ROWS = 16
 # Up to this many rows the GEMV kernel: at 2 rows it was the faster on 15 of the 16 1B and 8B layers
 # and formats, at 4 on 3 (gemv_formats_h100.json, formats)
 GEMV_ROWS = 2
@@ -329,10 +330,10 @@ def _fp8_out(acc, x_scale, s_ptr, b_ptr, rn, N, HAS_BIAS: tl.constexpr):
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROWS: tl.constexpr,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      FP8_MAX: tl.constexpr, PDL: tl.constexpr):
-    """Chapter 06's _gemv_kernel over FP8Linear's e4m3 weights, computing what `_scaled_mm` does: each
+    """Chapter 06's _gemv_kernel over FP8Linear's e4m3 weights, with `_scaled_mm`'s arithmetic: each
     row of x rounded to e4m3 by its own largest |x| (a first pass over x, as chapter 06's norm
     makes one), the products summed in float32, both scales and the bias applied once, the result
-    rounded to bf16, `_scaled_mm`'s output."""
+    rounded to bf16. The sums and the scales' products come in another order: equal up to a bf16 step."""
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -344,7 +345,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROW
     for k0 in range(0, K, BLOCK_K):
         x = _input_tile(x_ptr, x_ptr, x_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, False)
         top = tl.maximum(top, tl.max(tl.abs(x.to(tl.float32)), 1))
-    x_scale = tl.maximum(top, 1e-12) / FP8_MAX
+    x_scale = tl.maximum(top, 1e-12) / FP8_MAX  # written as _fp8_rows_kernel writes it: Triton's `/` is not
+    # IEEE's division, and the same expressions keep the two quantizations equal
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     if GATED:
         acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
