@@ -410,8 +410,8 @@ def layer_adds(t: dict, layer: int) -> list[dict]:
 
 
 def plot_layers(path: str, shapes: tuple[str, ...] = ("llama", "qwen3", "llama8b")) -> None:
-    """A middle layer of each shape's batch-1 step, kernel by kernel (the time each adds, and its
-    weights' time at copy bandwidth), beside the PNG; adds `layer` to timeline1 where a run predates it."""
+    """A middle layer of each shape's batch-1 step, kernel by kernel (timeline1's `layer`: the time each
+    adds, and its weights' time at copy bandwidth), as a PNG beside the JSON."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -421,9 +421,7 @@ def plot_layers(path: str, shapes: tuple[str, ...] = ("llama", "qwen3", "llama8b
              "_decode_kernel": "attention", "_merge_kernel": "merge"}
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.2))
     for ax, shape in zip(axes, shapes):
-        t = res[shape]["timeline1"]
-        t.setdefault("layer", layer_adds(t, sum(r["class"] == "RoPE" for r in t["rows"]) // 2))
-        rows = t["layer"]
+        rows = res[shape]["timeline1"]["layer"]
         gemvs = iter(("qkv", "o", "gate/up + SiLU", "down"))
         labels = [next(gemvs) if r["name"] == "_gemv_kernel" else names.get(r["name"], r["name"][:12]) for r in rows]
         y = range(len(rows))
@@ -440,7 +438,6 @@ def plot_layers(path: str, shapes: tuple[str, ...] = ("llama", "qwen3", "llama8b
                  fontsize=10)
     plt.tight_layout()
     plt.savefig(Path(path).with_suffix(".png"), dpi=110)
-    Path(path).write_text(json.dumps(res, indent=1) + "\n")
 
 
 def hf_batch1(hf) -> dict:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 import triton
 from bench_attention import graph_ms
-from bench_quant import fp8_matmul
+from bench_quant import DECODE_GOALS, fp8_matmul
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -456,7 +456,6 @@ def plot(formats_path: str, decode_path: str) -> None:
           ylabel="bf16 cuBLAS time / int4 time", title="8B layers (line style: qkv, o, gate_up, down)")
     b.legend(fontsize=7)
     fmts = ("int8", "int4", "fp8")
-    goals = {("llama-8b", "int8"): 1.6, ("llama-8b", "int4"): 2.5, ("llama-8b", "fp8"): 1.6, ("llama-1b", "int4"): 1.8}
     for i, shape in enumerate(("llama-1b", "llama-8b")):
         xs = [j + 0.4 * i for j in range(len(fmts))]
         c.bar(xs, [dec[shape][m]["speedup_vs_bf16"] for m in fmts], 0.4, label=f"{shape}, served",
@@ -464,8 +463,8 @@ def plot(formats_path: str, decode_path: str) -> None:
         c.scatter(xs, [dec[shape][m]["step_speedup_vs_bf16"] for m in fmts], color="k", s=12, zorder=3,
                   label="the step on the device" if i else None)
         for x, m in zip(xs, fmts):
-            if (shape, m) in goals:
-                c.plot([x - 0.18, x + 0.18], [goals[shape, m]] * 2, color="#e6550d", lw=2,
+            if (shape, m) in DECODE_GOALS:
+                c.plot([x - 0.18, x + 0.18], [DECODE_GOALS[shape, m]] * 2, color="#e6550d", lw=2,
                        label="goal" if (shape, m) == ("llama-8b", "int8") else None)
     c.axhline(1, color="k", lw=0.8)
     c.set_xticks([j + 0.2 for j in range(len(fmts))], fmts)

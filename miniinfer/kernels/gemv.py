@@ -49,6 +49,18 @@ def _weights(w_ptr, rn, k0, N, K, BLOCK_K: tl.constexpr):
                    eviction_policy="evict_first")
 
 
+@triton.jit
+def _tiles(w_ptr, rn, k0, N, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """The tiles at k0 of a program's rows rn: W's, and where GATED up's as well (the rows N + rn of
+    W = [gate; up]; without it, W's again, unused)."""
+    w = _weights(w_ptr, rn, k0, N, K, BLOCK_K)
+    if GATED:
+        u = _weights(w_ptr, rn + N, k0, 2 * N, K, BLOCK_K)
+    else:
+        u = w
+    return w, u
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
                  ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -60,9 +72,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_p
     rows = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     # The first weights are asked for before anything else: they do not depend on the kernel before.
-    w_next = _weights(w_ptr, rn, 0, N, K, BLOCK_K)
-    if GATED:
-        u_next = _weights(w_ptr, rn + N, 0, 2 * N, K, BLOCK_K)
+    w_next, u_next = _tiles(w_ptr, rn, 0, N, K, BLOCK_K, GATED)
     wait_for_input(PDL)  # chapter 04: launched early, it waits only now for the kernel before
     if NORM:  # a first pass for each row's RMS: K numbers a row from L2, against BLOCK_N * K weights
         ss = tl.zeros([ROWS], tl.float32)
@@ -81,11 +91,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_p
             nw = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             x = (nw[None, :] * y.to(tl.float32)).to(x.dtype)
         x = x.to(tl.float32)[:, None, :]
-        # the next tile asked for before this one is used: its loads wait while this one multiplies
-        w, w_next = w_next, _weights(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K)
+        # the next tiles asked for before these are used: their loads wait while these multiply
+        w, u = w_next, u_next
+        w_next, u_next = _tiles(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K, GATED)
         acc += x * w.to(tl.float32)
         if GATED:
-            u, u_next = u_next, _weights(w_ptr, rn + N, k0 + BLOCK_K, 2 * N, K, BLOCK_K)
             acc_up += x * u.to(tl.float32)
     _finish(tl.sum(acc, 2), tl.sum(acc_up, 2) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS, GATED)
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.attention import _multiprocessors
-from miniinfer.kernels.gemv import _finish, _input_tile, _weights, launch_gemv
+from miniinfer.kernels.gemv import _finish, _input_tile, _tiles, launch_gemv
 from miniinfer.kernels.gemv import gemv_config as bf16_gemv_config
 from miniinfer.kernels.norm_rope import fused_add_rms_norm, wait_for_input
 from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
@@ -337,9 +337,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROW
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_next = _weights(w_ptr, rn, 0, N, K, BLOCK_K)
-    if GATED:
-        u_next = _weights(w_ptr, rn + N, 0, 2 * N, K, BLOCK_K)
+    w_next, u_next = _tiles(w_ptr, rn, 0, N, K, BLOCK_K, GATED)
     wait_for_input(PDL)
     top = tl.zeros([ROWS], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -354,10 +352,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROW
         x = _input_tile(x_ptr, x_ptr, x_ptr, rows, k0 + tl.arange(0, BLOCK_K), M, K, x_stride, 1, False)
         xq = _e4m3(tl.clamp(x.to(tl.float32) / x_scale[:, None], -FP8_MAX, FP8_MAX)) * 18446744073709551616.0
         xq = xq[:, None, :]  # at 2^64, so that no product with W at 2^-120 falls below float32's range
-        w, w_next = w_next, _weights(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K)
+        w, u = w_next, u_next
+        w_next, u_next = _tiles(w_ptr, rn, k0 + BLOCK_K, N, K, BLOCK_K, GATED)
         acc += xq * _e4m3_bits(w)
         if GATED:
-            u, u_next = u_next, _weights(w_ptr, rn + N, k0 + BLOCK_K, 2 * N, K, BLOCK_K)
             acc_up += xq * _e4m3_bits(u)
     out = _fp8_out(tl.sum(acc, 2), x_scale, s_ptr, b_ptr, rn, N, HAS_BIAS)
     up = _fp8_out(tl.sum(acc_up, 2), x_scale, s_ptr + N, b_ptr + N, rn, N, HAS_BIAS) if GATED else out
