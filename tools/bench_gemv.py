@@ -322,13 +322,15 @@ def peers() -> dict:
 def formats(gbps: float, save, models: tuple[str, ...], res: dict,
             rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> dict:
     """Adds the rows of `models` to res (the JSON's earlier rows: a run per model fits a device call);
-    with rows other than the default, without the peers (their builds take most of a call)."""
+    with rows other than the default, without the peers (their builds take most of a call). A layer
+    whose rows res already has is kept, so a run cut short by the device's limit resumes where it
+    stopped (delete the JSON to measure again)."""
     res.setdefault("peers_unavailable", {})
     makers = peers() if rows == (1, 2, 4, 8, 16) else {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for model in models:
         for name, (N, K) in layers(model).items():
-            if name == "lm_head":
+            if name == "lm_head" or all(f"{model}/{name}/{M}" in res for M in rows):
                 continue
             w = torch.randn(N, K, device="cuda", dtype=DT) * 0.02
             ws = copies(N, K)
@@ -416,6 +418,7 @@ def main(out: str, parts: list[str]) -> None:
 
 
 FORMAT_STYLE = {"bf16_cublas": ("bf16, cuBLAS", "#bdbdbd"), "fp8_scaled_mm": ("fp8, _scaled_mm", "#fdae6b"),
+                "fp8_gemv": ("fp8, ours", "#e6550d"),
                 "int8_picked": ("int8, ours", "#9ecae1"), "gemlite_a16w8": ("int8, gemlite", "#a1d99b"),
                 "int4_picked": ("int4, ours", "#3182bd"), "gemlite_a16w4": ("int4, gemlite", "#31a354"),
                 "torchao_int4_tinygemm": ("int4, torchao", "#756bb1")}
