@@ -39,6 +39,9 @@ def check_parallel(cfg: ModelConfig, size: int) -> None:
     """ValueError unless a model of this shape splits evenly over `size` ranks."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if cfg.experts is not None and size > 1:  # its experts' stacked weights are not cut by channels here
+        raise ValueError(f"tensor_parallel_size={size} for a mixture of experts: this engine does not split its "
+                         "experts over ranks; serve it with tensor_parallel_size=1")
     for what, n in (("attention heads", cfg.num_heads), ("intermediate channels", cfg.intermediate_size)):
         if n % size:
             raise ValueError(f"the model's {n} {what} do not split evenly over tensor_parallel_size={size}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,17 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3
     eos_token_ids: list[int] = field(default_factory=list)
+    experts: Any = None  # chapter 13's MoEConfig: which layers route tokens to experts, and how
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Read a Hugging Face `config.json` dict of a Llama, Qwen2 or Qwen3 model."""
+        """Read a Hugging Face `config.json` dict of a Llama, Qwen2 or Qwen3 model, or of a mixture of
+        experts built on one (MOE_MODELS)."""
         kind = cfg.get("model_type", "llama")
-        if kind not in ("llama", "qwen2", "qwen3"):
-            raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2 or qwen3")
+        if kind not in ("llama", "qwen2", "qwen3", *MOE_MODELS):
+            raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2, qwen3 or "
+                             f"{', '.join(MOE_MODELS)}")
+        family = kind.removesuffix("_moe")  # Mixtral's attention is Llama's
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
         if rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -52,10 +56,11 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=rope,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=kind == "qwen2" or cfg.get("attention_bias", False),
-            o_bias=kind != "qwen2" and cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False), qk_norm=kind == "qwen3",
-            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+            qkv_bias=family == "qwen2" or cfg.get("attention_bias", False),
+            o_bias=family != "qwen2" and cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False), qk_norm=family == "qwen3",
+            eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            experts=MOE_MODELS[kind].from_hf(cfg) if kind in MOE_MODELS else None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -226,6 +231,9 @@ class Registry(dict):
         return [self[name] for name in self]
 
 
+# The model types whose layers route tokens to experts: their settings' reader, from chapter 13.
+MOE_MODELS = Registry("mixture-of-experts model type", dict.fromkeys(("qwen2_moe", "qwen3_moe", "mixtral"),
+                                                                    "miniinfer.layers.moe:MoEConfig"))
 TORCH_OPS = Ops()
 OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS",
                                         "fused": "miniinfer.kernels.gemv:FUSED_OPS"})
@@ -286,17 +294,23 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up packed into one matmul. The layer runs it
     through its ops: the norm before gate/up and the activation after them go with that matmul."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, h, x, norm: RMSNorm, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the MLP adds to the stream x + h, and that stream."""
+        up, x = ops.add_norm_linear(h, x, norm, self.gate_up_proj, gated=True)
+        return ops.linear(self.down_proj, up), x
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias) if cfg.experts is None \
+            else cfg.experts.mlp(cfg, index)  # chapter 13: experts in this layer, or the dense MLP
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -308,8 +322,7 @@ class DecoderLayer(nn.Module):
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         qkv, x = ops.add_norm_linear(h, x, n1, self.self_attn.qkv_proj)
         h = self.self_attn(qkv, cos, sin, layer, attn, ops)
-        up, x = ops.add_norm_linear(h, x, n2, self.mlp.gate_up_proj, gated=True)  # x += attention
-        return ops.linear(self.mlp.down_proj, up), x
+        return self.mlp(h, x, n2, ops)  # x += attention
 
 
 class Backbone(nn.Module):
@@ -318,19 +331,22 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
     """A Llama-family causal LM: `model(input_ids [B, T]) -> logits [B, T, vocab]`."""
     inv_freq: torch.Tensor  # a buffer
-    # Our packed projections and the checkpoint's matrices that fill them, in order.
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # Our packed projections and the checkpoint's matrices that fill them, in order (experts'
+        # first: their names hold the dense ones').
+        experts = cfg.experts.packed_modules() if cfg.experts is not None else {}
+        self.packed_modules_mapping = {**experts, "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                       "gate_up_proj": ["gate_proj", "up_proj"]}
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

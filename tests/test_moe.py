@@ -1,0 +1,137 @@
+"""Chapter 13: mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) read from
+ordinary checkpoints give transformers' greedy tokens through the engine; the align step and the fused
+experts kernels (under the CPU interpreter) equal the reference."""
+
+import pytest
+import torch
+from conftest import COMMON
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_chunked_prefill import shared_workload
+from test_engine import oracle
+from test_parallel import serve_twice
+
+import miniinfer as mi
+from miniinfer.core.block_manager import blocks_needed
+from miniinfer.kernels.moe import align, fused_experts
+from miniinfer.layers.moe import MoEConfig, SparseMoE, experts_reference, route
+
+# Odd sizes; a dense layer among the sparse ones (mlp_only_layers); weights large enough that the
+# experts' outputs move the logits (the default initializer's make them ~1e-3); no EOS id, which the
+# oracle's min_new_tokens would suppress (Mixtral's default, 2, is a greedy token of the workload).
+MOE_SHAPES = {
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=7, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=20,
+                                   norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=40,
+                                   shared_expert_intermediate_size=56, mlp_only_layers=[1])),
+    "mixtral": ("Mixtral", dict(num_local_experts=5, num_experts_per_tok=2)),
+}
+
+
+def make_moe_model(kind: str):
+    import transformers
+
+    cls, shape = MOE_SHAPES[kind]
+    config = getattr(transformers, f"{cls}Config")(**{**COMMON, "num_hidden_layers": 3, "initializer_range": 0.2,
+                                                      "eos_token_id": None, **shape})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{cls}ForCausalLM")(config).eval()
+
+
+@pytest.fixture(scope="module", params=list(MOE_SHAPES))
+def moe_checkpoint(request, tmp_path_factory):
+    model = make_moe_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return request.param, folder, model
+
+
+def test_layers_and_logits_match_transformers(moe_checkpoint):
+    kind, folder, hf = moe_checkpoint
+    model = mi.load_model(folder)
+    sparse = [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers]
+    assert sparse == ([True, True, True] if kind == "mixtral" else [True, False, True])
+    assert isinstance(model.model.layers[0].mlp.gate, torch.nn.Linear)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["reference", "fused"])
+def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl):
+    """Two rounds of a shared-prefix workload under preemption, prefix caching and chunked prefill,
+    through the reference experts and (Qwen2-MoE: top-3 and the shared expert; the CPU interpreter
+    takes 30-60 s a model) the fused kernels; every block back."""
+    kind, folder, hf = moe_checkpoint
+    if impl == "fused" and kind != "qwen2_moe":
+        pytest.skip("the fused kernels in the engine: one model (they equal the reference below)")
+    prompts, params = shared_workload(n=8)
+    expected = oracle((kind, "shared8"), hf, prompts, params)
+    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
+    engine = mi.LLMEngine(mi.EngineConfig(
+        model=folder, block_size=4, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=7,
+        preemption_mode="recompute", enable_prefix_caching=True, enable_chunked_prefill=True))
+    for layer in engine.model.model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.experts.impl = impl
+    preempted, cached = serve_twice(engine, prompts, params, expected)
+    assert preempted > 0 and cached > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_align_sorts_every_pair_into_one_experts_blocks(data):
+    T = data.draw(st.integers(1, 40))
+    E = data.draw(st.integers(1, 9))
+    k = data.draw(st.integers(1, E))
+    block = data.draw(st.sampled_from([1, 3, 4, 16]))
+    skip = data.draw(st.booleans())  # ids >= E: pairs another rank serves
+    ids = torch.stack([torch.randperm(E + 2 * skip, generator=torch.Generator().manual_seed(t))[:k] for t in range(T)])
+    pairs, expert = align(ids, E, block)
+    n = T * k
+    assert pairs.numel() == -(-(n + E * (block - 1)) // block) * block == expert.numel() * block
+    flat = ids.flatten()
+    served = pairs < n
+    assert sorted(pairs[served].tolist()) == [i for i in range(n) if flat[i] < E]  # each served pair once
+    row_expert = expert.long().repeat_interleave(block)
+    assert torch.equal(flat[pairs[served].long()], row_expert[served])  # in a block of its own expert
+    for e in range(E):  # each expert's pairs in order, in as few whole blocks as hold them
+        mine = pairs[row_expert == e]
+        assert mine.numel() == -(-(flat == e).sum().item() // block) * block
+        assert torch.equal(mine[mine < n], (flat == e).nonzero().flatten().int())
+    used = expert[expert >= 0]
+    assert torch.equal(used, used.sort().values) and (expert[used.numel():] == -1).all()
+
+
+@pytest.mark.parametrize("T, E, k, H, I, first, local", [
+    (1, 8, 1, 24, 16, 0, 8), (5, 8, 2, 40, 24, 0, 8), (13, 10, 8, 33, 20, 0, 10), (7, 64, 8, 16, 24, 0, 64),
+    (9, 8, 2, 24, 40, 4, 3)])  # the last: a rank holding experts 4-6 of 8
+def test_fused_experts_equal_the_reference(T, E, k, H, I, first, local):
+    """Odd token counts, experts with no tokens (64 experts, 7 tokens), top-k 1, 2 and 8, and a rank's share."""
+    g = torch.Generator().manual_seed(T * E + k)
+    x = torch.randn(T, H, generator=g)
+    weights, ids = route(torch.randn(T, E, generator=g), k, renormalize=k > 1)
+    w13 = torch.randn(local, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(local, H, I, generator=g) / I ** 0.5
+    ref = experts_reference(x, weights, ids, w13, w2, first)
+    torch.testing.assert_close(fused_experts(x, weights, ids, w13, w2, first), ref, atol=1e-5, rtol=1e-5)
+    if first:
+        assert ref.any() and not experts_reference(x, weights, ids, w13[:0], w2[:0], first).any()
+
+
+def test_config_reads_each_architecture_and_refuses_a_bad_top_k():
+    base = dict(num_hidden_layers=6, num_experts_per_tok=2, moe_intermediate_size=8, intermediate_size=32)
+    qwen = MoEConfig.from_hf(dict(base, model_type="qwen3_moe", num_experts=4, decoder_sparse_step=2,
+                                  mlp_only_layers=[3]))  # the hub's name for the count; every second layer
+    assert (qwen.num_experts, qwen.sparse_layers, qwen.renormalize, qwen.intermediate_size) == (4, (1, 5), False, 8)
+    mixtral = MoEConfig.from_hf(dict(base, model_type="mixtral", num_local_experts=8))
+    assert (mixtral.sparse_layers, mixtral.renormalize, mixtral.intermediate_size) == (tuple(range(6)), True, 32)
+    assert mixtral.packed_modules()["mlp.gate"] == ["block_sparse_moe.gate"]
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 with 4 experts"):
+        MoEConfig.from_hf(dict(base, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=5))
+
+
+def test_two_ranks_are_refused_before_any_process_starts(moe_checkpoint):
+    _, folder, _ = moe_checkpoint
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 for a mixture of experts"):
+        mi.LLMEngine(mi.EngineConfig(model=folder, tensor_parallel_size=2))
