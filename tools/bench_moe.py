@@ -1,0 +1,185 @@
+"""Chapter 13 GPU benchmark: a mixture-of-experts layer and model of Qwen3-30B-A3B's shape (random bf16
+weights), our fused experts against `torch._grouped_mm` and transformers' own MoE block in the same run.
+
+Hand-written tool. Parts (in the order given; results merge into the JSON):
+    layer     one MoE layer (router and experts) at 1, 16, 256 and 4,096 tokens: ours (fused, eager and in a
+              CUDA graph), the same routing through torch._grouped_mm, transformers' Qwen3MoeSparseMoeBlock
+              (its default experts implementation), our one-expert-at-a-time reference; each against the bytes
+              of the experts its tokens chose at the copy bandwidth, and checked against the reference
+    batch1    the model cut to 8 of its 48 layers: batch-1 decode tokens/s through the engine against its
+              active-weight floor (what one token reads: attention, router, 8 experts a layer, LM head)
+    workload  the same model on COURSE.md's 256-request workload against transformers' generate_batch
+
+    python tools/bench_moe.py run docs/benchmarks/moe_h200.json layer batch1 workload
+"""
+
+import datetime
+import gc
+import itertools
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from bench_engine import MAX_MODEL_LEN, greedy, hf_generate_batch, run_engine, workload
+from copy_bandwidth import copy_bandwidth
+from triton.testing import do_bench
+
+import miniinfer as mi
+from miniinfer.kernels.moe import fused_experts
+from miniinfer.layers.moe import experts_reference, route
+from miniinfer.model.transformer import silu_and_mul
+
+DT = torch.bfloat16
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+LAYERS = 8  # of 48: the model's weights would not fit one GPU's memory in bf16 with transformers' copy beside it
+
+
+def grouped(x, weights, ids, w13, w2):
+    """The experts through torch._grouped_mm: the pairs sorted by expert, one grouped GEMM for gate/up and one
+    for down over the experts' runs (`offs`: each run's end), then each pair's weight and the sum per token."""
+    k = ids.shape[1]
+    order = ids.flatten().argsort(stable=True)
+    offs = torch.bincount(ids.flatten(), minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    h = silu_and_mul(torch._grouped_mm(x[order // k], w13.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs) * weights.flatten()[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, order // k, y)
+
+
+def cycled_us(fns: list) -> float:
+    """Microseconds per call, each call the next of fns (one per copy of the layer)."""
+    it = itertools.cycle(fns)
+    return do_bench(lambda: next(it)(), rep=200) * 1e3
+
+
+def graph_us(fns: list) -> float:
+    """Microseconds per call of fns (each once, in order) replayed from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return do_bench(graph.replay, rep=200) * 1e3 / len(fns)
+
+
+def layer(gbps: float) -> dict:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in QWEN3_30B_A3B.items() if k != "model_type"})
+    cfg._experts_implementation = "grouped_mm"  # what transformers' model gives its blocks by default
+    H, k, I = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    torch.manual_seed(0)
+    blocks = []  # copies cycled through, so that a call finds its experts' weights in memory, not in L2
+    for _ in range(4):
+        with torch.device("cuda"):
+            block = Qwen3MoeSparseMoeBlock(cfg).to(DT).eval()
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.02)
+        blocks.append(block)
+    res = {}
+    for T in (1, 16, 256, 4096):
+        x = torch.randn(T, H, device="cuda", dtype=DT)
+
+        def ours(blk, experts=fused_experts):
+            weights, ids = route(x @ blk.gate.weight.t(), k, True)
+            return experts(x, weights, ids, blk.experts.gate_up_proj, blk.experts.down_proj)
+        runs = {"ours_fused": ours, "torch_grouped_mm": lambda blk: ours(blk, grouped),
+                "transformers": lambda blk: blk(x[None])[0], "ours_reference": lambda blk: ours(blk, experts_reference)}
+        with torch.no_grad():
+            ref = runs["ours_reference"](blocks[0]).float()
+            row = {"tokens": T, "max_rel_err_vs_reference": {
+                n: ((fn(blocks[0]).float() - ref).abs().max() / ref.abs().max()).item() for n, fn in runs.items()}}
+            row["us"] = {n: cycled_us([lambda b=b, fn=fn: fn(b) for b in blocks]) for n, fn in runs.items()}
+            row["us"]["ours_fused_graph"] = graph_us([lambda b=b: ours(b) for b in blocks])
+        touched = route(x @ blocks[0].gate.weight.t(), k, True)[1].unique().numel()
+        row.update(experts_touched=touched, floor_us=touched * 3 * H * I * 2 / gbps / 1e3)
+        print(f"layer, {T} tokens ({touched} experts): " + ", ".join(f"{n} {v:.1f} us" for n, v in row["us"].items())
+              + f"; floor {row['floor_us']:.1f} us; errors {row['max_rel_err_vs_reference']}", flush=True)
+        res[str(T)] = row
+    return res
+
+
+def models():
+    """transformers' Qwen3-MoE and ours, cut to LAYERS layers, with the same random bf16 weights (the
+    checkpoint written to shared memory: 10 GB)."""
+    cfg = transformers.Qwen3MoeConfig(**{**{k: v for k, v in QWEN3_30B_A3B.items() if k != "model_type"},
+                                         "num_hidden_layers": LAYERS, "eos_token_id": None, "bos_token_id": None})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.Qwen3MoeForCausalLM(cfg).to(DT).eval()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        hf.save_pretrained(folder)
+        ours = mi.load_model(folder, device="cuda", dtype=DT)
+    return hf, ours
+
+
+def active_bytes(model) -> int:
+    """The weights one decode token reads: everything but the embedding table (a row of it) and the experts
+    its router did not choose."""
+    total = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    moe = model.cfg.experts
+    per_expert = 3 * model.cfg.hidden_size * moe.intermediate_size
+    return 2 * (total - len(moe.sparse_layers) * (moe.num_experts - moe.top_k) * per_expert)
+
+
+def batch1(model, gbps: float) -> dict:
+    engine = mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
+                          model=model)
+    prompt = list(range(100, 132))
+    list(engine.stream(prompt, greedy(16)))  # warm-up: compiles, captures
+    times = [time.perf_counter() for _ in engine.stream(prompt, greedy(256))]
+    itl = sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2]
+    nbytes = active_bytes(model)
+    res = {"tokens_per_s": 1 / itl, "active_bytes": nbytes, "floor_tokens_per_s": gbps * 1e9 / nbytes}
+    res["fraction_of_floor"] = res["tokens_per_s"] / res["floor_tokens_per_s"]
+    print(f"batch 1: {res['tokens_per_s']:.0f} tok/s, {res['fraction_of_floor']:.0%} of the active floor", flush=True)
+    return res
+
+
+def main(out: str, parts: list[str]) -> None:
+    path = Path(out)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+               transformers=transformers.__version__, date=datetime.date.today().isoformat(),
+               copy_GBps=copy_bandwidth(), shape=dict(QWEN3_30B_A3B, layers_kept=LAYERS))
+    pair = None
+    for part in parts:
+        if part == "layer":
+            res["layer"] = layer(res["copy_GBps"])
+        elif part in ("batch1", "workload"):
+            if pair is None:
+                pair = models()
+            hf, ours = pair
+            if part == "batch1":
+                res["batch1"] = batch1(ours, res["copy_GBps"])
+            else:
+                prompts, outs = workload()
+                engine = mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN),
+                                      model=ours)
+                engine.generate(prompts[:8], greedy(8), use_tqdm=False)
+                res["workload"] = {"ours": run_engine(engine, prompts, outs)}
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+                print(f"ours: {res['workload']['ours']['output_tokens_per_s']:.0f} output tok/s", flush=True)
+                res["workload"]["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+        path.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        main(sys.argv[2], sys.argv[3:])
