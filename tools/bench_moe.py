@@ -6,6 +6,8 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
               CUDA graph), the same routing through torch._grouped_mm, transformers' Qwen3MoeSparseMoeBlock
               (its default experts implementation), our one-expert-at-a-time reference; each against the bytes
               of the experts its tokens chose at the copy bandwidth, and checked against the reference
+    sweep     the fused kernels' tiles at the same token counts, in CUDA graphs: each config's time, the best, and
+              moe_config's pick
     batch1    the model cut to 8 of its 48 layers: batch-1 decode tokens/s through the engine against its
               active-weight floor (what one token reads: attention, router, 8 experts a layer, LM head)
     workload  the same model on COURSE.md's 256-request workload against transformers' generate_batch
@@ -29,7 +31,7 @@ from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
 import miniinfer as mi
-from miniinfer.kernels.moe import fused_experts
+from miniinfer.kernels.moe import fused_experts, moe_config
 from miniinfer.layers.moe import experts_reference, route
 from miniinfer.model.transformer import silu_and_mul
 
@@ -111,6 +113,33 @@ def layer(gbps: float) -> dict:
     return res
 
 
+SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=bk, num_warps=w, num_stages=3) for m in (16, 32, 64)
+         for n in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+
+
+def sweep() -> dict:
+    cfg = QWEN3_30B_A3B
+    H, E, k, I = cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    torch.manual_seed(0)
+    layers = [(torch.randn(E, 2 * I, H, device="cuda", dtype=DT) * 0.02, torch.randn(E, H, I, device="cuda", dtype=DT)
+               * 0.02, torch.randn(E, H, device="cuda", dtype=DT) * 0.02) for _ in range(4)]
+    res = {}
+    for T in (1, 16, 256, 4096):
+        x = torch.randn(T, H, device="cuda", dtype=DT)
+        routed = [(route(x @ g.t(), k, True), w13, w2) for w13, w2, g in layers]
+
+        def timed(config):
+            return graph_us([lambda r=r, config=config: fused_experts(x, *r[0], r[1], r[2], config=config)
+                             for r in routed])
+        times = sorted((timed(c), i) for i, c in enumerate(SWEEP))
+        rule = moe_config(T * k, E, x.device)
+        res[str(T)] = {"best_us": times[0][0], "best": SWEEP[times[0][1]], "rule": rule, "rule_us": timed(rule),
+                       "top5": [(t, SWEEP[i]) for t, i in times[:5]]}
+        print(f"sweep {T} tokens: best {times[0][0]:.1f} us {SWEEP[times[0][1]]}, rule {res[str(T)]['rule_us']:.1f} us",
+              flush=True)
+    return res
+
+
 def models():
     """transformers' Qwen3-MoE and ours, cut to LAYERS layers, with the same random bf16 weights (the
     checkpoint written to shared memory: 10 GB)."""
@@ -158,6 +187,8 @@ def main(out: str, parts: list[str]) -> None:
     for part in parts:
         if part == "layer":
             res["layer"] = layer(res["copy_GBps"])
+        elif part == "sweep":
+            res["sweep"] = sweep()
         elif part in ("batch1", "workload"):
             if pair is None:
                 pair = models()
