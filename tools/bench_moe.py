@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import triton
 from bench_engine import MAX_MODEL_LEN, greedy, hf_generate_batch, run_engine, workload
 from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
@@ -129,8 +130,11 @@ def sweep() -> dict:
         routed = [(route(x @ g.t(), k, True), w13, w2) for w13, w2, g in layers]
 
         def timed(config):
-            return graph_us([lambda r=r, config=config: fused_experts(x, *r[0], r[1], r[2], config=config)
-                             for r in routed])
+            try:
+                return graph_us([lambda r=r, config=config: fused_experts(x, *r[0], r[1], r[2], config=config)
+                                 for r in routed])
+            except triton.runtime.errors.OutOfResources:  # too large a tile for shared memory
+                return float("inf")
         times = sorted((timed(c), i) for i, c in enumerate(SWEEP))
         rule = moe_config(T * k, E, x.device)
         res[str(T)] = {"best_us": times[0][0], "best": SWEEP[times[0][1]], "rule": rule, "rule_us": timed(rule),
