@@ -107,14 +107,16 @@ def test_align_sorts_every_pair_into_one_experts_blocks(data):
     (1, 8, 1, 24, 16, 0, 8), (5, 8, 2, 40, 24, 0, 8), (13, 10, 8, 33, 20, 0, 10), (7, 64, 8, 16, 24, 0, 64),
     (9, 8, 2, 24, 40, 4, 3)])  # the last: a rank holding experts 4-6 of 8
 def test_fused_experts_equal_the_reference(T, E, k, H, I, first, local):
-    """Odd token counts, experts with no tokens (64 experts, 7 tokens), top-k 1, 2 and 8, and a rank's share."""
+    """Odd token counts, experts with no tokens (64 experts, 7 tokens), top-k 1, 2 and 8, and a rank's share;
+    the sorted, tiled kernel and the one with a program per pair."""
     g = torch.Generator().manual_seed(T * E + k)
     x = torch.randn(T, H, generator=g)
     weights, ids = route(torch.randn(T, E, generator=g), k, renormalize=k > 1)
     w13 = torch.randn(local, 2 * I, H, generator=g) / H ** 0.5
     w2 = torch.randn(local, H, I, generator=g) / I ** 0.5
     ref = experts_reference(x, weights, ids, w13, w2, first)
-    torch.testing.assert_close(fused_experts(x, weights, ids, w13, w2, first), ref, atol=1e-5, rtol=1e-5)
+    for config in (None, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), dict(BLOCK_N=16, BLOCK_K=32)):  # rule, both
+        torch.testing.assert_close(fused_experts(x, weights, ids, w13, w2, first, config), ref, atol=1e-5, rtol=1e-5)
     if first:
         assert ref.any() and not experts_reference(x, weights, ids, w13[:0], w2[:0], first).any()
 

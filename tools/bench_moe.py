@@ -6,8 +6,8 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
               CUDA graph), the same routing through torch._grouped_mm, transformers' Qwen3MoeSparseMoeBlock
               (its default experts implementation), our one-expert-at-a-time reference; each against the bytes
               of the experts its tokens chose at the copy bandwidth, and checked against the reference
-    sweep     the fused kernels' tiles at the same token counts, in CUDA graphs: each config's time, the best, and
-              moe_config's pick
+    sweep     the fused kernels' tiles at 1-4,096 tokens, in CUDA graphs (up to 32 pairs the per-pair kernel's
+              too): the best, and moe_config's pick
     batch1    the model cut to 8 of its 48 layers: batch-1 decode tokens/s through the engine against its
               active-weight floor (what one token reads: attention, router, 8 experts a layer, LM head)
     workload  the same model on COURSE.md's 256-request workload against transformers' generate_batch
@@ -116,6 +116,8 @@ def layer(gbps: float) -> dict:
 
 SWEEP = [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=bk, num_warps=w, num_stages=3) for m in (16, 32, 64)
          for n in (32, 64, 128) for bk in (64, 128) for w in (4, 8)]
+SWEEP_GEMV = [dict(BLOCK_N=n, BLOCK_K=bk, num_warps=w) for n in (4, 8, 16, 32) for bk in (128, 256, 512, 1024)
+              for w in (2, 4, 8) if n * bk <= 16384]  # the kernel with a program per pair, for few pairs
 
 
 def sweep() -> dict:
@@ -125,7 +127,7 @@ def sweep() -> dict:
     layers = [(torch.randn(E, 2 * I, H, device="cuda", dtype=DT) * 0.02, torch.randn(E, H, I, device="cuda", dtype=DT)
                * 0.02, torch.randn(E, H, device="cuda", dtype=DT) * 0.02) for _ in range(4)]
     res = {}
-    for T in (1, 16, 256, 4096):
+    for T in (1, 2, 4, 16, 256, 4096):
         x = torch.randn(T, H, device="cuda", dtype=DT)
         routed = [(route(x @ g.t(), k, True), w13, w2) for w13, w2, g in layers]
 
@@ -135,12 +137,15 @@ def sweep() -> dict:
                                  for r in routed])
             except triton.runtime.errors.OutOfResources:  # too large a tile for shared memory
                 return float("inf")
-        times = sorted((timed(c), i) for i, c in enumerate(SWEEP))
+        configs = SWEEP + (SWEEP_GEMV if T * k <= 32 else [])
+        times = sorted((timed(c), i) for i, c in enumerate(configs))
         rule = moe_config(T * k, E, x.device)
-        res[str(T)] = {"best_us": times[0][0], "best": SWEEP[times[0][1]], "rule": rule, "rule_us": timed(rule),
-                       "top5": [(t, SWEEP[i]) for t, i in times[:5]]}
-        print(f"sweep {T} tokens: best {times[0][0]:.1f} us {SWEEP[times[0][1]]}, rule {res[str(T)]['rule_us']:.1f} us",
-              flush=True)
+        res[str(T)] = {"best_us": times[0][0], "best": configs[times[0][1]], "rule": rule, "rule_us": timed(rule),
+                       "top5": [(t, configs[i]) for t, i in times[:5]]}
+        if T * k <= 32:  # the best of each kernel
+            res[str(T)]["best_tiled_us"] = min(t for t, i in times if "BLOCK_M" in configs[i])
+            res[str(T)]["best_per_pair_us"] = min(t for t, i in times if "BLOCK_M" not in configs[i])
+        print(f"sweep {T} tokens: {json.dumps({k: v for k, v in res[str(T)].items() if k != 'top5'})}", flush=True)
     return res
 
 

@@ -32,10 +32,11 @@ def align(ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor
 
 @triton.jit
 def _experts_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, weight_ptr, num_pairs, N, K, a_stride,
-                    DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                    DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """One block of BLOCK_M pairs of one expert times BLOCK_N columns of its weight [N (x2 gated), K]:
-    the rows of a are pair // DIV (the token for gate/up, the pair itself for down)."""
+    the rows of a are pair // DIV (the token for gate/up, the pair itself for down). Gated: silu(gate)
+    * up; else each pair's routing weight."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:  # past the last expert's blocks
@@ -52,20 +53,57 @@ def _experts_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, weight_ptr, nu
         a = tl.load(a_ptr + row[:, None] * a_stride + rk[None, :], mask=valid[:, None] & (rk[None, :] < K), other=0.0)
         wmask = (rk[:, None] < K) & (rn[None, :] < N)
         acc += tl.dot(a, tl.load(w + rn[None, :] * K + rk[:, None], mask=wmask, other=0.0), input_precision=PRECISION)
-        if GATED:  # up's columns are N further on: silu(gate) * up in the epilogue
+        if GATED:  # up's columns are N further on
             up += tl.dot(a, tl.load(w + (N + rn[None, :]) * K + rk[:, None], mask=wmask, other=0.0),
                          input_precision=PRECISION)
     if GATED:
         acc = acc * tl.sigmoid(acc) * up
-    if WEIGHTED:
+    else:
         acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + pair[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & (rn[None, :] < N))
 
 
+@triton.jit
+def _expert_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weight_ptr, N, K, a_stride, first, num_local,
+                        DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One pair times BLOCK_N columns of its expert's weight, unsorted: a decode step's few pairs, each
+    read straight from the router's ids (no align, no tensor cores: a row of products summed)."""
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + pair) - first
+    if (e < 0) | (e >= num_local):  # another rank's expert: its row stays zero
+        return
+    row = pair // DIV
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = w_ptr + e.to(tl.int64) * (2 * N if GATED else N) * K
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + row * a_stride + rk, mask=rk < K, other=0.0).to(tl.float32)
+        wmask = (rn[:, None] < N) & (rk[None, :] < K)
+        acc += tl.sum(tl.load(w + rn[:, None] * K + rk[None, :], mask=wmask, other=0.0).to(tl.float32) * a[None, :], 1)
+        if GATED:
+            wu = tl.load(w + (N + rn[:, None]) * K + rk[None, :], mask=wmask, other=0.0)
+            up += tl.sum(wu.to(tl.float32) * a[None, :], 1)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * up
+    else:
+        acc = acc * tl.load(weight_ptr + pair)
+    tl.store(out_ptr + pair * N + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+# Up to this many token-expert pairs a step runs a program per pair (a decode step: the align step's
+# sorting would cost more than the matmuls it organizes).
+GEMV_PAIRS = 16
+
+
 def moe_config(pairs: int, num_experts: int, device: torch.device) -> dict:
-    """Tiles: a block of rows as many as an expert's pairs fill on average (16 at least, tl.dot's
-    least); under the CPU interpreter the largest tiles, since each program is a loop in Python."""
+    """Tiles: with few pairs the unsorted kernel's (no BLOCK_M); else a block of rows as many as an
+    expert's pairs fill on average (16 at least, tl.dot's least). Under the CPU interpreter the largest
+    tiles, since each program is a loop in Python."""
+    if pairs <= GEMV_PAIRS:
+        return dict(BLOCK_N=16, BLOCK_K=256, num_warps=4) if device.type == "cuda" else dict(BLOCK_N=64, BLOCK_K=64)
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
     per_expert = pairs / num_experts
@@ -76,21 +114,26 @@ def moe_config(pairs: int, num_experts: int, device: torch.device) -> dict:
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   first: int = 0, config: dict | None = None) -> torch.Tensor:
     """experts_reference's result in two kernel launches and a sum: gate/up with SiLU-and-multiply for
-    every pair at once, then down with each pair's routing weight, then each token's k pairs added."""
+    every pair at once, then down with each pair's routing weight, then each token's k pairs added.
+    config: the kernels' tiles, which name them (BLOCK_M: the sorted, tiled one)."""
     T, H = x.shape
-    k, E, I2 = ids.shape[1], w13.shape[0], w13.shape[1]
-    local = ids - first
-    local = torch.where((local >= 0) & (local < E), local, E)  # another rank's experts: skipped
+    k, E, inter_size = ids.shape[1], w13.shape[0], w13.shape[1] // 2
     cfg = dict(config or moe_config(T * k, E, x.device))
-    block_m = cfg["BLOCK_M"]
-    pairs, expert = align(local, E, block_m)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    inter = torch.empty(T * k, I2 // 2, device=x.device, dtype=x.dtype)
-    grid = (expert.numel(), triton.cdiv(I2 // 2, cfg["BLOCK_N"]))
-    _experts_kernel[grid](x, w13, inter, pairs, expert, weights, T * k, I2 // 2, H, x.stride(0), DIV=k, GATED=True,
-                          WEIGHTED=False, PRECISION=precision, **cfg)
+    if "BLOCK_M" in cfg:
+        local = ids - first
+        pairs, expert = align(torch.where((local >= 0) & (local < E), local, E), E, cfg["BLOCK_M"])
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+        def launch(a, w, out, N, K, div, gated):
+            _experts_kernel[(expert.numel(), triton.cdiv(N, cfg["BLOCK_N"]))](
+                a, w, out, pairs, expert, weights, T * k, N, K, a.stride(0), DIV=div, GATED=gated,
+                PRECISION=precision, **cfg)
+    else:
+        def launch(a, w, out, N, K, div, gated):
+            _expert_gemv_kernel[(T * k, triton.cdiv(N, cfg["BLOCK_N"]))](
+                a, w, out, ids, weights, N, K, a.stride(0), first, E, DIV=div, GATED=gated, **cfg)
+    inter = torch.empty(T * k, inter_size, device=x.device, dtype=x.dtype)
+    launch(x, w13, inter, inter_size, H, k, True)
     out = torch.zeros(T * k, H, device=x.device, dtype=x.dtype)  # a skipped pair adds zeros
-    grid = (expert.numel(), triton.cdiv(H, cfg["BLOCK_N"]))
-    _experts_kernel[grid](inter, w2, out, pairs, expert, weights, T * k, H, I2 // 2, inter.stride(0), DIV=1,
-                          GATED=False, WEIGHTED=True, PRECISION=precision, **cfg)
+    launch(inter, w2, out, H, inter_size, 1, False)
     return out.view(T, k, H).sum(dim=1)
