@@ -2,6 +2,8 @@
 ordinary checkpoints give transformers' greedy tokens through the engine; the align step and the fused
 experts kernels (under the CPU interpreter) equal the reference."""
 
+import re
+
 import pytest
 import torch
 from conftest import COMMON
@@ -133,7 +135,33 @@ def test_config_reads_each_architecture_and_refuses_a_bad_top_k():
         MoEConfig.from_hf(dict(base, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=5))
 
 
-def test_two_ranks_are_refused_before_any_process_starts(moe_checkpoint):
+def test_expert_parallel_on_two_ranks_equals_transformers(moe_checkpoint):
+    """Experts split over two gloo ranks (7 of them: 3 and 4; Mixtral's 5: 2 and 3; Qwen2-MoE's shared
+    expert split by channels): two rounds under preemption (swap), prefix caching and chunked prefill."""
+    kind, folder, hf = moe_checkpoint
+    prompts, params = shared_workload(n=8)
+    expected = oracle((kind, "shared8"), hf, prompts, params)
+    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
+    engine = mi.LLMEngine(mi.EngineConfig(
+        model=folder, tensor_parallel_size=2, enable_expert_parallel=True, block_size=4, num_blocks=num_blocks,
+        max_num_seqs=4, max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True,
+        enable_chunked_prefill=True))
+    try:
+        preempted, cached = serve_twice(engine, prompts, params, expected)
+        assert preempted > 0 and cached > 0
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.executor.procs)
+
+
+def test_bad_parallel_configurations_are_refused_before_any_process_starts(moe_checkpoint):
     _, folder, _ = moe_checkpoint
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 for a mixture of experts"):
-        mi.LLMEngine(mi.EngineConfig(model=folder, tensor_parallel_size=2))
+    cases = [(dict(model=folder, tensor_parallel_size=2), "enable_expert_parallel=False for a model with experts"),
+             (dict(tensor_parallel_size=2, enable_expert_parallel=True), "for a model without experts"),
+             (dict(model=folder, enable_expert_parallel=True), "got tensor_parallel_size=1"),
+             (dict(model=folder, tensor_parallel_size=2, enable_expert_parallel=True, quantization="int8"),
+              "quantization='int8'"),
+             (dict(model=folder, tensor_parallel_size=8, enable_expert_parallel=True), "do not split over")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mi.LLMEngine(mi.EngineConfig(**kwargs))

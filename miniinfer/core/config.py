@@ -65,6 +65,8 @@ class EngineConfig:
     num_speculative_tokens: int = setting(4, "speculation", "guesses verified per step")
     tensor_parallel_size: int = setting(1, "parallel", "GPUs (on a CPU: processes) that split the model, one "
                                         "process each (chapter 11; default: one, in this process)")
+    enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
+                                           "each rank its share of the experts (chapter 13)")
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a
@@ -91,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"speculative_method={self.speculative_method!r} " + (
                 "needs a speculative_model (a draft checkpoint, or pycoder-draft)" if self.speculative_model is None
                 else f"uses no model, got speculative_model={str(self.speculative_model)!r}"))
+        if self.enable_expert_parallel and (self.tensor_parallel_size == 1 or self.quantization is not None):
+            raise ValueError("enable_expert_parallel splits a mixture of experts over tensor_parallel_size >= 2 ranks, "
+                             f"in full precision; got tensor_parallel_size={self.tensor_parallel_size}, "
+                             f"quantization={self.quantization!r}")
         if self.tensor_parallel_size > 1:
             # The ranks cut full-precision tensors (chapter 11), and quantize on load as one GPU would;
             # a checkpoint's packed codes they cannot cut.

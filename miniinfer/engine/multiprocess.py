@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import sys
 import tempfile
 import time
 import weakref
@@ -38,7 +39,7 @@ class MultiProcessExecutor:
                              "checkpoint (EngineConfig.model), not a model object")
         cfg = ModelConfig.from_hf(checkpoint_config(config.model)[1])
         size = config.tensor_parallel_size
-        check_parallel(cfg, size)
+        check_parallel(cfg, size, config.enable_expert_parallel)
         check_quantized_split(cfg, size, config.quantization)
         if torch.device(config.device).type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
@@ -48,6 +49,11 @@ class MultiProcessExecutor:
         self.failure: str | None = None
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-tp-")
         os.close(fd)
+        # Triton's CPU interpreter copies its module's globals, __file__ among them, into those of a kernel
+        # defined in __main__ (a notebook's): spawn would then run interpreter.py as each child's main.
+        main = sys.modules["__main__"]
+        if getattr(main, "__file__", "").endswith(os.path.join("triton", "runtime", "interpreter.py")):
+            del main.__file__
         ctx = multiprocessing.get_context("spawn")
         payload = cloudpickle.dumps(components)
         self.conns, self.procs = [], []

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.model.transformer import MLP, ModelConfig, Ops, Registry, RMSNorm, silu_and_mul
+
+if TYPE_CHECKING:
+    from miniinfer.layers.parallel import ParallelLayers, Shard
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,13 @@ class MoEConfig:
         if layer in self.sparse_layers:
             return SparseMoE(cfg.hidden_size, self)
         return MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+    def check_parallel(self, size: int) -> None:
+        """ValueError unless expert parallelism over `size` ranks gives each rank an expert and splits
+        the shared expert's channels evenly."""
+        if self.num_experts < size or self.shared_intermediate_size % size:
+            raise ValueError(f"{self.num_experts} experts (a shared one of {self.shared_intermediate_size} channels) "
+                             f"do not split over tensor_parallel_size={size}")
 
     def packed_modules(self) -> dict[str, list[str]]:
         """Our stacked tensors and the checkpoint's per-expert matrices that fill them, in order."""
@@ -130,6 +142,7 @@ class SparseMoE(nn.Module):
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(hidden_size, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.reduce = False  # under expert parallelism (below) this rank's experts give part of the sum
 
     def forward(self, h, x, norm: RMSNorm, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """What the experts add to the stream x + h, and that stream (as chapter 01's MLP)."""
@@ -137,8 +150,24 @@ class SparseMoE(nn.Module):
         flat = y.reshape(-1, y.shape[-1])
         weights, ids = route(self.gate(flat), self.moe.top_k, self.moe.renormalize)
         out = self.experts(flat, weights, ids)
+        if self.reduce:
+            dist.all_reduce(out)
         if self.shared_expert is not None:
             s = self.shared_expert
             shared = ops.linear(s.down_proj, ops.silu_and_mul(ops.linear(s.gate_up_proj, flat)))
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
         return out.view_as(y), x
+
+    def shard(self, shard: Shard, layers: ParallelLayers) -> None:
+        """This rank's part under expert parallelism: experts rank * E // size up to the next rank's
+        (E need not divide), the router whole, the shared expert split by channels (its row-parallel down
+        adds its own sum over the ranks), and the experts' sum over the ranks after them."""
+        E, size, hidden = self.moe.num_experts, shard.size, self.gate.in_features
+        ids = range(shard.rank * E // size, (shard.rank + 1) * E // size)
+        self.experts = Experts(ids, E, hidden, self.moe.intermediate_size)
+        if self.shared_expert is not None:
+            n = self.moe.shared_intermediate_size
+            channels = shard.part(n)
+            self.shared_expert.gate_up_proj = layers.column(hidden, [channels, channels], [n, n], False)
+            self.shared_expert.down_proj = layers.row(channels, n, hidden, False, shard.rank == 0)
+        self.reduce = True

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.layers.quantization import SCHEMES, FP8Linear, IntLinear
-from miniinfer.model.transformer import DecoderLayer, Linear, ModelConfig, Transformer
+from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Transformer
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,17 @@ class Shard:
         return slice(head, head + 1)
 
 
-def check_parallel(cfg: ModelConfig, size: int) -> None:
-    """ValueError unless a model of this shape splits evenly over `size` ranks."""
+def check_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """ValueError unless a model of this shape splits evenly over `size` ranks (a mixture of experts:
+    with expert_parallel, its experts split by chapter 13)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
-    if cfg.experts is not None and size > 1:  # its experts' stacked weights are not cut by channels here
-        raise ValueError(f"tensor_parallel_size={size} for a mixture of experts: this engine does not split its "
-                         "experts over ranks; serve it with tensor_parallel_size=1")
+    if (cfg.experts is not None) != expert_parallel and size > 1:  # experts are cut by expert, not by channel
+        raise ValueError(f"tensor_parallel_size={size} with enable_expert_parallel={expert_parallel} for a model "
+                         f"{'with' if cfg.experts is not None else 'without'} experts: a mixture of experts needs it "
+                         "(each rank keeps its share of the experts), any other model does not")
+    if cfg.experts is not None and size > 1:
+        cfg.experts.check_parallel(size)
     for what, n in (("attention heads", cfg.num_heads), ("intermediate channels", cfg.intermediate_size)):
         if n % size:
             raise ValueError(f"the model's {n} {what} do not split evenly over tensor_parallel_size={size}")
@@ -155,14 +159,15 @@ class ParallelLayers:
 
 
 def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False,
-                layers: ParallelLayers = ParallelLayers()) -> None:
+                layers: ParallelLayers = ParallelLayers(), expert_parallel: bool = False) -> None:
     """Make a model skeleton (before its tensors are read) this rank's part: column-parallel q/k/v and
     gate/up, row-parallel o and down, the vocabulary split. Its cfg becomes the rank's own shape
     (heads, KV heads, intermediate size), which the KV pool and the attention read. whole_rows: o and
     down load all their input columns, to be quantized whole and cut after (`cut_to_columns`).
-    layers: the classes to build it of."""
+    layers: the classes to build it of. A layer whose MLP is not chapter 01's (chapter 13's experts,
+    with expert_parallel) cuts itself: `mlp.shard(shard, layers)`."""
     cfg = model.cfg
-    check_parallel(cfg, shard.size)
+    check_parallel(cfg, shard.size, expert_parallel)
     D, hidden = cfg.head_dim, cfg.hidden_size
     q, kv, inter = shard.part(cfg.num_heads), shard.kv_heads(cfg.num_kv_heads), shard.part(cfg.intermediate_size)
     if not 0 <= kv.start < kv.stop <= cfg.num_kv_heads:
@@ -178,6 +183,9 @@ def shard_model(model: Transformer, shard: Shard, whole_rows: bool = False,
         attn.qkv_proj = layers.column(hidden, [_rows(q, D), _rows(kv, D), _rows(kv, D)],
                                        [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D], cfg.qkv_bias)
         attn.o_proj = layers.row(o_cols, cfg.num_heads * D, hidden, cfg.o_bias, shard.rank == 0)
+        if not isinstance(mlp, MLP):
+            mlp.shard(shard, layers)
+            continue
         mlp.gate_up_proj = layers.column(hidden, [inter, inter], [cfg.intermediate_size] * 2, cfg.mlp_bias)
         mlp.down_proj = layers.row(down_cols, cfg.intermediate_size, hidden, cfg.mlp_bias, shard.rank == 0)
     model.model.embed_tokens = layers.embedding(cfg.vocab_size, hidden, shard)  # type: ignore[assignment]

@@ -40,8 +40,9 @@ class Worker:
         self.rank = rank
         layers = components.parallel or ParallelLayers()
         shard, whole = layers.shard(rank, size), config.quantization is not None
-        self.runner = components.runner(config, prepare=functools.partial(shard_model, shard=shard, whole_rows=whole,
-                                                                          layers=layers),
+        prepare = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
+                                    expert_parallel=config.enable_expert_parallel)
+        self.runner = components.runner(config, prepare=prepare,
                                         processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
