@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_chunked_prefill import shared_workload
 from test_engine import oracle
-from test_parallel import serve_twice
+from test_parallel import on_two_ranks, serve_twice
 
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
@@ -140,18 +140,7 @@ def test_expert_parallel_on_two_ranks_equals_transformers(moe_checkpoint):
     expert split by channels): two rounds under preemption (swap), prefix caching and chunked prefill."""
     kind, folder, hf = moe_checkpoint
     prompts, params = shared_workload(n=8)
-    expected = oracle((kind, "shared8"), hf, prompts, params)
-    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
-    engine = mi.LLMEngine(mi.EngineConfig(
-        model=folder, tensor_parallel_size=2, enable_expert_parallel=True, block_size=4, num_blocks=num_blocks,
-        max_num_seqs=4, max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True,
-        enable_chunked_prefill=True))
-    try:
-        preempted, cached = serve_twice(engine, prompts, params, expected)
-        assert preempted > 0 and cached > 0
-    finally:
-        engine.close()
-    assert not any(p.is_alive() for p in engine.executor.procs)
+    on_two_ranks(folder, prompts, params, oracle((kind, "shared8"), hf, prompts, params), enable_expert_parallel=True)
 
 
 def test_bad_parallel_configurations_are_refused_before_any_process_starts(moe_checkpoint):

@@ -54,12 +54,17 @@ def test_greedy_with_two_ranks_equals_transformers(hf_checkpoint):
     workload under preemption (swap), prefix caching and chunked prefill; every block back."""
     kind, folder, hf = hf_checkpoint
     prompts, params = shared_workload()
-    expected = oracle((kind, "shared"), hf, prompts, params)
+    on_two_ranks(folder, prompts, params, oracle((kind, "shared"), hf, prompts, params))
+
+
+def on_two_ranks(folder, prompts, params, expected, **config) -> None:
+    """Serve a workload twice on two ranks (more config: `config`) under preemption (swap), prefix caching
+    and chunked prefill: tokens, blocks, preemptions and cache hits checked, and no process left."""
     num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
     engine = mi.LLMEngine(mi.EngineConfig(
         model=folder, tensor_parallel_size=2, block_size=4, num_blocks=num_blocks, max_num_seqs=4,
         max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True,
-        enable_chunked_prefill=True))
+        enable_chunked_prefill=True, **config))
     try:
         preempted, cached = serve_twice(engine, prompts, params, expected)
         assert preempted > 0 and cached > 0
