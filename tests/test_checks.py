@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12  # noqa: E402
+from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13  # noqa: E402
 from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
-LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 13)}
+LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 14)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -202,6 +202,24 @@ def test_chapter_12_last_part_fails_on_each_broken_piece(pieces, says):
         pieces += (right,)
     with pytest.raises(AssertionError, match=says):
         testing.check_sampling_engine(pieces)
+
+
+@pytest.mark.parametrize("route_fn, experts_fn", [(ch13.softmax_over_the_top_k_only, None), (None, ch13.halves_swapped),
+                                                   (None, ch13.experts_unweighted)],
+                         ids=["route_tokens", "experts_forward (halves)", "experts_forward (weights)"])
+def test_chapter_13_last_part_fails_on_each_broken_piece(route_fn, experts_fn):
+    """The last part serves the checkpoint through the student's router and experts (the right one
+    where the piece broken is the other): each broken piece fails it, naming the request."""
+    from miniinfer.layers.moe import SparseMoE, experts_reference, route
+    route_fn, experts_fn = route_fn or route, experts_fn or experts_reference
+
+    def your_layers(model):
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.route = route_fn
+                layer.mlp.experts.impl = lambda x, weights, ids, w13, w2, first: experts_fn(x, weights, ids, w13, w2)
+    with pytest.raises(AssertionError, match="through your router and experts"):
+        testing.check_your_layers(your_layers)
 
 
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():

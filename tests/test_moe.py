@@ -16,7 +16,7 @@ from test_parallel import on_two_ranks, serve_twice
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
 from miniinfer.kernels.moe import align, fused_experts
-from miniinfer.layers.moe import MoEConfig, SparseMoE, experts_reference, route
+from miniinfer.layers.moe import EXPERT_IMPLS, MoEConfig, SparseMoE, experts_reference, route
 
 # Odd sizes; a dense layer among the sparse ones (mlp_only_layers); weights large enough that the
 # experts' outputs move the logits (the default initializer's make them ~1e-3); no EOS id, which the
@@ -75,7 +75,7 @@ def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl)
         preemption_mode="recompute", enable_prefix_caching=True, enable_chunked_prefill=True))
     for layer in engine.model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
-            layer.mlp.experts.impl = impl
+            layer.mlp.experts.impl = EXPERT_IMPLS[impl]
     preempted, cached = serve_twice(engine, prompts, params, expected)
     assert preempted > 0 and cached > 0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -114,17 +114,18 @@ EXPERT_IMPLS = Registry("experts implementation", {"reference": experts_referenc
 
 
 class Experts(nn.Module):
-    """The experts `ids` of a layer's `total`, as two stacked projections, and the implementation that
-    runs them (EXPERT_IMPLS; None: the fused kernels on CUDA, the reference elsewhere)."""
+    """The experts `ids` of a layer's `total`, as two stacked projections, and the function that runs
+    them, `impl(x, weights, ids, w13, w2, first)` (None: EXPERT_IMPLS' fused kernels on CUDA, the
+    reference elsewhere)."""
 
     def __init__(self, ids: range, total: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = ExpertLinear(ids, total, hidden_size, 2 * intermediate_size)
         self.down_proj = ExpertLinear(ids, total, intermediate_size, hidden_size)
-        self.impl: str | None = None
+        self.impl: Callable | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        impl = EXPERT_IMPLS[self.impl or ("fused" if x.is_cuda else "reference")]
+        impl = self.impl or EXPERT_IMPLS["fused" if x.is_cuda else "reference"]
         return impl(x, weights, ids, self.gate_up_proj.weight, self.down_proj.weight, self.gate_up_proj.ids.start)
 
 
@@ -136,6 +137,7 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig):
         super().__init__()
         self.moe = moe
+        self.route = route  # (logits, top_k, renormalize) -> (weights, ids): problem set 13 brings its own
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(range(moe.num_experts), moe.num_experts, hidden_size, moe.intermediate_size)
         self.shared_expert: MLP | None = None
@@ -148,7 +150,7 @@ class SparseMoE(nn.Module):
         """What the experts add to the stream x + h, and that stream (as chapter 01's MLP)."""
         y, x = ops.add_rms_norm(h, x, norm.weight, norm.eps)
         flat = y.reshape(-1, y.shape[-1])
-        weights, ids = route(self.gate(flat), self.moe.top_k, self.moe.renormalize)
+        weights, ids = self.route(self.gate(flat), self.moe.top_k, self.moe.renormalize)
         out = self.experts(flat, weights, ids)
         if self.reduce:
             dist.all_reduce(out)
