@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import COMMON
+from conftest import COMMON, hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_chunked_prefill import shared_workload
@@ -154,3 +154,22 @@ def test_bad_parallel_configurations_are_refused_before_any_process_starts(moe_c
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             mi.LLMEngine(mi.EngineConfig(**kwargs))
+
+
+def test_speculation_and_quantization_compose_with_experts(moe_checkpoint):
+    """n-gram speculation's verified tokens equal transformers' greedy ones; int8 on load quantizes the
+    attention, the dense layers and the shared expert, and leaves the router and the experts as they are."""
+    kind, folder, hf = moe_checkpoint
+    prompts, params = shared_workload(n=6)
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, speculative_method="ngram", num_speculative_tokens=3,
+                                          block_size=4, num_blocks=64, enable_prefix_caching=True))
+    assert [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)] == \
+        [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    from miniinfer.layers.quantization import IntLinear
+    model = mi.load_model(folder, quantization="int8")
+    moe = model.model.layers[0].mlp
+    assert type(moe.gate) is torch.nn.Linear and moe.experts.gate_up_proj.weight.dtype == torch.float32
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, IntLinear)
+    assert kind == "mixtral" or isinstance(model.model.layers[1].mlp.down_proj, IntLinear)
+    assert kind != "qwen2_moe" or isinstance(moe.shared_expert.gate_up_proj, IntLinear)
