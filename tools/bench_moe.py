@@ -214,6 +214,7 @@ def main(out: str, parts: list[str]) -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 print(f"ours: {res['workload']['ours']['output_tokens_per_s']:.0f} output tok/s", flush=True)
+                path.write_text(json.dumps(res, indent=1) + "\n")  # transformers' run may outlast the device's limit
                 res["workload"]["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
         else:
             raise SystemExit(f"unknown part {part!r}")
