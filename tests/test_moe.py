@@ -173,3 +173,21 @@ def test_speculation_and_quantization_compose_with_experts(moe_checkpoint):
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, IntLinear)
     assert kind == "mixtral" or isinstance(model.model.layers[1].mlp.down_proj, IntLinear)
     assert kind != "qwen2_moe" or isinstance(moe.shared_expert.gate_up_proj, IntLinear)
+
+
+def test_a_malformed_checkpoint_names_the_expert(moe_checkpoint, tmp_path):
+    """An expert's matrix of the wrong shape, or one missing: a CheckpointError that names it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    kind, folder, _ = moe_checkpoint
+    tensors = load_file(folder / "model.safetensors")
+    block, up = ("block_sparse_moe", "w3") if kind == "mixtral" else ("mlp", "up_proj")
+    name = f"model.layers.0.{block}.experts.3.{up}.weight"
+    for broken, says in ((dict(tensors, **{name: tensors[name][:-1]}), r"\(expert 3\) has shape"),
+                         ({k: v for k, v in tensors.items() if k != name}, re.escape(name))):
+        shutil.copytree(folder, tmp_path / "bad", dirs_exist_ok=True)
+        save_file(broken, tmp_path / "bad" / "model.safetensors")
+        with pytest.raises(mi.model.loader.CheckpointError, match=says):
+            mi.load_model(tmp_path / "bad")

@@ -90,6 +90,10 @@ class ExpertLinear(nn.Module):
 
     def load_weight(self, name: str, tensors: list) -> torch.Tensor:
         per = len(tensors) // self.total  # pieces of one expert
+        shape = (self.weight.shape[1] // per, self.weight.shape[2])
+        for i, t in enumerate(tensors):  # read lazily: the shapes are known before any data
+            if tuple(t.get_shape()) != shape:
+                raise ValueError(f"(expert {i // per}) has shape {tuple(t.get_shape())}, the config implies {shape}")
         return torch.stack([torch.cat([t[:] for t in tensors[e * per:(e + 1) * per]]) for e in self.ids])
 
 

@@ -146,7 +146,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
             module_name, _, param_name = name.rpartition(".")
             module = model.get_submodule(module_name)
             load = getattr(module, "load_weight", None)  # a projection's (see Linear)
-            names = ' + '.join(_checkpoint_names(name, packed))
+            every = _checkpoint_names(name, packed)  # a mixture of experts' stacked tensor: hundreds
+            names = ' + '.join(every) if len(every) <= 3 else f"{every[0]} + ... + {every[-1]} ({len(every)} matrices)"
             try:
                 state[name] = _cast(load(param_name, parts) if load is not None else parts[0][:], dtype)
             except ValueError as e:  # a layer that reads a part (chapter 11) checks the whole tensor
