@@ -90,6 +90,7 @@ def test_align_sorts_every_pair_into_one_experts_blocks(data):
     skip = data.draw(st.booleans())  # ids >= E: pairs another rank serves
     ids = torch.stack([torch.randperm(E + 2 * skip, generator=torch.Generator().manual_seed(t))[:k] for t in range(T)])
     pairs, expert = align(ids, E, block)
+    assert all(torch.equal(a, b) for a, b in zip(align(ids.int(), E, block), (pairs, expert)))  # any int ids
     n = T * k
     assert pairs.numel() == -(-(n + E * (block - 1)) // block) * block == expert.numel() * block
     flat = ids.flatten()
@@ -133,6 +134,8 @@ def test_config_reads_each_architecture_and_refuses_a_bad_top_k():
     assert mixtral.packed_modules()["mlp.gate"] == ["block_sparse_moe.gate"]
     with pytest.raises(ValueError, match="num_experts_per_tok=5 with 4 experts"):
         MoEConfig.from_hf(dict(base, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=5))
+    with pytest.raises(KeyError, match="shared_expert_intermediate_size"):  # its weights would go unread
+        MoEConfig.from_hf(dict(base, model_type="qwen2_moe", num_experts=4))
 
 
 def test_expert_parallel_on_two_ranks_equals_transformers(moe_checkpoint):

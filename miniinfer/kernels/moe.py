@@ -13,7 +13,7 @@ def align(ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor
     t * k + j at each row, T * k on padding rows; expert [P / block] int32, each block's expert, -1
     for blocks past the last). P = T * k + num_experts * (block - 1), rounded up to a block: it
     depends on T only, so a CUDA graph can hold the step."""
-    flat = ids.flatten().clamp(max=num_experts)  # the skipped pairs' expert: num_experts
+    flat = ids.flatten().long().clamp(max=num_experts)  # the skipped pairs' expert: num_experts
     n = flat.numel()
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -41,7 +41,8 @@ def _experts_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, weight_ptr, nu
     e = tl.load(expert_ptr + pid_m)
     if e < 0:  # past the last expert's blocks
         return
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    # 64-bit: a step of 131,072 tokens of 8 experts' 2,048 outputs passes 2^31 elements
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pair < num_pairs
     row = pair // DIV
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -69,7 +70,7 @@ def _expert_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weight_ptr, N, K, a_stri
                         DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One pair times BLOCK_N columns of its expert's weight, unsorted: a decode step's few pairs, each
     read straight from the router's ids (no align, no tensor cores: a row of products summed)."""
-    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.load(ids_ptr + pair) - first
     if (e < 0) | (e >= num_local):  # another rank's expert: its row stays zero
         return
@@ -99,10 +100,11 @@ def _expert_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weight_ptr, N, K, a_stri
 GEMV_PAIRS = 32
 
 
-def moe_config(pairs: int, num_experts: int, device: torch.device) -> dict:
+def moe_config(pairs: int, num_experts: int, device: torch.device, itemsize: int = 2) -> dict:
     """Tiles: with few pairs the unsorted kernel's (no BLOCK_M); else a block of rows as many as an
-    expert's pairs fill on average (16 at least, tl.dot's least). Under the CPU interpreter the largest
-    tiles, since each program is a loop in Python."""
+    expert's pairs fill on average (16 at least, tl.dot's least), narrower in float32 (the widest tiles'
+    three stages would not fit in shared memory). Under the CPU interpreter the largest tiles, since
+    each program is a loop in Python."""
     if pairs <= GEMV_PAIRS:
         # few columns and long rows: many programs, each streaming its rows (the sweep's best at 8-32 pairs)
         return dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4) if device.type == "cuda" else dict(BLOCK_N=64, BLOCK_K=64)
@@ -110,7 +112,8 @@ def moe_config(pairs: int, num_experts: int, device: torch.device) -> dict:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
     per_expert = pairs / num_experts
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m < 64 else 128, BLOCK_K=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if block_m < 64 or itemsize > 2 else 128, BLOCK_K=64, num_warps=4,
+                num_stages=3)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -120,7 +123,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     config: the kernels' tiles, which name them (BLOCK_M: the sorted, tiled one)."""
     T, H = x.shape
     k, E, inter_size = ids.shape[1], w13.shape[0], w13.shape[1] // 2
-    cfg = dict(config or moe_config(T * k, E, x.device))
+    cfg = dict(config or moe_config(T * k, E, x.device, x.element_size()))
     if "BLOCK_M" in cfg:
         local = ids - first
         pairs, expert = align(torch.where((local >= 0) & (local < E), local, E), E, cfg["BLOCK_M"])

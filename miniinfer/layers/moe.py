@@ -43,8 +43,9 @@ class MoEConfig:
                        block="block_sparse_moe", names=("w1", "w3", "w2"))
         dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
         sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        return cls(experts, k, cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)), sparse,
-                   cfg.get("shared_expert_intermediate_size") or 0)
+        # Qwen2-MoE's shared expert is required: without its size, its weights would go unread
+        shared = cfg["shared_expert_intermediate_size"] if cfg["model_type"] == "qwen2_moe" else 0
+        return cls(experts, k, cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)), sparse, shared)
 
     def mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         """Layer `layer`'s MLP: the experts, or the dense SwiGLU of the layers that keep one."""
