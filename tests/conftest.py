@@ -52,10 +52,14 @@ def make_hf_model(kind: str, **overrides):
 @pytest.fixture(scope="session", params=list(SHAPES))
 def hf_checkpoint(request, tmp_path_factory):
     """(kind, folder, hf_model) for each architecture, saved with save_pretrained."""
-    model = make_hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
+    return saved(request.param, make_hf_model(request.param), tmp_path_factory)
+
+
+def saved(kind: str, model, tmp_path_factory):
+    """(kind, folder, model): the model written by save_pretrained into a fresh folder."""
+    folder = tmp_path_factory.mktemp(kind)
     model.save_pretrained(folder)
-    return request.param, folder, model
+    return kind, folder, model
 
 
 def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from conftest import COMMON, hf_greedy
+from conftest import COMMON, hf_greedy, saved
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_chunked_prefill import shared_workload
@@ -42,10 +42,7 @@ def make_moe_model(kind: str):
 
 @pytest.fixture(scope="module", params=list(MOE_SHAPES))
 def moe_checkpoint(request, tmp_path_factory):
-    model = make_moe_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder)
-    return request.param, folder, model
+    return saved(request.param, make_moe_model(request.param), tmp_path_factory)
 
 
 def test_layers_and_logits_match_transformers(moe_checkpoint):

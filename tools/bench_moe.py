@@ -28,6 +28,7 @@ import torch
 import transformers
 import triton
 from bench_engine import MAX_MODEL_LEN, greedy, hf_generate_batch, run_engine, workload
+from bench_gemv import graph_us
 from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
@@ -60,20 +61,6 @@ def cycled_us(fns: list) -> float:
     """Microseconds per call, each call the next of fns (one per copy of the layer)."""
     it = itertools.cycle(fns)
     return do_bench(lambda: next(it)(), rep=200) * 1e3
-
-
-def graph_us(fns: list) -> float:
-    """Microseconds per call of fns (each once, in order) replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return do_bench(graph.replay, rep=200) * 1e3 / len(fns)
 
 
 def layer(gbps: float) -> dict:
