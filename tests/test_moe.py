@@ -15,8 +15,8 @@ from test_parallel import on_two_ranks, serve_twice
 
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
-from miniinfer.kernels.moe import align, fused_experts
-from miniinfer.layers.moe import EXPERT_IMPLS, MoEConfig, SparseMoE, experts_reference, route
+from miniinfer.kernels.moe import align, fused_experts, fused_route, row_piece
+from miniinfer.layers.moe import EXPERT_IMPLS, ROUTERS, MoEConfig, SparseMoE, experts_reference, route
 
 # Odd sizes; a dense layer among the sparse ones (mlp_only_layers); weights large enough that the
 # experts' outputs move the logits (the default initializer's make them ~1e-3); no EOS id, which the
@@ -59,8 +59,8 @@ def test_layers_and_logits_match_transformers(moe_checkpoint):
 @pytest.mark.parametrize("impl", ["reference", "fused"])
 def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl):
     """Two rounds of a shared-prefix workload under preemption, prefix caching and chunked prefill,
-    through the reference experts and (Qwen2-MoE: top-3 and the shared expert; the CPU interpreter
-    takes 30-60 s a model) the fused kernels; every block back."""
+    through the reference router and experts and (Qwen2-MoE: top-3 and the shared expert; the CPU
+    interpreter takes 30-60 s a model) the fused kernels; every block back."""
     kind, folder, hf = moe_checkpoint
     if impl == "fused" and kind != "qwen2_moe":
         pytest.skip("the fused kernels in the engine: one model (they equal the reference below)")
@@ -72,7 +72,7 @@ def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl)
         preemption_mode="recompute", enable_prefix_caching=True, enable_chunked_prefill=True))
     for layer in engine.model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
-            layer.mlp.experts.impl = EXPERT_IMPLS[impl]
+            layer.mlp.route, layer.mlp.experts.impl = ROUTERS[impl], EXPERT_IMPLS[impl]
     preempted, cached = serve_twice(engine, prompts, params, expected)
     assert preempted > 0 and cached > 0
 
@@ -119,6 +119,32 @@ def test_fused_experts_equal_the_reference(T, E, k, H, I, first, local):
         torch.testing.assert_close(fused_experts(x, weights, ids, w13, w2, first, config), ref, atol=1e-5, rtol=1e-5)
     if first:
         assert ref.any() and not experts_reference(x, weights, ids, w13[:0], w2[:0], first).any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_fused_route_equals_route(data):
+    """Any expert count (not a power of two too), top-k 1..8, with and without renormalizing; bfloat16
+    logits as the router gives them. Equal logits: the first of them."""
+    T, E = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 70))
+    k, renormalize = data.draw(st.integers(1, min(E, 8))), data.draw(st.booleans())
+    scale = data.draw(st.sampled_from([0.1, 3.0]))
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E + k)) * scale
+    weights, ids = fused_route(logits, k, renormalize)
+    expected = route(logits, k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    torch.testing.assert_close((weights, ids), expected)
+    bf16 = logits.bfloat16()
+    ours, theirs = fused_route(bf16, k, renormalize)[0], route(bf16, k, renormalize)[0]
+    torch.testing.assert_close(ours.sort().values, theirs.sort().values)  # equal logits: any order among them
+    weights, ids = fused_route(torch.zeros(T, E), k, renormalize)
+    assert (ids == torch.arange(k)).all()
+    assert torch.allclose(weights, torch.full_like(weights, 1 / (k if renormalize else E)))
+
+
+def test_row_piece_divides_the_rows_where_a_long_piece_does():
+    pieces = [row_piece(768, 1024), row_piece(2048, 1024), row_piece(1536, 512), row_piece(33, 64)]
+    assert pieces == [256, 1024, 512, 64]
 
 
 def test_config_reads_each_architecture_and_refuses_a_bad_top_k():

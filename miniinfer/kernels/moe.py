@@ -67,37 +67,50 @@ def _experts_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, weight_ptr, nu
 
 @triton.jit
 def _expert_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weight_ptr, N, K, a_stride, first, num_local,
-                        DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One pair times BLOCK_N columns of its expert's weight, unsorted: a decode step's few pairs, each
-    read straight from the router's ids (no align, no tensor cores: a row of products summed)."""
-    pair, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    e = tl.load(ids_ptr + pair) - first
-    if (e < 0) | (e >= num_local):  # another rank's expert: its row stays zero
-        return
-    row = pair // DIV
+                        TOP_K: tl.constexpr, GATED: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """BLOCK_N columns for a decode step's few pairs, unsorted, each pair's expert read straight from the
+    router's ids (no align, no tensor cores: rows of products summed). Gated (gate/up): a program per
+    pair, silu(gate) * up of its token's row. Else (down): a program per token, its TOP_K pairs
+    (BLOCK_P >= TOP_K) read at once, each times its routing weight, summed: the block's output."""
+    pid, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    rp = tl.arange(0, BLOCK_P)
+    pair = pid + rp if GATED else pid * TOP_K + rp
+    live = rp < (1 if GATED else TOP_K)
+    e = tl.load(ids_ptr + pair, mask=live, other=0) - first
+    valid = live & (e >= 0) & (e < num_local)  # else padding, or another rank's expert: it adds nothing here
+    row = pair // TOP_K if GATED else pair
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w = w_ptr + e.to(tl.int64) * (2 * N if GATED else N) * K
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_N], tl.float32)
+    w = w_ptr + e.to(tl.int64)[:, None, None] * (2 * N if GATED else N) * K + rn[None, :, None] * K
+    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + row * a_stride + rk, mask=rk < K, other=0.0).to(tl.float32)
-        wmask = (rn[:, None] < N) & (rk[None, :] < K)
-        acc += tl.sum(tl.load(w + rn[:, None] * K + rk[None, :], mask=wmask, other=0.0).to(tl.float32) * a[None, :], 1)
-        if GATED:
-            wu = tl.load(w + (N + rn[:, None]) * K + rk[None, :], mask=wmask, other=0.0)
-            up += tl.sum(wu.to(tl.float32) * a[None, :], 1)
+        a = tl.load(a_ptr + row[:, None] * a_stride + rk[None, :], mask=valid[:, None] & (rk[None, :] < K), other=0.0)
+        a = a.to(tl.float32)[:, None, :]
+        wmask = valid[:, None, None] & (rn[None, :, None] < N) & (rk[None, None, :] < K)
+        acc += tl.sum(tl.load(w + rk[None, None, :], mask=wmask, other=0.0).to(tl.float32) * a, 2)
+        if GATED:  # up's rows are N further on
+            up += tl.sum(tl.load(w + N * K + rk[None, None, :], mask=wmask, other=0.0).to(tl.float32) * a, 2)
     if GATED:
-        acc = acc * tl.sigmoid(acc) * up
+        tl.store(out_ptr + pair[:, None] * N + rn[None, :], (acc * tl.sigmoid(acc) * up).to(out_ptr.dtype.element_ty),
+                 mask=rn[None, :] < N)
     else:
-        acc = acc * tl.load(weight_ptr + pair)
-    tl.store(out_ptr + pair * N + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+        acc *= tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
+        tl.store(out_ptr + pid * N + rn, tl.sum(acc, 0).to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
-# Up to this many token-expert pairs a step runs a program per pair: at 8, 16 and 32 pairs of Qwen3-30B-A3B's
+# Up to this many token-expert pairs a step runs the per-pair kernel: at 8, 16 and 32 pairs of Qwen3-30B-A3B's
 # layer it took 38.5, 63.9 and 99.3 us in a CUDA graph on an H100, the sorted kernel at its best 111.1,
 # 137.0 and 170.8 (moe_sweep_h100.json).
 GEMV_PAIRS = 32
+
+
+def row_piece(K: int, most: int) -> int:
+    """The per-pair kernel's BLOCK_K for rows of K: the largest power of two up to `most` that divides K
+    where one of 256 or more does (768: three of 256, no masked tail), else `most`."""
+    piece = K & -K  # the largest power of two dividing K
+    return min(piece, most) if piece >= 256 else most
 
 
 def moe_config(pairs: int, num_experts: int, device: torch.device, itemsize: int = 2) -> dict:
@@ -107,7 +120,7 @@ def moe_config(pairs: int, num_experts: int, device: torch.device, itemsize: int
     each program is a loop in Python."""
     if pairs <= GEMV_PAIRS:
         # few columns and long rows: many programs, each streaming its rows (the sweep's best at 8-32 pairs)
-        return dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4) if device.type == "cuda" else dict(BLOCK_N=64, BLOCK_K=64)
+        return dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4) if device.type == "cuda" else dict(BLOCK_N=64, BLOCK_K=64)
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
     per_expert = pairs / num_experts
@@ -116,29 +129,65 @@ def moe_config(pairs: int, num_experts: int, device: torch.device, itemsize: int
                 num_stages=3)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's routing, as route computes it: the softmax of its E logits in float32, the TOP_K
+    largest one at a time, renormalized if asked."""
+    t = tl.program_id(0).to(tl.int64)
+    re, rk = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
+    logit = tl.load(logits_ptr + t * stride + re, mask=re < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, 0))
+    p = p / tl.sum(p, 0)  # past E: 0, so taken only after every expert (and top-k <= E)
+    top = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(p, 0, tie_break_left=True)
+        top = tl.where(rk == j, tl.max(p, 0), top)
+        ids = tl.where(rk == j, best, ids)
+        p = tl.where(re == best, -1.0, p)
+    if RENORMALIZE:
+        top = top / tl.sum(top, 0)
+    tl.store(weights_ptr + t * TOP_K + rk, top, mask=rk < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + rk, ids.to(tl.int64), mask=rk < TOP_K)
+
+
+def fused_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """route's result (weights [T, k] float32, ids [T, k] int64) in one launch."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, device=logits.device, dtype=torch.float32)
+    ids = torch.empty(T, top_k, device=logits.device, dtype=torch.int64)
+    _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+                        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
+    return weights, ids
+
+
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   first: int = 0, config: dict | None = None) -> torch.Tensor:
-    """experts_reference's result in two kernel launches and a sum: gate/up with SiLU-and-multiply for
-    every pair at once, then down with each pair's routing weight, then each token's k pairs added.
-    config: the kernels' tiles, which name them (BLOCK_M: the sorted, tiled one)."""
+    """experts_reference's result in two kernel launches: gate/up with SiLU-and-multiply for every pair at
+    once, then down with each pair's routing weight (the sorted kernel's then added per token, the
+    per-pair kernel's in its own pass). config: the kernels' tiles, which name them (BLOCK_M: the
+    sorted, tiled one)."""
     T, H = x.shape
     k, E, inter_size = ids.shape[1], w13.shape[0], w13.shape[1] // 2
     cfg = dict(config or moe_config(T * k, E, x.device, x.element_size()))
-    if "BLOCK_M" in cfg:
-        local = ids - first
-        pairs, expert = align(torch.where((local >= 0) & (local < E), local, E), E, cfg["BLOCK_M"])
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"
-
-        def launch(a, w, out, N, K, div, gated):
-            _experts_kernel[(expert.numel(), triton.cdiv(N, cfg["BLOCK_N"]))](
-                a, w, out, pairs, expert, weights, T * k, N, K, a.stride(0), DIV=div, GATED=gated,
-                PRECISION=precision, **cfg)
-    else:
-        def launch(a, w, out, N, K, div, gated):
-            _expert_gemv_kernel[(T * k, triton.cdiv(N, cfg["BLOCK_N"]))](
-                a, w, out, ids, weights, N, K, a.stride(0), first, E, DIV=div, GATED=gated, **cfg)
     inter = torch.empty(T * k, inter_size, device=x.device, dtype=x.dtype)
-    launch(x, w13, inter, inter_size, H, k, True)
+    if "BLOCK_M" not in cfg:  # gate/up a program per pair, down a program per token (its k pairs summed there)
+        out = torch.empty_like(x)
+        for a, w, o, N, K, gated, programs in ((x, w13, inter, inter_size, H, True, T * k),
+                                                (inter, w2, out, H, inter_size, False, T)):
+            tiles = {**cfg, "BLOCK_K": row_piece(K, cfg["BLOCK_K"])}
+            _expert_gemv_kernel[(programs, triton.cdiv(N, cfg["BLOCK_N"]))](
+                a, w, o, ids, weights, N, K, a.stride(0), first, E, TOP_K=k, GATED=gated,
+                BLOCK_P=1 if gated else triton.next_power_of_2(k), **tiles)
+        return out
+    local = ids - first
+    pairs, expert = align(torch.where((local >= 0) & (local < E), local, E), E, cfg["BLOCK_M"])
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     out = torch.zeros(T * k, H, device=x.device, dtype=x.dtype)  # a skipped pair adds zeros
-    launch(inter, w2, out, H, inter_size, 1, False)
+    for a, w, o, N, K, div, gated in ((x, w13, inter, inter_size, H, k, True),
+                                      (inter, w2, out, H, inter_size, 1, False)):
+        _experts_kernel[(expert.numel(), triton.cdiv(N, cfg["BLOCK_N"]))](
+            a, w, o, pairs, expert, weights, T * k, N, K, a.stride(0), DIV=div, GATED=gated, PRECISION=precision,
+            **cfg)
     return out.view(T, k, H).sum(dim=1)
