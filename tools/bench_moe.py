@@ -12,7 +12,8 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
               active-weight floor (what one token reads: attention, router, 8 experts a layer, LM head)
     workload  the same model on COURSE.md's 256-request workload against transformers' generate_batch
 
-    python tools/bench_moe.py run docs/benchmarks/moe_h200.json layer batch1 workload
+    python tools/bench_moe.py run docs/benchmarks/moe_h200.json layer sweep batch1 workload
+    python tools/bench_moe.py plot docs/benchmarks/moe_h200.json     (the PNG beside it, on any machine)
 """
 
 import datetime
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import transformers
 import triton
-from bench_engine import MAX_MODEL_LEN, greedy, hf_generate_batch, run_engine, workload
+from bench_engine import engine_for, greedy, hf_generate_batch, run_engine, workload
 from bench_gemv import graph_us
 from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
@@ -162,8 +163,7 @@ def active_bytes(model) -> int:
 def batch1(model, gbps: float) -> dict:
     """Served tokens/s (the median gap between a stream's tokens, three streams: the best) and the device's
     step (the batch-1 CUDA graph replayed), each against the active-weight floor."""
-    engine = mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN, max_num_seqs=8),
-                          model=model)
+    engine = engine_for(model, max_num_seqs=8)
     prompt = list(range(100, 132))
     list(engine.stream(prompt, greedy(16)))  # warm-up: compiles, captures
     itls = []
@@ -202,8 +202,7 @@ def main(out: str, parts: list[str]) -> None:
                 res["batch1"] = batch1(ours, res["copy_GBps"])
             else:
                 prompts, outs = workload()
-                engine = mi.LLMEngine(mi.EngineConfig(device="cuda", dtype=DT, max_model_len=MAX_MODEL_LEN),
-                                      model=ours)
+                engine = engine_for(ours)  # the collector first: batch 1's engine still holds its pool
                 engine.generate(prompts[:8], greedy(8), use_tqdm=False)
                 res["workload"] = {"ours": run_engine(engine, prompts, outs)}
                 del engine
@@ -217,6 +216,43 @@ def main(out: str, parts: list[str]) -> None:
         path.write_text(json.dumps(res, indent=1) + "\n")
 
 
+def plot(path: str) -> None:
+    """The layer's time against its token count (ours in a graph and eager, torch._grouped_mm, transformers,
+    the floor) and batch-1 decode and the workload against their references, as a PNG beside the JSON."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(path).read_text())
+    rows = res["layer"].values()
+    tokens = [r["tokens"] for r in rows]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2, 1, 1]})
+    for key, label, style in [("ours_fused_graph", "ours (CUDA graph)", "o-"), ("ours_fused", "ours (eager)", "o--"),
+                              ("torch_grouped_mm", "torch._grouped_mm (eager)", "s--"),
+                              ("transformers", "transformers' block (eager)", "^--")]:
+        a.plot(tokens, [r["us"][key] for r in rows], style, label=label)
+    a.plot(tokens, [r["floor_us"] for r in rows], "k:", label="chosen experts' bytes at copy bandwidth")
+    a.set(xscale="log", yscale="log", xlabel="tokens in the step", ylabel="us per MoE layer",
+          title="one MoE layer of Qwen3-30B-A3B's shape")
+    a.legend(fontsize=8)
+    b1 = res["batch1"]
+    b.bar(["served", "device step", "floor"], [b1["tokens_per_s"], 1e6 / b1["step_us"], b1["floor_tokens_per_s"]],
+          color=["#3182bd", "#9ecae1", "#bbbbbb"])
+    b.set(ylabel="tokens/s", title=f"batch 1, {res['shape']['layers_kept']} of 48 layers: "
+          f"{b1['fraction_of_floor']:.0%} of the floor")
+    w = res["workload"]
+    c.bar(["miniinfer", "transformers\ngenerate_batch"], [w["ours"]["output_tokens_per_s"],
+                                                         w["hf_generate_batch"]["output_tokens_per_s"]],
+          color=["#3182bd", "#bbbbbb"])
+    c.set(ylabel="output tokens/s", title=f"256 requests: "
+          f"{w['ours']['output_tokens_per_s'] / w['hf_generate_batch']['output_tokens_per_s']:.1f}x")
+    fig.suptitle(f"{res['gpu']}, bf16, copy {res['copy_GBps']:,.0f} GB/s, torch {res['torch']}, triton {res['triton']}")
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         main(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "plot":
+        plot(sys.argv[2])

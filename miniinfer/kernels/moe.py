@@ -101,8 +101,8 @@ def _expert_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weight_ptr, N, K, a_stri
 
 
 # Up to this many token-expert pairs a step runs the per-pair kernel: at 8, 16 and 32 pairs of Qwen3-30B-A3B's
-# layer it took 38.5, 63.9 and 99.3 us in a CUDA graph on an H100, the sorted kernel at its best 111.1,
-# 137.0 and 170.8 (moe_sweep_h100.json).
+# layer it took 32.9, 57.3 and 91.3 us in a CUDA graph on an H100, the sorted kernel at its best 110.8,
+# 137.2 and 170.2 (moe_h100.json's sweep).
 GEMV_PAIRS = 32
 
 
