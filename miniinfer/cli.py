@@ -74,12 +74,18 @@ def engine_config(args: argparse.Namespace):
 
 
 def make_engine(args: argparse.Namespace):
+    """The engine of the command's options, for text in and out: SystemExit where it cannot be."""
     import miniinfer as mi
     config = engine_config(args)
     try:
-        return mi.LLMEngine(config)
+        engine = mi.LLMEngine(config)
     except ValueError as err:  # a checkpoint or draft that cannot serve
         raise SystemExit(f"miniinfer: {err}") from None
+    if engine.tokenizer is None:  # a checkpoint saved without one: the Python API and the server take token ids
+        engine.close()
+        raise SystemExit(f"miniinfer: {config.model} has no tokenizer files, and this command reads text: "
+                         "copy a tokenizer into the folder, or give token ids to LLMEngine or the server")
+    return engine
 
 
 def sampling_options(ap: argparse.ArgumentParser, max_tokens: int) -> None:

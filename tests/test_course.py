@@ -197,13 +197,23 @@ def test_cli_generates_a_completion(tmp_path):
     assert spec.stdout.split("\n[")[0] == res.stdout.split("\n[")[0] and "s on cpu]" in spec.stdout, spec.stderr
 
 
-def test_cli_bad_options_are_one_line_errors():
-    """A bad engine option, or a draft that cannot serve, exits 1 with a message and no traceback."""
+def test_cli_bad_options_are_one_line_errors(tmp_path):
+    """A bad engine option, a draft that cannot serve, or a checkpoint without a tokenizer (what
+    `save_pretrained` of a model alone writes) exits 1 with a message and no traceback."""
+    import shutil
+
+    import miniinfer as mi
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(mi.model.loader.course_model_path() / name, tmp_path)
     for args in (["--block-size", "0"], ["--speculative-method", "draft"], ["--speculative-model", "nowhere"],
-                 ["--speculative-method", "ngram", "--num-speculative-tokens", "0"]):
+                 ["--speculative-method", "ngram", "--num-speculative-tokens", "0"], ["--model", str(tmp_path)]):
         res = run("-m", "miniinfer", "generate", "x", *args)
         assert res.returncode == 1 and res.stderr.startswith("miniinfer: ") and "Traceback" not in res.stderr, \
             (args, res.stderr)
+    assert "has no tokenizer files" in res.stderr
+    with pytest.raises(OSError, match="no tokenizer files"):
+        mi.load_tokenizer(tmp_path)
 
 
 def test_cli_help_shows_every_default():

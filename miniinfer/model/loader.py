@@ -171,9 +171,14 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
 
 
 def load_tokenizer(path: str | Path | None = None):
-    """The Hugging Face tokenizer of a checkpoint folder (None: the course model's)."""
+    """The Hugging Face tokenizer of a checkpoint folder (None: the course model's). OSError if the folder
+    has none (a checkpoint saved by `save_pretrained` alone: token ids only)."""
     from transformers import AutoTokenizer, PretrainedConfig
     folder = Path(path) if path is not None else course_model_path()
+    files = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    if not any(n.startswith(("tokenizer", "vocab", "merges")) or n.endswith((".model", ".tiktoken")) for n in files):
+        # transformers would build a tokenizer from config.json alone, with no vocabulary: no text has tokens
+        raise OSError(f"{folder}: no tokenizer files (tokenizer.json, vocab.json, tokenizer.model, ...)")
     # A tokenizer_config.json that names its class needs no model config: skipping AutoConfig skips
     # importing the model's code in transformers (about a second of every start on a CPU).
     config = folder / "tokenizer_config.json"
