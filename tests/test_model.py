@@ -71,8 +71,23 @@ def test_rope_scaling_changes_frequencies():
                                                    "original_max_position_embeddings": 8192})
     assert torch.equal(scaled[:4], base[:4])  # high frequencies unchanged
     torch.testing.assert_close(scaled[-1], base[-1] / 8)  # the longest wavelengths divided by factor
-    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
-        mi.model.transformer.rope_inv_freq(64, 1e4, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling 'longrope'"):
+        mi.model.transformer.rope_inv_freq(64, 1e4, {"rope_type": "longrope", "factor": 4.0})
+
+
+@pytest.mark.parametrize("params", [  # DeepSeek-V2-Lite's (the attention factor 1), and one where it is not
+    dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
+         original_max_position_embeddings=4096),
+    dict(factor=4.0, mscale=1.0, mscale_all_dim=0.8, original_max_position_embeddings=512)])
+def test_yarn_equals_transformers(params):
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(rope_type="yarn", rope_theta=10000.0, **params)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](DeepseekV3Config(qk_rope_head_dim=64, rope_parameters=rope))
+    ours, our_factor = mi.model.transformer.yarn(64, 10000.0, rope)
+    torch.testing.assert_close(ours, inv_freq)
+    assert our_factor == pytest.approx(factor)
 
 
 def test_unsupported_architecture_is_named():

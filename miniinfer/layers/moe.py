@@ -28,6 +28,7 @@ class MoEConfig:
     renormalize: bool
     sparse_layers: tuple[int, ...]
     shared_intermediate_size: int = 0
+    shared_gate: bool = True  # the shared expert's output scaled by a sigmoid of its own gate (Qwen2-MoE)
     block: str = "mlp"  # the checkpoint's name of the layer's MoE block (Mixtral: block_sparse_moe)
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # each expert's (Mixtral: w1, w3, w2)
 
@@ -152,23 +153,27 @@ class SparseMoE(nn.Module):
         self.shared_expert: MLP | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(hidden_size, moe.shared_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            if moe.shared_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.reduce = False  # under expert parallelism (below) this rank's experts give part of the sum
 
     def forward(self, h, x, norm: RMSNorm, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """What the experts add to the stream x + h, and that stream (as chapter 01's MLP)."""
         y, x = ops.add_rms_norm(h, x, norm.weight, norm.eps)
         flat = y.reshape(-1, y.shape[-1])
-        routing = self.route or ROUTERS["fused" if flat.is_cuda else "reference"]
-        weights, ids = routing(ops.linear(self.gate, flat), self.moe.top_k, self.moe.renormalize)
-        out = self.experts(flat, weights, ids)
+        out = self.experts(flat, *self.select(ops.linear(self.gate, flat)))
         if self.reduce:
             dist.all_reduce(out)
         if self.shared_expert is not None:
             s = self.shared_expert
             shared = ops.linear(s.down_proj, ops.silu_and_mul(ops.linear(s.gate_up_proj, flat)))
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + (torch.sigmoid(self.shared_expert_gate(flat)) * shared if self.moe.shared_gate else shared)
         return out.view_as(y), x
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights from the router's logits (chapter 14: DeepSeek's way)."""
+        routing = self.route or ROUTERS["fused" if logits.is_cuda else "reference"]
+        return routing(logits, self.moe.top_k, self.moe.renormalize)
 
     def shard(self, shard: Shard, layers: ParallelLayers) -> None:
         """This rank's part under expert parallelism: experts rank * E // size up to the next rank's

@@ -40,6 +40,8 @@ def check_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -
     with expert_parallel, its experts split by chapter 13)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if cfg.attention is not None and size > 1:
+        raise ValueError(f"tensor_parallel_size={size}: latent attention (chapter 14) runs on one device")
     if (cfg.experts is not None) != expert_parallel and size > 1:  # experts are cut by expert, not by channel
         raise ValueError(f"tensor_parallel_size={size} with enable_expert_parallel={expert_parallel} for a model "
                          f"{'with' if cfg.experts is not None else 'without'} experts: a mixture of experts needs it "

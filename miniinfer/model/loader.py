@@ -163,7 +163,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers were built on meta with the parameters: compute them for real.
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.inv_freq = rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     model.ops = default_ops(device)
     if quant is not None:
         quant.finish(model)

@@ -32,15 +32,19 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     eos_token_ids: list[int] = field(default_factory=list)
     experts: Any = None  # chapter 13's MoEConfig: which layers route tokens to experts, and how
+    attention: Any = None  # chapter 14's MLAConfig: latent attention, its cache one "head" of head_dim
+    rotary_dim: int = 0  # the dimensions RoPE turns (0: all of head_dim)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Read a Hugging Face `config.json` dict of a Llama, Qwen2 or Qwen3 model, or of a mixture of
-        experts built on one (MOE_MODELS)."""
+        """Read a Hugging Face `config.json` dict of a Llama, Qwen2 or Qwen3 model, of a mixture of
+        experts built on one (MOE_MODELS), or of a model with latent attention (LATENT_MODELS)."""
         kind = cfg.get("model_type", "llama")
+        if kind in LATENT_MODELS:
+            return LATENT_MODELS[kind](cfg)
         if kind not in ("llama", "qwen2", "qwen3", *MOE_MODELS):
-            raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2, qwen3 or "
-                             f"{', '.join(MOE_MODELS)}")
+            raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2, qwen3, "
+                             f"{', '.join(MOE_MODELS)} or {', '.join(LATENT_MODELS)}")
         family = kind.removesuffix("_moe")  # Mixtral's attention is Llama's
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
@@ -80,8 +84,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        return yarn(head_dim, theta, scaling)[0]
     if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r}: expected default, linear or llama3")
+        raise ValueError(f"unsupported rope scaling {kind!r}: expected default, linear, llama3 or yarn")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_ctx = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -91,6 +97,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(medium, smoothed, scaled)
 
+
+def yarn(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V2/V3's long context): each pair's frequency between itself and itself / factor,
+    by a ramp over the pairs that turn between beta_fast and beta_slow times in the original context;
+    and the factor cos and sin are multiplied by."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = scaling.get("attention_factor") or (
+        mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
+        if scaling.get("mscale") and scaling.get("mscale_all_dim") else mscale(1.0))
+
+    def pair(turns: float) -> float:  # the pair that turns `turns` times over the original context
+        return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(scaling.get("beta_fast") or 32), pair(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention
+
+
+def rope_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    return yarn(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, scaling)[1]
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each position's angles: [..., T] -> two [..., T, D/2] float32 tensors."""
@@ -234,6 +272,9 @@ class Registry(dict):
 # The model types whose layers route tokens to experts: their settings' reader, from chapter 13.
 MOE_MODELS = Registry("mixture-of-experts model type", dict.fromkeys(("qwen2_moe", "qwen3_moe", "mixtral"),
                                                                     "miniinfer.layers.moe:MoEConfig"))
+# The model types with latent attention: their config.json reader (a whole ModelConfig), from chapter 14.
+LATENT_MODELS = Registry("latent-attention model type", dict.fromkeys(("deepseek_v2", "deepseek_v3"),
+                                                                      "miniinfer.layers.mla:model_config"))
 TORCH_OPS = Ops()
 OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS",
                                         "fused": "miniinfer.kernels.gemv:FUSED_OPS"})
@@ -308,7 +349,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg) if cfg.attention is None else cfg.attention.module(cfg)  # chapter 14
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias) if cfg.experts is None \
             else cfg.experts.mlp(cfg, index)  # chapter 13: experts in this layer, or the dense MLP
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -342,17 +383,19 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # Our packed projections and the checkpoint's matrices that fill them, in order (experts'
-        # first: their names hold the dense ones').
+        # Our packed projections and the checkpoint's matrices that fill them, in order (experts' and
+        # latent attention's first: their names hold the dense ones').
         experts = cfg.experts.packed_modules() if cfg.experts is not None else {}
-        self.packed_modules_mapping = {**experts, "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        latent = cfg.attention.packed_modules() if cfg.attention is not None else {}
+        self.packed_modules_mapping = {**experts, **latent, "qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                        "gate_up_proj": ["gate_proj", "up_proj"]}
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                             persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling), persistent=False)
+        self.rope_factor = rope_factor(cfg)
         self.ops = TORCH_OPS
 
     @property
@@ -379,7 +422,10 @@ class Transformer(nn.Module):
         attn = attn or CausalAttention()
         h = self.model.embed_tokens(input_ids)
         x = torch.zeros_like(h)  # the residual stream before the embeddings join it
-        cos, sin = (t.to(h.dtype) for t in rope_cos_sin(positions, self.inv_freq))  # once, not per layer
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # once, not per layer
+        if self.rope_factor != 1.0:  # YaRN's
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for i, layer in enumerate(self.model.layers):
             h, x = layer(h, x, cos, sin, i, attn, self.ops)
         if logits_at is not None:

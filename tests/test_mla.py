@@ -1,0 +1,88 @@
+"""Chapter 14: DeepSeek-V2 and -V3 (latent attention in its absorbed form, experts routed by groups with
+shared experts) read from ordinary checkpoints give transformers' logits and greedy tokens through the
+engine's paged cache, prefix caching, chunked prefill and preemption."""
+
+import re
+
+import pytest
+import torch
+from conftest import saved
+from test_chunked_prefill import shared_workload
+from test_engine import oracle
+from test_parallel import serve_twice
+
+import miniinfer as mi
+from miniinfer.core.block_manager import blocks_needed
+from miniinfer.layers.mla import DeepseekMoE, LatentAttention, model_config
+
+# Odd sizes; a dense first layer; V2 without the query bottleneck, routed by groups, YaRN with the
+# attention factor 1 (as V2-Lite); V3 with the bottleneck, sigmoid routing with a random bias, YaRN
+# with an attention factor; no EOS id (the oracle's min_new_tokens would suppress it).
+COMMON = dict(vocab_size=301, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+              num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2,
+              initializer_range=0.2, eos_token_id=None, max_position_embeddings=256)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
+SHAPES = {
+    "deepseek_v2": ("DeepseekV2", dict(q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
+                                       rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707))),
+    "deepseek_v3": ("DeepseekV3", dict(q_lora_rank=24, n_shared_experts=1, routed_scaling_factor=2.5,
+                                       rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
+}
+
+
+def make_mla_model(kind: str):
+    import transformers
+
+    cls, shape = SHAPES[kind]
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**COMMON, **shape)).eval()
+    if kind == "deepseek_v3":  # a bias that changes the choice (a new model's is zeros)
+        with torch.no_grad():
+            for layer in hf.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def mla_checkpoint(request, tmp_path_factory):
+    return saved(request.param, make_mla_model(request.param), tmp_path_factory)
+
+
+def test_layers_and_logits_match_transformers(mla_checkpoint):
+    kind, folder, hf = mla_checkpoint
+    model = mi.load_model(folder)
+    assert [type(layer.mlp) for layer in model.model.layers] == [mi.model.transformer.MLP, DeepseekMoE, DeepseekMoE]
+    assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.model.layers)
+    assert (model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.rotary_dim) == (1, 32 + 8, 8)  # the latent's cache
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # 40 positions: past YaRN's original 64 / 4 in the ramp's pairs
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_equals_transformers_twice_under_preemption(mla_checkpoint):
+    """Two rounds of a shared-prefix workload under preemption, prefix caching and chunked prefill
+    (pieces of 7 tokens); every block back."""
+    kind, folder, hf = mla_checkpoint
+    prompts, params = shared_workload(n=8)
+    expected = oracle((kind, "shared8"), hf, prompts, params)
+    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
+    engine = mi.LLMEngine(mi.EngineConfig(
+        model=folder, block_size=4, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=7,
+        preemption_mode="recompute", enable_prefix_caching=True, enable_chunked_prefill=True))
+    preempted, cached = serve_twice(engine, prompts, params, expected)
+    assert preempted > 0 and cached > 0
+
+
+def test_bad_configurations_are_refused(mla_checkpoint):
+    _, folder, hf = mla_checkpoint
+    cfg = hf.config.to_dict()
+    cases = [(dict(cfg, attention_bias=True), "attention_bias=True"),
+             (dict(cfg, n_group=3), "n_group=3 groups"),
+             (dict(cfg, topk_group=1, num_experts_per_tok=3), "topk_group=1 of them"),
+             (dict(cfg, num_experts_per_tok=9), "num_experts_per_tok=9 with 8 experts")]
+    for broken, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_config(broken)
+    with pytest.raises(ValueError, match="latent attention"):
+        mi.LLMEngine(mi.EngineConfig(model=folder, tensor_parallel_size=2))
