@@ -7,12 +7,9 @@ import re
 import pytest
 import torch
 from conftest import saved
-from test_chunked_prefill import shared_workload
-from test_engine import oracle
-from test_parallel import serve_twice
+from test_moe import serve_under_preemption
 
 import miniinfer as mi
-from miniinfer.core.block_manager import blocks_needed
 from miniinfer.layers.mla import DeepseekMoE, LatentAttention, model_config
 
 # Odd sizes; a dense first layer; V2 without the query bottleneck, routed by groups, YaRN with the
@@ -63,15 +60,7 @@ def test_layers_and_logits_match_transformers(mla_checkpoint):
 def test_greedy_equals_transformers_twice_under_preemption(mla_checkpoint):
     """Two rounds of a shared-prefix workload under preemption, prefix caching and chunked prefill
     (pieces of 7 tokens); every block back."""
-    kind, folder, hf = mla_checkpoint
-    prompts, params = shared_workload(n=8)
-    expected = oracle((kind, "shared8"), hf, prompts, params)
-    num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
-    engine = mi.LLMEngine(mi.EngineConfig(
-        model=folder, block_size=4, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=7,
-        preemption_mode="recompute", enable_prefix_caching=True, enable_chunked_prefill=True))
-    preempted, cached = serve_twice(engine, prompts, params, expected)
-    assert preempted > 0 and cached > 0
+    serve_under_preemption(*mla_checkpoint)
 
 
 def test_bad_configurations_are_refused(mla_checkpoint):
