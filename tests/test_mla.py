@@ -57,10 +57,22 @@ def test_layers_and_logits_match_transformers(mla_checkpoint):
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_equals_transformers_twice_under_preemption(mla_checkpoint):
-    """Two rounds of a shared-prefix workload under preemption, prefix caching and chunked prefill
-    (pieces of 7 tokens); every block back."""
-    serve_under_preemption(*mla_checkpoint)
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_greedy_equals_transformers_twice_under_preemption(mla_checkpoint, preemption):
+    """Two rounds of a shared-prefix workload under preemption (recompute, and swap: the keys-only pool
+    to CPU memory and back), prefix caching and chunked prefill (pieces of 7 tokens); every block back."""
+    serve_under_preemption(*mla_checkpoint, preemption_mode=preemption)
+
+
+def test_the_cache_keeps_keys_alone(mla_checkpoint):
+    """One pool per layer of kv_lora_rank + rope_dim a token, read as keys and as values: a block costs
+    half of what a keys-and-values pool of that width would, so twice as many fit."""
+    _, folder, _ = mla_checkpoint
+    engine = mi.LLMEngine(mi.EngineConfig(model=folder, block_size=4, num_cpu_blocks=8))
+    runner = engine.executor.runner
+    assert runner.cache.v is runner.cache.k and runner.cpu_v is runner.cpu_k
+    assert runner.cache.k.shape[1:] == (engine.block_manager.num_blocks, 4, 1, 40)
+    assert runner.kv_bytes_per_block() == 3 * 4 * 40 * 4 and runner.cache.nbytes == runner.cache.k.nbytes
 
 
 def test_bad_configurations_are_refused(mla_checkpoint):

@@ -6,9 +6,9 @@ decode step through chapter 06's one-row GEMVs). Then the course model quantized
 float32 and bf16): each request served among the others (chapter 10's batched kernels) against the
 same request alone (the one-row GEMVs) and against chapter 04's ops (the plain matmuls, no GEMV).
 `moe`: the same parity on the tests' mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; chapter 13's
-fused kernels and CUDA graphs), overlap on.
+fused kernels and CUDA graphs), overlap on; `mla` on the tests' DeepSeek-V2 and -V3 (chapter 14).
 
-    python tools/gpu_parity.py OUT.json [quantized | moe]   (that part only)
+    python tools/gpu_parity.py OUT.json [quantized | moe | mla]   (that part only)
 """
 
 import json
@@ -21,13 +21,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
 from test_chunked_prefill import shared_workload  # noqa: E402
+from test_mla import SHAPES as MLA_SHAPES  # noqa: E402
+from test_mla import make_mla_model  # noqa: E402
 from test_moe import MOE_SHAPES, make_moe_model  # noqa: E402
 
 import miniinfer as mi  # noqa: E402
 
 
 def parity(kind: str, overlap: bool, n: int = 48) -> dict:
-    hf = make_moe_model(kind) if kind in MOE_SHAPES else make_hf_model(kind)
+    hf = make_moe_model(kind) if kind in MOE_SHAPES else make_mla_model(kind) if kind in MLA_SHAPES else \
+        make_hf_model(kind)
     prompts, params = shared_workload(n)
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
@@ -67,8 +70,9 @@ def quantized(fmt: str, dtype: torch.dtype, n: int = 12) -> dict:
 
 if __name__ == "__main__":
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if sys.argv[2:] == ["moe"]:
-        res.update({f"{kind}_overlap_on": parity(kind, True) for kind in MOE_SHAPES})
+    if sys.argv[2:] in (["moe"], ["mla"]):
+        kinds = MOE_SHAPES if sys.argv[2] == "moe" else MLA_SHAPES
+        res.update({f"{kind}_overlap_on": parity(kind, True) for kind in kinds})
         Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")
         sys.exit()
     if sys.argv[2:] != ["quantized"]:

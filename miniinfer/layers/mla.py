@@ -57,7 +57,8 @@ def model_config(cfg: dict) -> ModelConfig:
     mla = MLAConfig.from_hf(cfg)
     base = ModelConfig.from_hf({**cfg, "model_type": "llama", "num_key_value_heads": 1,
                                 "head_dim": mla.kv_lora_rank + mla.rope_dim})
-    return dataclasses.replace(base, attention=mla, rotary_dim=mla.rope_dim, experts=DeepseekMoEConfig.from_hf(cfg))
+    return dataclasses.replace(base, attention=mla, rotary_dim=mla.rope_dim, values_in_keys=True,
+                               experts=DeepseekMoEConfig.from_hf(cfg))
 
 
 class LatentAttention(nn.Module):

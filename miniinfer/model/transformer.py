@@ -34,6 +34,7 @@ class ModelConfig:
     experts: Any = None  # chapter 13's MoEConfig: which layers route tokens to experts, and how
     attention: Any = None  # chapter 14's MLAConfig: latent attention, its cache one "head" of head_dim
     rotary_dim: int = 0  # the dimensions RoPE turns (0: all of head_dim)
+    values_in_keys: bool = False  # each value is its key's first dimensions: the cache keeps keys alone
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":

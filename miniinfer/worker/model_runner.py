@@ -288,7 +288,9 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model.cfg
-        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+        pools = 1 if cfg.values_in_keys else 2  # keys and values, or keys alone (chapter 14)
+        per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+        return pools * self.config.block_size * per_token
 
     @torch.no_grad()
     def num_blocks_that_fit(self) -> int:
@@ -311,7 +313,7 @@ class ModelRunner:
         tables = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
         cache.run(model, [[0] * n for n in lens], tables, [0] * len(lens))
         torch.cuda.synchronize()
-        activations = torch.cuda.max_memory_allocated() - before - cache.k.nbytes - cache.v.nbytes
+        activations = torch.cuda.max_memory_allocated() - before - cache.nbytes
         # Kernels compile (Triton) or load (cuBLAS) a variant per size class on first use, which takes
         # up to a second: meet every class now, with prompts of halving length, not while serving.
         n = min(lens[0], max_len) // 2
@@ -329,8 +331,10 @@ class ModelRunner:
         self.cache = VarlenKVCache(cfg, num_blocks, config.block_size, self.device, self.kv_dtype, config.kernels)
         # The CPU side of swapping: pinned, so that copies to and from the device run at full speed.
         pin = self.device.type == "cuda"
-        self.cpu_k, self.cpu_v = (torch.zeros((cfg.num_layers, num_cpu_blocks) + self.cache.k.shape[2:],
-                                              dtype=self.kv_dtype, pin_memory=pin) for _ in range(2))
+        shape = (cfg.num_layers, num_cpu_blocks) + self.cache.k.shape[2:]
+        self.cpu_k = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
+        self.cpu_v = self.cpu_k if self.cache.v is self.cache.k else \
+            torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)  # keys alone (chapter 14): so is the swap space
         use_graphs = config.cuda_graph and self.device.type == "cuda"
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
                        if use_graphs else None)

@@ -47,8 +47,13 @@ class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None):
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Chapter 14's latent attention reads its values out of its keys: one pool serves as both
+        self.v = self.k if cfg.values_in_keys else torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + (self.v.nbytes if self.v is not self.k else 0)
 
     def prepare(self, slots: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
                 context_lens: torch.Tensor) -> None:
