@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13  # noqa: E402
+from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14  # noqa: E402
 from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
-LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 14)}
+LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 15)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -220,6 +220,18 @@ def test_chapter_13_last_part_fails_on_each_broken_piece(route_fn, experts_fn):
                 layer.mlp.experts.impl = lambda x, weights, ids, w13, w2, first: experts_fn(x, weights, ids, w13, w2)
     with pytest.raises(AssertionError, match="through your router and experts"):
         testing.check_your_layers(your_layers)
+
+
+@pytest.mark.parametrize("broken", [ch14.one_heads_w_uk_for_all, ch14.w_uk_summed_over_heads])
+def test_chapter_14_last_part_fails_on_each_broken_piece(broken):
+    """The last part serves the checkpoint through the student's absorb_query: a broken one fails it,
+    naming the request."""
+    def your_attention(model):
+        for layer in model.model.layers:
+            layer.self_attn.absorb_query = lambda q_nope, w_uk: broken(q_nope.flatten(0, -3), w_uk).view(
+                *q_nope.shape[:-1], w_uk.shape[-1])
+    with pytest.raises(AssertionError, match="through your absorbed attention"):
+        testing.check_your_attention(your_attention)
 
 
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():

@@ -61,6 +61,16 @@ def model_config(cfg: dict) -> ModelConfig:
                                experts=DeepseekMoEConfig.from_hf(cfg))
 
 
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """Each head's query in the latent's space: q_nope [..., H, nope] through W_UK [H, nope, r] -> [..., H, r]."""
+    return torch.einsum("...hn,hnr->...hr", q_nope, w_uk)
+
+
+def absorb_output(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Each head's output out of the latent's space: [..., H, r] through W_UV [H, v, r] -> [..., H, v]."""
+    return torch.einsum("...hr,hvr->...hv", out, w_uv)
+
+
 class LatentAttention(nn.Module):
     """Latent attention in its absorbed form: each head's query taken into the latent's space by that
     head's key up-projection (W_UK), attention over the cached [latent, rotary key] as one shared
@@ -81,6 +91,7 @@ class LatentAttention(nn.Module):
         # A plain nn.Linear: its weight is read as the two up-projections, so chapter 10 leaves it whole
         self.kv_b_proj = nn.Linear(r, H * (m.nope_dim + m.v_dim), bias=False)
         self.o_proj = Linear(H * m.v_dim, cfg.hidden_size, bias=False)
+        self.absorb_query, self.absorb_output = absorb_query, absorb_output  # problem set 14 brings its own
 
     def forward(self, qkv, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
         B, T, _ = qkv.shape
@@ -96,10 +107,10 @@ class LatentAttention(nn.Module):
             q_rope, k_rope = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_rope, k_rope))
         q_rope, k_rope = ops.apply_rope(q_rope, k_rope, cos, sin)
         w = self.kv_b_proj.weight.view(H, m.nope_dim + m.v_dim, r)
-        q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w[:, :m.nope_dim])  # W_UK absorbed
+        q_latent = self.absorb_query(q_nope, w[:, :m.nope_dim])
         key = torch.cat([latent.view(B, T, 1, r), k_rope], dim=-1)  # what the cache keeps: r + rope_dim
         out = attn(layer, torch.cat([q_latent, q_rope], dim=-1), key, key, m.scale)[..., :r]
-        o = torch.einsum("bthr,hvr->bthv", out, w[:, m.nope_dim:])  # W_UV absorbed
+        o = self.absorb_output(out, w[:, m.nope_dim:])
         return ops.linear(self.o_proj, o.reshape(B, T, H * m.v_dim))
 
 

@@ -167,7 +167,7 @@ def attention_mask(Tq: int, Tk: int, q_start: int | torch.Tensor = 0,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
               visible: torch.Tensor) -> torch.Tensor:
-    """q [B, Tq, Hq, D] over k, v [B, Tk, Hk, D] with grouped-query heads -> [B, Tq, Hq, D].
+    """q [B, Tq, Hq, D] over k [B, Tk, Hk, D] and v [B, Tk, Hk, Dv] with grouped-query heads -> [B, Tq, Hq, Dv].
 
     Matmuls run in the input dtype, the softmax in float32 (as Hugging Face's eager attention).
     """
@@ -177,7 +177,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k).float() * scale
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     out = torch.einsum("bhgqk,bkhd->bqhgd", scores.softmax(-1).to(v.dtype), v)
-    return out.reshape(B, Tq, Hq, D)
+    return out.reshape(B, Tq, Hq, v.shape[-1])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -5,7 +5,23 @@ on random inputs; `chNN.py` the checks of problem set NN. A notebook calls them 
 (`mi.course.checks.check_rms_norm(fn)`), a grader by exercise id (`EXERCISES["01.rms_norm"]`).
 """
 
-from miniinfer.course.checks import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, speed
+from miniinfer.course.checks import (
+    ch01,
+    ch02,
+    ch03,
+    ch04,
+    ch05,
+    ch06,
+    ch07,
+    ch08,
+    ch09,
+    ch10,
+    ch11,
+    ch12,
+    ch13,
+    ch14,
+    speed,
+)
 from miniinfer.course.checks.harness import (
     EXERCISES,
     AnswerError,
@@ -18,7 +34,7 @@ from miniinfer.course.checks.harness import (
     your_answers,
 )
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14)
 __all__ = ["EXERCISES", "AnswerError", "Exercise", "NotAnswered", "device", "last_failure", "last_part",
            "problem_set", "speed", "your_answers"]
 

@@ -10,14 +10,12 @@ import torch
 
 from miniinfer.course.checks.harness import (
     as_tensor,
-    blocks_back,
     check,
-    check_tokens,
     exercise,
-    named,
     randint,
     random_block_size,
-    your_answers,
+    saved_checkpoint,
+    serve_through,
 )
 
 
@@ -96,35 +94,18 @@ def check_rank_pairs(fn: Callable) -> None:
     check("rank_pairs", as_tensor(fn), as_tensor(_rank_pairs_ref), inputs, cases=30)
 
 
-PROMPTS = [[5, 17, 99, 3, 250], [42] * 9, list(range(100, 120))]
+def _qwen2_moe():
+    import transformers
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=301, hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, initializer_range=0.2, eos_token_id=None, num_experts=7, num_experts_per_tok=3,
+        moe_intermediate_size=40, shared_expert_intermediate_size=56, mlp_only_layers=[1]))
 
 
 def moe_checkpoint() -> str:
     """A small random Qwen2-MoE (7 experts, top 3, a shared expert, a dense layer between two sparse ones)
     saved to a temporary folder, made once."""
-    global _FOLDER
-    if _FOLDER is None:
-        import tempfile
-
-        import transformers
-        config = transformers.Qwen2MoeConfig(
-            vocab_size=301, hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=2, initializer_range=0.2, eos_token_id=None, num_experts=7, num_experts_per_tok=3,
-            moe_intermediate_size=40, shared_expert_intermediate_size=56, mlp_only_layers=[1])
-        from transformers.utils import logging as hf_logging
-        torch.manual_seed(0)
-        _FOLDER = tempfile.mkdtemp(prefix="miniinfer-moe-")
-        shown = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # its bar is a widget in a notebook's output
-        try:
-            transformers.Qwen2MoeForCausalLM(config).save_pretrained(_FOLDER)
-        finally:
-            if shown:
-                hf_logging.enable_progress_bar()
-    return _FOLDER
-
-
-_FOLDER: str | None = None
+    return saved_checkpoint("moe", _qwen2_moe)
 
 
 @exercise("13", 5, "your_layers")
@@ -134,15 +115,4 @@ def check_your_layers(your_layers: Callable) -> None:
     pieces of a 6-token budget, the pool small enough to preempt) with the package engine's tokens,
     every block back."""
     __tracebackhide__ = True
-    import miniinfer as mi
-    config = mi.EngineConfig(model=moe_checkpoint(), block_size=4, num_blocks=12, max_num_seqs=3,
-                             max_num_batched_tokens=6, enable_chunked_prefill=True)
-    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.token_ids for o in mi.LLMEngine(config).generate(PROMPTS, params, use_tqdm=False)]
-    engine = mi.LLMEngine(config)
-    your_layers(engine.model)
-    with your_answers("13"):
-        got = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
-    check_tokens(named([str(p) for p in PROMPTS], "through your router and experts"), expected, got)
-    blocks_back(engine.block_manager, "three requests")
-    print("passed: the package engine's tokens through your router and experts, every block back")
+    serve_through("13", moe_checkpoint(), your_layers, "through your router and experts")

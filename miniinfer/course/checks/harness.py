@@ -325,3 +325,44 @@ def as_tensor(fn: Callable) -> Callable:
         return tuple(torch.tensor(r, dtype=torch.int64) for r in result) if isinstance(result, tuple) \
             else torch.tensor(result, dtype=torch.int64)
     return run
+
+
+@functools.cache
+def saved_checkpoint(name: str, make: Callable) -> str:
+    """make()'s transformers model (random weights, seed 0) saved to a temporary folder, once per name."""
+    import tempfile
+
+    from transformers.utils import logging as hf_logging
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp(prefix=f"miniinfer-{name}-")
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its bar is a widget in a notebook's output
+    try:
+        make().save_pretrained(folder)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    return folder
+
+
+LAST_PART_PROMPTS = [[5, 17, 99, 3, 250], [42] * 9, list(range(100, 120))]
+
+
+def serve_through(chapter: str, folder: str, install: Callable, through: str) -> None:
+    """A last part on a checkpoint: install(model) puts the student's pieces into an engine's model, which
+    then serves three requests (blocks of 4, prompts in pieces of a 6-token budget, the pool small enough
+    to preempt) with the package engine's tokens, every block back."""
+    __tracebackhide__ = True
+    import miniinfer as mi
+    config = mi.EngineConfig(model=folder, block_size=4, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=6,
+                             enable_chunked_prefill=True)
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = LAST_PART_PROMPTS
+    expected = [o.token_ids for o in mi.LLMEngine(config).generate(prompts, params, use_tqdm=False)]
+    engine = mi.LLMEngine(config)
+    install(engine.model)
+    with your_answers(chapter):
+        got = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    check_tokens(named([str(p) for p in prompts], through), expected, got)
+    blocks_back(engine.block_manager, "three requests")
+    print(f"passed: the package engine's tokens {through}, every block back")

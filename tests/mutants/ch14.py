@@ -1,0 +1,110 @@
+"""Wrong answers to problem set 14 that its checks must reject: each named (or documented) for its mistake."""
+
+import torch
+
+from miniinfer.course import checks as testing
+
+
+def values_not_counted(cfg, itemsize):
+    """Counts a key per KV head and no value: half the bytes of a grouped-query cache."""
+    if "kv_lora_rank" in cfg:
+        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * itemsize
+    heads = cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * (cfg.get("num_key_value_heads") or heads) * \
+        (cfg.get("head_dim") or cfg["hidden_size"] // heads) * itemsize
+
+
+def latent_without_rotary_key(cfg, itemsize):
+    """Keeps the latent alone: the rotary key, cached beside it, is forgotten."""
+    if "kv_lora_rank" in cfg:
+        return cfg["num_hidden_layers"] * cfg["kv_lora_rank"] * itemsize
+    heads = cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * (cfg.get("num_key_value_heads") or heads) * \
+        (cfg.get("head_dim") or cfg["hidden_size"] // heads) * itemsize
+
+
+def query_heads_not_kv_heads(cfg, itemsize):
+    """Counts a key and a value per attention head, as if every model were multi-head."""
+    if "kv_lora_rank" in cfg:
+        return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * itemsize
+    heads = cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * heads * (cfg.get("head_dim") or cfg["hidden_size"] // heads) * itemsize
+
+
+def values_before_keys(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
+    """Reads each head's rows as v_dim of W_UV first, then nope_dim of W_UK: the halves swapped."""
+    T, rope = k_rope.shape
+    w = kv_b.view(num_heads, nope_dim + v_dim, -1)
+    values = torch.einsum("tr,hvr->thv", latent, w[:, :v_dim])
+    k_nope = torch.einsum("tr,hnr->thn", latent, w[:, v_dim:])
+    return torch.cat([k_nope, k_rope[:, None].expand(T, num_heads, rope)], dim=-1), values
+
+
+def rows_split_by_kind_first(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
+    """Takes all heads' key rows first, then all heads' value rows, not each head's rows together."""
+    T, rope = k_rope.shape
+    r = kv_b.shape[1]
+    w_uk = kv_b[:num_heads * nope_dim].view(num_heads, nope_dim, r)
+    w_uv = kv_b[num_heads * nope_dim:].view(num_heads, v_dim, r)
+    k_nope = torch.einsum("tr,hnr->thn", latent, w_uk)
+    return torch.cat([k_nope, k_rope[:, None].expand(T, num_heads, rope)], dim=-1), \
+        torch.einsum("tr,hvr->thv", latent, w_uv)
+
+
+def rotary_key_first(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
+    """Puts the rotary key before the rebuilt part of each key."""
+    T, rope = k_rope.shape
+    w = kv_b.view(num_heads, nope_dim + v_dim, -1)
+    k_nope = torch.einsum("tr,hnr->thn", latent, w[:, :nope_dim])
+    return torch.cat([k_rope[:, None].expand(T, num_heads, rope), k_nope], dim=-1), \
+        torch.einsum("tr,hvr->thv", latent, w[:, nope_dim:])
+
+
+def one_heads_w_uk_for_all(q_nope, w_uk):
+    """Absorbs head 0's W_UK into every head's query."""
+    return torch.einsum("thn,nr->thr", q_nope, w_uk[0])
+
+
+def w_uk_summed_over_heads(q_nope, w_uk):
+    """Sums the heads' W_UK into one matrix before absorbing."""
+    return torch.einsum("thn,nr->thr", q_nope, w_uk.sum(0))
+
+
+def heads_reversed(q_nope, w_uk):
+    """Pairs head h's query with the last-but-h head's W_UK: the heads' order lost."""
+    return torch.einsum("thn,hnr->thr", q_nope, w_uk.flip(0))
+
+
+def no_rotary_scores(q_latent, q_rope, latent, k_rope, w_uv, scale):
+    """Scores from the latent alone: the rotary query and key, which carry the positions, are left out."""
+    p = (q_latent @ latent.T * scale).softmax(dim=-1)
+    return torch.einsum("hvr,hr->hv", w_uv, p @ latent)
+
+
+def unscaled_scores(q_latent, q_rope, latent, k_rope, w_uv, scale):
+    """Forgets the scale: the softmax of the raw products, too peaked."""
+    p = (q_latent @ latent.T + q_rope @ k_rope.T).softmax(dim=-1)
+    return torch.einsum("hvr,hr->hv", w_uv, p @ latent)
+
+
+def softmax_over_heads(q_latent, q_rope, latent, k_rope, w_uv, scale):
+    """Normalizes each token's scores across the heads instead of each head's across the tokens."""
+    p = ((q_latent @ latent.T + q_rope @ k_rope.T) * scale).softmax(dim=0)
+    return torch.einsum("hvr,hr->hv", w_uv, p @ latent)
+
+
+# (the check, the wrong answer)
+MUTANTS = [
+    (testing.check_cache_bytes, values_not_counted),
+    (testing.check_cache_bytes, latent_without_rotary_key),
+    (testing.check_cache_bytes, query_heads_not_kv_heads),
+    (testing.check_decompress, values_before_keys),
+    (testing.check_decompress, rows_split_by_kind_first),
+    (testing.check_decompress, rotary_key_first),
+    (testing.check_absorb_query, one_heads_w_uk_for_all),
+    (testing.check_absorb_query, w_uk_summed_over_heads),
+    (testing.check_absorb_query, heads_reversed),
+    (testing.check_latent_decode, no_rotary_scores),
+    (testing.check_latent_decode, unscaled_scores),
+    (testing.check_latent_decode, softmax_over_heads),
+]
