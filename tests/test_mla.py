@@ -10,7 +10,9 @@ from conftest import saved
 from test_moe import serve_under_preemption
 
 import miniinfer as mi
+from miniinfer.kernels.mla import LatentAttentionKernels, latent_decode
 from miniinfer.layers.mla import DeepseekMoE, LatentAttention, model_config
+from miniinfer.worker.paged_cache import paged_attention_ref
 
 # Odd sizes; a dense first layer; V2 without the query bottleneck, routed by groups, YaRN with the
 # attention factor 1 (as V2-Lite); V3 with the bottleneck, sigmoid routing with a random bias, YaRN
@@ -62,6 +64,33 @@ def test_greedy_equals_transformers_twice_under_preemption(mla_checkpoint, preem
     """Two rounds of a shared-prefix workload under preemption (recompute, and swap: the keys-only pool
     to CPU memory and back), prefix caching and chunked prefill (pieces of 7 tokens); every block back."""
     serve_under_preemption(*mla_checkpoint, preemption_mode=preemption)
+
+
+def test_greedy_through_the_latent_kernels(mla_checkpoint):
+    """The engine on chapter 14's decode kernel (and chapter 05's store and prefill) under the CPU
+    interpreter: the same tokens; V2 only (each model takes a minute there)."""
+    kind, folder, hf = mla_checkpoint
+    if kind != "deepseek_v2":
+        pytest.skip("the kernels in the engine: one model (they equal the reference below)")
+    def picked(engine):  # "triton" for a cache whose values are its keys: chapter 14's decode kernel
+        assert isinstance(engine.executor.runner.cache.kernels, LatentAttentionKernels)
+    serve_under_preemption(kind, folder, hf, picked, kernels="triton")
+
+
+@pytest.mark.parametrize("D, block_size, splits, heads", [(40, 1, 1, 5), (72, 3, 3, 5), (40, 3, 3, 20),
+                                                          (40, 4, None, 3)])
+def test_latent_decode_equals_the_reference(D, block_size, splits, heads):
+    """Keys of 32 + 8 and 64 + 8, blocks of 1, 3 and 4, ragged contexts (5, 17, 1), heads in one block and
+    in two (20 > 16), the context whole, split in three, and split by the rule."""
+    g = torch.Generator().manual_seed(D + block_size)
+    lens = torch.tensor([5, 17, 1])
+    widths = (lens + block_size - 1) // block_size
+    order = torch.randperm(int(widths.sum()) + 4, generator=g)[:int(widths.sum())]
+    tables = torch.nn.utils.rnn.pad_sequence(list(order.split(widths.tolist())), batch_first=True)
+    pool = torch.randn(int(widths.sum()) + 4, block_size, 1, D, generator=g)
+    q = torch.randn(3, heads, D, generator=g)
+    torch.testing.assert_close(latent_decode(q, pool, tables, lens, D ** -0.5, num_splits=splits),
+                               paged_attention_ref(q, pool, pool, tables, lens, D ** -0.5), atol=1e-5, rtol=1e-5)
 
 
 def test_the_cache_keeps_keys_alone(mla_checkpoint):

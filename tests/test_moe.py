@@ -71,16 +71,16 @@ def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl)
     serve_under_preemption(kind, folder, hf, prepare)
 
 
-def serve_under_preemption(kind: str, folder, hf, prepare=None, preemption_mode: str = "recompute") -> None:
+def serve_under_preemption(kind: str, folder, hf, prepare=None, **config) -> None:
     """Two rounds of 8 shared-prefix requests in a pool of 1.5 requests' blocks (pieces of 7 tokens,
-    preemption, prefix caching), transformers' greedy tokens and every block back each time;
-    prepare(engine) first, if given."""
+    preemption by recompute unless config says, prefix caching), transformers' greedy tokens and every
+    block back each time; prepare(engine) first, if given."""
     prompts, params = shared_workload(n=8)
     expected = oracle((kind, "shared8"), hf, prompts, params)
     num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
     engine = mi.LLMEngine(mi.EngineConfig(
         model=folder, block_size=4, num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=7,
-        preemption_mode=preemption_mode, enable_prefix_caching=True, enable_chunked_prefill=True))
+        enable_prefix_caching=True, enable_chunked_prefill=True, **{"preemption_mode": "recompute", **config}))
     if prepare is not None:
         prepare(engine)
     preempted, cached = serve_twice(engine, prompts, params, expected)

@@ -136,7 +136,8 @@ class AttentionKernels:
 
 
 ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels(),
-                                                  "triton": "miniinfer.kernels.attention:TRITON_ATTENTION"})
+                                                  "triton": "miniinfer.kernels.attention:TRITON_ATTENTION",
+                                                  "latent": "miniinfer.kernels.mla:LATENT_ATTENTION"})
 
 
 class VarlenKVCache(PagedKVCache):
@@ -146,7 +147,10 @@ class VarlenKVCache(PagedKVCache):
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
                  kernels: str | None = None):
         on_cuda = torch.device(device or "cpu").type == "cuda"
-        self.kernels = ATTENTION_KERNELS[kernels or ("triton" if on_cuda else "torch")]  # before allocating
+        name = kernels or ("triton" if on_cuda else "torch")
+        if name == "triton" and cfg.values_in_keys:  # chapter 14's latent: each key read once, as key and value
+            name = "latent"
+        self.kernels = ATTENTION_KERNELS[name]  # before allocating
         super().__init__(cfg, num_blocks, block_size, device, dtype)
 
     def step(self, batch: VarlenBatch) -> None:
