@@ -12,7 +12,7 @@ pool, copies enough that the L2 cache cannot hold them):
                 at decode: it reads the latents and writes and reads 16 heads' keys and values)
 GB/s: the latent cache's bytes (batch x context x 576 x 2) over the time; the copy bandwidth beside them.
 
-    python tools/bench_mla.py OUT.json
+    python tools/bench_mla.py OUT.json [sweep]    (sweep: the kernel's configurations, into the same JSON)
 """
 
 import datetime
@@ -62,10 +62,11 @@ def rebuilt(w: dict, kv_b: torch.Tensor) -> torch.Tensor:
 
 def main(out: str) -> None:
     gbps = copy_bandwidth()
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": datetime.date.today().isoformat(), "copy_GBps": gbps,
-           "shape": dict(heads=H, kv_lora_rank=RANK, rope_dim=ROPE, nope_dim=NOPE, v_dim=V, block_size=BLOCK),
-           "rows": []}
+    path = Path(out)
+    res = json.loads(path.read_text()) if path.exists() else {}  # a sweep's, kept
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               date=datetime.date.today().isoformat(), copy_GBps=gbps, rows=[],
+               shape=dict(heads=H, kv_lora_rank=RANK, rope_dim=ROPE, nope_dim=NOPE, v_dim=V, block_size=BLOCK))
     kv_b = torch.randn(H * (NOPE + V), RANK, device="cuda", dtype=DT) / RANK ** 0.5
     for batch in (1, 16, 64):
         for context in (1024, 4096, 16384):
@@ -87,8 +88,9 @@ def main(out: str) -> None:
             row = {"batch": batch, "context": context, "latent_bytes": nbytes,
                    "max_abs_diff_latent_vs_paged": (ref.float() - check.float()).abs().max().item()}
             for name, fn in forms.items():
-                if name == "rebuilt" and batch * context * H * (NOPE + ROPE + V) * 2 > 2**32:
-                    us = float("nan")  # 4 GB of rebuilt keys and values a step: not run
+                if name == "rebuilt" and batch * context * H * (NOPE + ROPE + V) * 2 > 2**32 or \
+                        name == "sdpa" and batch * context * H * D * 4 > 12 * 2**30:
+                    us = float("nan")  # over 4 GB of rebuilt keys and values, or 12 GB of SDPA's keys per head
                 else:
                     us = graph_us([lambda w=w, fn=fn: fn(w) for w in worlds])
                 row[f"{name}_us"] = us
@@ -98,8 +100,44 @@ def main(out: str) -> None:
             res["rows"].append(row)
             del worlds
             torch.cuda.empty_cache()
-            Path(out).write_text(json.dumps(res, indent=1) + "\n")
+            path.write_text(json.dumps(res, indent=1) + "\n")
+
+
+def sweep(out: str) -> None:
+    """The kernel's tile, warps, stages and programs per multiprocessor at batch 16 and 64, contexts of 4,096
+    and 16,384: each configuration's time, the best, and the rule's (latent_decode's defaults)."""
+    path = Path(out)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res["sweep"] = []
+    for batch, context in ((16, 4096), (64, 4096), (16, 16384)):
+        nbytes = batch * context * D * 2
+        worlds = [world(batch, context, s) for s in range(min(64, -(-(256 << 20) // nbytes)))]
+        times = []
+        for tile in (32, 64):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for per_sm in (1, 2, 4, 8):
+                        splits = max(1, min(round(per_sm * sms / batch), context // (2 * tile)))
+                        cfg = dict(tile=tile, num_warps=warps, num_stages=stages, num_splits=splits)
+                        try:
+                            us = graph_us([lambda w=w: latent_decode(w["q"], w["pool"], w["tables"], w["lens"], SCALE,
+                                                                     **cfg) for w in worlds])
+                        except triton.runtime.errors.OutOfResources:
+                            continue
+                        times.append((us, dict(cfg, per_sm=per_sm)))
+        times.sort(key=lambda t: t[0])
+        rule = graph_us([lambda w=w: latent_decode(w["q"], w["pool"], w["tables"], w["lens"], SCALE, max_len=context)
+                         for w in worlds])
+        row = {"batch": batch, "context": context, "best_us": times[0][0], "best": times[0][1],
+               "best_GBps": nbytes / times[0][0] / 1e3, "rule_us": rule, "rule_GBps": nbytes / rule / 1e3,
+               "top5": times[:5]}
+        print(json.dumps({k: v for k, v in row.items() if k != "top5"}), flush=True)
+        res["sweep"].append(row)
+        del worlds
+        torch.cuda.empty_cache()
+        path.write_text(json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    (sweep if sys.argv[2:] == ["sweep"] else main)(sys.argv[1])

@@ -64,17 +64,18 @@ def _latent_decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
 
 def latent_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                   scale: float, max_len: int | None = None, num_splits: int | None = None, tile: int = 32,
-                  block_h: int = 16, num_warps: int = 4) -> torch.Tensor:
+                  block_h: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Decode attention of q [B, H, D] over one shared key per cached token that is also the value
     (the pool [num_blocks, block_size, 1, D]) -> [B, H, D]. D splits into its largest power of two
     (the latent) and the rest (the rotary key). The context is split while the batch's programs
-    would leave multiprocessors idle, as chapter 05's decode_config does."""
+    would leave multiprocessors idle, as chapter 05's decode_config does (mla_decode_h100.json's sweep)."""
     B, H, D = q.shape
     wide = 1 << (D.bit_length() - 1)
     heads = triton.cdiv(H, block_h)
     if num_splits is None:
         max_len = int(context_lens.max()) if max_len is None else max_len
-        num_splits = max(1, min(round(4 * _multiprocessors(q.device) / (B * heads)), 64, -(-max_len // (2 * tile))))
+        # two programs a multiprocessor: the sweep's best at batch 16 and 64, contexts of 4K and 16K
+        num_splits = max(1, min(round(2 * _multiprocessors(q.device) / (B * heads)), 64, -(-max_len // (2 * tile))))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     split = num_splits > 1
@@ -84,7 +85,7 @@ def latent_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         q, kv_cache, block_tables, context_lens, part, lse, scale * LOG2E, q.stride(0), q.stride(1),
         block_tables.stride(0), kv_cache.shape[1], num_splits, HEADS=H, WIDE=wide, REST=D - wide, BLOCK_H=block_h,
         BLOCK_R=max(16, triton.next_power_of_2(D - wide)), TILE=tile, SPLIT=split, PRECISION=_precision(q.dtype),
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     if split:
         _merge_kernel[(B * H,)](part, lse, out, num_splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
                                 BLOCK_D=triton.next_power_of_2(D), **pdl_args(q.device))
