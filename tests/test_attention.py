@@ -218,7 +218,7 @@ def test_unknown_backend_and_kernels_are_refused():
     model = mi.load_model()
     with pytest.raises(ValueError, match=r"no paged attention backend 'flash': there are \['gather', 'varlen'\]"):
         mi.generate_paged(model, [[1, 2]], mi.SamplingParams(max_tokens=2), backend="flash")
-    with pytest.raises(ValueError, match=r"no attention kernels 'cuda': there are \['torch', 'triton'\]"):
+    with pytest.raises(ValueError, match=r"no attention kernels 'cuda': there are \['latent', 'torch', 'triton'\]"):
         mi.VarlenKVCache(model.cfg, 4, 4, kernels="cuda")
 
 

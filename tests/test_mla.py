@@ -104,6 +104,21 @@ def test_the_cache_keeps_keys_alone(mla_checkpoint):
     assert runner.kv_bytes_per_block() == 3 * 4 * 40 * 4 and runner.cache.nbytes == runner.cache.k.nbytes
 
 
+def test_an_fp8_latent_cache(mla_checkpoint):
+    """Chapter 10's KV dtype on the latent pool: e4m3 numbers, a quarter of float32's bytes a block, the
+    requests served and every block back."""
+    _, folder, _ = mla_checkpoint
+    engines = [mi.LLMEngine(mi.EngineConfig(model=folder, block_size=4, num_blocks=40, kv_cache_dtype=dtype))
+               for dtype in (None, torch.float8_e4m3fn)]
+    runner = engines[1].executor.runner
+    assert runner.cache.k.dtype == torch.float8_e4m3fn and runner.cache.v is runner.cache.k
+    assert 4 * runner.kv_bytes_per_block() == engines[0].executor.runner.kv_bytes_per_block()
+    params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = engines[1].generate([[5, 17, 99, 3, 250], [42] * 9], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [12, 12]
+    assert engines[1].block_manager.num_free_blocks == engines[1].block_manager.num_blocks
+
+
 def test_bad_configurations_are_refused(mla_checkpoint):
     _, folder, hf = mla_checkpoint
     cfg = hf.config.to_dict()
