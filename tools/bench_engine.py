@@ -300,7 +300,7 @@ def floor(model, prompts, outs, gbps: float, tflops: float) -> dict:
     cfg = model.cfg
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = params * 2
-    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    kv_token = cfg.cache_bytes_per_token(2)
     prefill_s = 2 * params * sum(map(len, prompts)) / (tflops * 1e12)
     decode_s = 0.0
     for step in range(max(outs)):

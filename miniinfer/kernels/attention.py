@@ -45,6 +45,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _softmax_step(scores, m, l):
+    """The online softmax over one more tile of scores (log2 units): the new running max and sum, the
+    tile's weights, and alpha, the factor that rescales what was summed before."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
 def _blocks(table_ptr, pos, valid, block_size):
     """The pool blocks that hold token positions pos: their entries in the sequence's block table."""
     return tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
@@ -101,12 +111,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
         k, v = k.to(q.dtype), v.to(q.dtype)  # a pool may be narrower than the model (chapter 10's e4m3)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        m, l, p, alpha = _softmax_step(scores, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     rows = b * (HK * GROUP) + heads  # (sequence, query head) pairs, as in q
     if SPLIT:  # a partial result and its log-sum-exp (log2 units; -inf for an empty piece)
@@ -209,12 +215,8 @@ def _prefill_tile(q, m, l, acc, k_ptr, v_ptr, table_ptr, n0, end, q_pos, qk_scal
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if CAUSAL:
         scores = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    m, l, p, alpha = _softmax_step(scores, m, l)
+    return m, l, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["table_stride", "num_tiles"])  # as the decode kernel

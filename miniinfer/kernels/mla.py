@@ -6,7 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from miniinfer.kernels.attention import LOG2E, TritonAttentionKernels, _merge_kernel, _multiprocessors, _precision
+from miniinfer.kernels.attention import (
+    LOG2E,
+    TritonAttentionKernels,
+    _merge_kernel,
+    _multiprocessors,
+    _precision,
+    _softmax_step,
+)
 from miniinfer.kernels.norm_rope import pdl_args
 
 
@@ -44,13 +51,9 @@ def _latent_decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
         scores = tl.dot(q_w, tl.trans(k_w), input_precision=PRECISION)
         scores = (scores + tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)) * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
+        m, l, p, alpha = _softmax_step(scores, m, l)
         acc_w = acc_w * alpha[:, None] + tl.dot(p.to(k_w.dtype), k_w, input_precision=PRECISION)
         acc_r = acc_r * alpha[:, None] + tl.dot(p.to(k_r.dtype), k_r, input_precision=PRECISION)
-        m = m_new
     norm = tl.where(l > 0, l, 1.0)[:, None]
     rows = b * HEADS + h
     if SPLIT:  # a partial result and its log-sum-exp, which chapter 05's merge kernel combines

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from miniinfer.layers.moe import MoEConfig, SparseMoE
-from miniinfer.model.transformer import MLP, AttentionBackend, Linear, ModelConfig, Ops, RMSNorm
+from miniinfer.model.transformer import MLP, AttentionBackend, Linear, ModelConfig, Ops, RMSNorm, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -36,8 +35,7 @@ class MLAConfig:
         scale = (nope + rope) ** -0.5
         scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         if scaling.get("rope_type", scaling.get("type", "default")) != "default" and scaling.get("mscale_all_dim"):
-            m = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
-            scale *= m * m  # YaRN's softer softmax of a longer context, undone
+            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2  # YaRN's softer softmax, undone
         return cls(cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], nope, rope, cfg["v_head_dim"], scale,
                    cfg["model_type"] == "deepseek_v2" or cfg.get("rope_interleave", True))
 
@@ -57,8 +55,7 @@ def model_config(cfg: dict) -> ModelConfig:
     mla = MLAConfig.from_hf(cfg)
     base = ModelConfig.from_hf({**cfg, "model_type": "llama", "num_key_value_heads": 1,
                                 "head_dim": mla.kv_lora_rank + mla.rope_dim})
-    return dataclasses.replace(base, attention=mla, rotary_dim=mla.rope_dim, values_in_keys=True,
-                               experts=DeepseekMoEConfig.from_hf(cfg))
+    return dataclasses.replace(base, attention=mla, rotary_dim=mla.rope_dim, experts=DeepseekMoEConfig.from_hf(cfg))
 
 
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:

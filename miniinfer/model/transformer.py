@@ -34,7 +34,15 @@ class ModelConfig:
     experts: Any = None  # chapter 13's MoEConfig: which layers route tokens to experts, and how
     attention: Any = None  # chapter 14's MLAConfig: latent attention, its cache one "head" of head_dim
     rotary_dim: int = 0  # the dimensions RoPE turns (0: all of head_dim)
-    values_in_keys: bool = False  # each value is its key's first dimensions: the cache keeps keys alone
+
+    @property
+    def values_in_keys(self) -> bool:
+        """Each value is its key's first dimensions (chapter 14's latent): the cache keeps keys alone."""
+        return self.attention is not None
+
+    def cache_bytes_per_token(self, itemsize: int) -> int:
+        """What one token leaves in the KV cache over all layers: a key and a value per KV head, or keys alone."""
+        return (1 if self.values_in_keys else 2) * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -99,18 +107,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_mscale(factor: float, m: float) -> float:
+    """YaRN's softmax correction for a context `factor` times the original, of strength m."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def yarn(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
     """YaRN (DeepSeek-V2/V3's long context): each pair's frequency between itself and itself / factor,
     by a ramp over the pairs that turn between beta_fast and beta_slow times in the original context;
     and the factor cos and sin are multiplied by."""
     factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
-
-    def mscale(m: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     attention = scaling.get("attention_factor") or (
-        mscale(scaling["mscale"]) / mscale(scaling["mscale_all_dim"])
-        if scaling.get("mscale") and scaling.get("mscale_all_dim") else mscale(1.0))
+        yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+        if scaling.get("mscale") and scaling.get("mscale_all_dim") else yarn_mscale(factor, 1.0))
 
     def pair(turns: float) -> float:  # the pair that turns `turns` times over the original context
         return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))

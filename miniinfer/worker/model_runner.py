@@ -287,10 +287,7 @@ class ModelRunner:
         """Nothing to release: this runner lives in the engine's process (chapter 11's does not)."""
 
     def kv_bytes_per_block(self) -> int:
-        cfg = self.model.cfg
-        pools = 1 if cfg.values_in_keys else 2  # keys and values, or keys alone (chapter 14)
-        per_token = cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
-        return pools * self.config.block_size * per_token
+        return self.config.block_size * self.model.cfg.cache_bytes_per_token(self.kv_dtype.itemsize)
 
     @torch.no_grad()
     def num_blocks_that_fit(self) -> int:

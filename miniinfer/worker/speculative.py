@@ -199,8 +199,7 @@ class DraftProposer(Proposer):
         self.kv_dtype = self.config.kv_cache_dtype or self.model.dtype
 
     def bytes_per_block(self) -> int:
-        cfg = self.model.cfg
-        return 2 * cfg.num_layers * self.config.block_size * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+        return self.config.block_size * self.model.cfg.cache_bytes_per_token(self.kv_dtype.itemsize)
 
     def allocate(self, runner, num_blocks):
         config = self.config

@@ -29,8 +29,7 @@ def _config(gen, case) -> dict:
 
 def _cache_bytes_ref(cfg: dict, itemsize: int) -> int:
     import miniinfer as mi
-    c = mi.ModelConfig.from_hf(cfg)
-    return (1 if c.values_in_keys else 2) * c.num_layers * c.num_kv_heads * c.head_dim * itemsize
+    return mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
 
 
 @exercise("14", 1, "cache_bytes")
