@@ -63,7 +63,38 @@ def test_layers_and_logits_match_transformers(mla_checkpoint):
 def test_greedy_equals_transformers_twice_under_preemption(mla_checkpoint, preemption):
     """Two rounds of a shared-prefix workload under preemption (recompute, and swap: the keys-only pool
     to CPU memory and back), prefix caching and chunked prefill (pieces of 7 tokens); every block back."""
-    serve_under_preemption(*mla_checkpoint, preemption_mode=preemption)
+    forms = []
+    def counted(engine):  # which form each prefill step's layers took
+        for layer in engine.executor.runner.model.model.layers:
+            rebuild = layer.self_attn.rebuild
+            layer.self_attn.rebuild = lambda *a, rebuild=rebuild: forms.append("rebuilt") or rebuild(*a)
+    serve_under_preemption(*mla_checkpoint, counted, preemption_mode=preemption)
+    assert forms  # and the decodes absorbed, as every test here checks
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+def test_rebuilt_prefill_through_the_kernels(mla_checkpoint, block_size):
+    """Prefixes of ragged lengths, then the prompts' rest after them (the cached prefix read back and
+    rebuilt; one sequence decoding, absorbed, in the same step), through chapter 05's prefill kernel
+    and chapter 14's decode kernel under the interpreter, and in PyTorch: the logits of the absorbed
+    form without a cache (chapter 01's attention)."""
+    _, folder, _ = mla_checkpoint
+    model = mi.load_model(folder)
+    g = torch.Generator().manual_seed(block_size)
+    prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (9, 14, 5)]
+    cached = [4, 13, 1]
+    widths = [-(-len(p) // block_size) for p in prompts]
+    order = torch.randperm(sum(widths) + 3, generator=g)[:sum(widths)].tolist()
+    tables = [order[sum(widths[:i]):sum(widths[:i + 1])] for i in range(3)]
+    with torch.no_grad():
+        want = [torch.stack([model(torch.tensor([p[:n]]))[0, -1] for p, n in zip(prompts, lens)])
+                for lens in (cached, [len(p) for p in prompts])]
+        for kernels in ("triton", "torch"):
+            cache = mi.VarlenKVCache(model.cfg, sum(widths) + 3, block_size, kernels=kernels)
+            first = cache.run(model, [p[:c] for p, c in zip(prompts, cached)], tables, [0, 0, 0])
+            then = cache.run(model, [p[c:] for p, c in zip(prompts, cached)], tables, cached)
+            for got, expected in zip((first, then), want):
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_through_the_latent_kernels(mla_checkpoint):

@@ -16,7 +16,8 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's nati
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride, v_stride,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, TOP: tl.constexpr, PDL: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, TOP: tl.constexpr, VALUES: tl.constexpr,
+                     PDL: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # a step input: read before the wait (the decode kernel says why)
     wait_for_input(PDL)  # chapter 04: launched early, it waits for the projection that made k and v
@@ -25,23 +26,25 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_stride,
         mask = offs < ROW
         # clamped to the pool dtype's range: a narrower pool (chapter 10's e4m3) saturates, never NaN
         k = tl.clamp(tl.load(k_ptr + t * k_stride + offs, mask=mask).to(tl.float32), -TOP, TOP)
-        v = tl.clamp(tl.load(v_ptr + t * v_stride + offs, mask=mask).to(tl.float32), -TOP, TOP)
         tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if VALUES:
+            v = tl.clamp(tl.load(v_ptr + t * v_stride + offs, mask=mask).to(tl.float32), -TOP, TOP)
+            tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def store_kv(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
              slot_mapping: torch.Tensor) -> None:
-    """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N].
+    """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N]
+    (v None: a pool of keys alone, chapter 14's).
     slot_mapping is read before the kernel waits for the one before it (PDL): it must be a step
     input, written before the forward's first kernel, never by the kernel just before."""
     row = k.shape[1] * k.shape[2]
-    k2, v2 = k.reshape(k.shape[0], row), v.reshape(v.shape[0], row)  # views when heads are contiguous
+    k2, v2 = (x.reshape(x.shape[0], row) for x in (k, k if v is None else v))  # views when heads are contiguous
     if k2.stride(1) != 1 or v2.stride(1) != 1:
         k2, v2 = k2.contiguous(), v2.contiguous()
-    _store_kv_kernel[(k.shape[0],)](k2, v2, k_cache, v_cache, slot_mapping, k2.stride(0), v2.stride(0),
-                                    ROW=row, BLOCK=triton.next_power_of_2(row), TOP=torch.finfo(k_cache.dtype).max,
-                                    **pdl_args(k.device))
+    _store_kv_kernel[(k.shape[0],)](k2, v2, k_cache, k_cache if v_cache is None else v_cache, slot_mapping,
+                                    k2.stride(0), v2.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
+                                    TOP=torch.finfo(k_cache.dtype).max, VALUES=v is not None, **pdl_args(k.device))
 
 
 @triton.jit

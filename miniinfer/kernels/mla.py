@@ -9,6 +9,7 @@ import triton.language as tl
 from miniinfer.kernels.attention import (
     LOG2E,
     TritonAttentionKernels,
+    _blocks,
     _merge_kernel,
     _multiprocessors,
     _precision,
@@ -41,10 +42,13 @@ def _latent_decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
     acc_w = tl.zeros([BLOCK_H, WIDE], tl.float32)
     acc_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     table = tables_ptr + b * table_stride
+    pos = start + tl.arange(0, TILE)
+    blocks = _blocks(table, pos, pos < end, block_size)
     for t0 in range(start, end, TILE):
         pos = t0 + tl.arange(0, TILE)
         valid = pos < end
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+        block = blocks
+        blocks = _blocks(table, pos + TILE, pos + TILE < end, block_size)  # the next tile's, as chapter 05
         row = kv_ptr + (block * block_size + pos % block_size)[:, None] * (WIDE + REST)
         k_w = tl.load(row + w[None, :], mask=valid[:, None], other=0.0).to(q_w.dtype)
         k_r = tl.load(row + WIDE + e[None, :], mask=valid[:, None] & (e[None, :] < REST), other=0.0).to(q_w.dtype)
@@ -66,19 +70,20 @@ def _latent_decode_kernel(q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
 
 
 def latent_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  scale: float, max_len: int | None = None, num_splits: int | None = None, tile: int = 32,
-                  block_h: int = 16, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                  scale: float, max_len: int | None = None, num_splits: int | None = None, tile: int = 64,
+                  block_h: int = 16, num_warps: int = 8, num_stages: int = 3) -> torch.Tensor:
     """Decode attention of q [B, H, D] over one shared key per cached token that is also the value
     (the pool [num_blocks, block_size, 1, D]) -> [B, H, D]. D splits into its largest power of two
     (the latent) and the rest (the rotary key). The context is split while the batch's programs
-    would leave multiprocessors idle, as chapter 05's decode_config does (mla_decode_h100.json's sweep)."""
+    would leave multiprocessors idle, as chapter 05's decode_config does (the sweep in mla_h100.json)."""
     B, H, D = q.shape
     wide = 1 << (D.bit_length() - 1)
     heads = triton.cdiv(H, block_h)
     if num_splits is None:
         max_len = int(context_lens.max()) if max_len is None else max_len
-        # two programs a multiprocessor: the sweep's best at batch 16 and 64, contexts of 4K and 16K
-        num_splits = max(1, min(round(2 * _multiprocessors(q.device) / (B * heads)), 64, -(-max_len // (2 * tile))))
+        # a program a multiprocessor (three stages of 64 x 576 keys fill its shared memory): the sweep's
+        # best at batch 16 and 64, contexts of 4K and 16K
+        num_splits = max(1, min(round(_multiprocessors(q.device) / (B * heads)), 64, -(-max_len // (2 * tile))))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     split = num_splits > 1

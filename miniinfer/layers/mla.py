@@ -6,10 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.layers.moe import MoEConfig, SparseMoE
 from miniinfer.model.transformer import MLP, AttentionBackend, Linear, ModelConfig, Ops, RMSNorm, yarn_mscale
+from miniinfer.worker.kv_cache import VarlenKVCache
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,42 @@ class LatentAttention(nn.Module):
         if m.interleaved:  # pairs (x0, x1), ... to halves, queries and keys alike: their products stay
             q_rope, k_rope = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_rope, k_rope))
         q_rope, k_rope = ops.apply_rope(q_rope, k_rope, cos, sin)
-        w = self.kv_b_proj.weight.view(H, m.nope_dim + m.v_dim, r)
-        q_latent = self.absorb_query(q_nope, w[:, :m.nope_dim])
         key = torch.cat([latent.view(B, T, 1, r), k_rope], dim=-1)  # what the cache keeps: r + rope_dim
-        out = attn(layer, torch.cat([q_latent, q_rope], dim=-1), key, key, m.scale)[..., :r]
-        o = self.absorb_output(out, w[:, m.nope_dim:])
+        if not isinstance(attn, VarlenKVCache) or attn.batch.max_query_len == 1:  # decodes (and the course's caches)
+            o = self.absorbed(q_nope, q_rope, lambda q: attn(layer, q, key, key, m.scale))
+        else:  # the engine's step with prompts: they rebuild, its decodes absorb
+            attn.store(layer, key, key)
+            o = q_nope.new_empty(B, T, H, m.v_dim)
+            decodes, prompts_part = attn.split()
+            assert prompts_part is not None  # a step with a query longer than one token has a prompt
+            rows, prompts = prompts_part
+            if decodes is not None:
+                at, part = decodes
+                o[:, at] = self.absorbed(q_nope[:, at], q_rope[:, at],
+                                         lambda q: attn.attend(q, attn.k[layer], attn.v[layer], m.scale, part))
+            blocks, tables = attn.context(layer, prompts)
+            k, v = self.rebuild(blocks, q.dtype)
+            q_full = torch.cat([q_nope[:, rows], q_rope[:, rows]], dim=-1)
+            o[:, rows] = attn.attend(q_full, k, v, m.scale, prompts, tables)[..., :m.v_dim]
         return ops.linear(self.o_proj, o.reshape(B, T, H * m.v_dim))
+
+    def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, attend) -> torch.Tensor:
+        """The absorbed form: queries into the latent's space, attend over [latent, rotary key]s, out again."""
+        m = self.m
+        w = self.kv_b_proj.weight.view(self.num_heads, m.nope_dim + m.v_dim, m.kv_lora_rank)
+        out = attend(torch.cat([self.absorb_query(q_nope, w[:, :m.nope_dim]), q_rope], dim=-1))
+        return self.absorb_output(out[..., :m.kv_lora_rank], w[:, m.nope_dim:])
+
+    def rebuild(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys and values [n, block_size, H, nope + rope] out of cached blocks of [latent,
+        rotary key] [n, block_size, 1, r + rope]; the values padded with zeros to the keys' width
+        (chapter 05's kernels take one head size; the padding's outputs are dropped)."""
+        m, H = self.m, self.num_heads
+        latent, k_rope = blocks.to(dtype).split([m.kv_lora_rank, m.rope_dim], dim=-1)
+        kv = F.linear(latent, self.kv_b_proj.weight).view(*blocks.shape[:2], H, m.nope_dim + m.v_dim)
+        k_nope, v = kv.split([m.nope_dim, m.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, H, -1)], dim=-1)
+        return k, F.pad(v, (0, m.nope_dim + m.rope_dim - m.v_dim))
 
 
 @dataclass(frozen=True)

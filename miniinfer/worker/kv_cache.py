@@ -24,6 +24,7 @@ class VarlenBatch:
     block_tables: torch.Tensor     # [B, max_blocks]
     max_query_len: int
     max_seq_len: int
+    lens: np.ndarray | None = None  # [2, B] on the host: new tokens and seq_lens (chapter 14 plans by them)
 
     @classmethod
     def build(cls, tokens: list[list[int]], block_tables: list[list[int]], num_cached: list[int],
@@ -65,7 +66,8 @@ class VarlenBatch:
             buffer[start:start + len(h)] = h
         on_device = to_device(buffer, device)
         t = [on_device[s:s + len(h)] for s, h in zip(starts, host)]
-        return cls(t[0], t[1], t[2], t[3], t[4], t[5].view(tables.shape), int(q_lens.max()), int(seq_lens.max()))
+        return cls(t[0], t[1], t[2], t[3], t[4], t[5].view(tables.shape), int(q_lens.max()), int(seq_lens.max()),
+                   np.stack([q_lens, seq_lens]))
 
 
 def to_device(host: np.ndarray, device) -> torch.Tensor:
@@ -78,13 +80,14 @@ def to_device(host: np.ndarray, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                  slot_mapping: torch.Tensor) -> None:
     """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N]
-    (-1: a padding token, written nowhere)."""
+    (-1: a padding token, written nowhere); v None: a pool of keys alone (chapter 14)."""
     keep = slot_mapping >= 0
     k_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(k[keep], k_cache.dtype)
-    v_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(v[keep], v_cache.dtype)
+    if v is not None and v_cache is not None:
+        v_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(v[keep], v_cache.dtype)
 
 
 def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,9 +143,15 @@ ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels(),
                                                   "latent": "miniinfer.kernels.mla:LATENT_ATTENTION"})
 
 
+Part = tuple[torch.Tensor | slice, VarlenBatch]  # a step's rows and their own batch (VarlenKVCache.split)
+
+
 class VarlenKVCache(PagedKVCache):
     """Chapter 03's paged pool with the varlen attention backend: one flat row of tokens per
     forward, K/V stored by slot and read in place through the block tables."""
+    batch: VarlenBatch
+    parts: tuple[Part | None, Part | None] | None  # split's, this step's
+    gathered: tuple[torch.Tensor, torch.Tensor] | None  # context's plan, this step's
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
                  kernels: str | None = None):
@@ -154,19 +163,69 @@ class VarlenKVCache(PagedKVCache):
         super().__init__(cfg, num_blocks, block_size, device, dtype)
 
     def step(self, batch: VarlenBatch) -> None:
-        self.batch = batch
+        self.batch, self.parts, self.gathered = batch, None, None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
-        b, k_cache, v_cache = self.batch, self.k[layer], self.v[layer]
-        q, k, v = q[0], k[0], v[0]  # the flat batch is the model's one row: [N, heads, D]
-        self.kernels.store_kv(k, v, k_cache, v_cache, b.slot_mapping)
+        self.store(layer, k, v)
+        return self.attend(q, self.k[layer], self.v[layer], scale)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This forward's k, v [1, N, Hk, D] into the layer's pools at the batch's slots."""
+        keys_only = self.v is self.k  # chapter 14's latent: one write
+        self.kernels.store_kv(k[0], None if keys_only else v[0], self.k[layer], None if keys_only else self.v[layer],
+                              self.batch.slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               batch: VarlenBatch | None = None, block_tables: torch.Tensor | None = None) -> torch.Tensor:
+        """q [1, N, Hq, D] of the step's batch (or of a part of it) over pools through its block tables
+        (or over others through others)."""
+        b, q = batch or self.batch, q[0]  # the flat batch is the model's one row: [N, heads, D]
+        tables = b.block_tables if block_tables is None else block_tables
         if b.max_query_len == 1:  # every sequence decodes one token
-            out = self.kernels.decode(q, k_cache, v_cache, b.block_tables, b.seq_lens, scale, b.max_seq_len)
+            out = self.kernels.decode(q, k_cache, v_cache, tables, b.seq_lens, scale, b.max_seq_len)
         else:
-            out = self.kernels.prefill(q, k_cache, v_cache, b.query_start_loc, b.seq_lens, b.block_tables,
-                                       scale, b.max_query_len)
+            out = self.kernels.prefill(q, k_cache, v_cache, b.query_start_loc, b.seq_lens, tables, scale,
+                                       b.max_query_len)
         return out[None]
+
+    def split(self) -> tuple[Part | None, Part | None]:
+        """The step as two parts, its sequences that decode one token and those that prefill more: each
+        (its rows of the step's tokens, a batch of its own), or None where it has none. Made once a step,
+        for layers that treat the two apart (chapter 14's)."""
+        if self.parts is None:
+            b, parts = self.batch, list[Part | None]()
+            assert b.lens is not None, "a step built by VarlenBatch.from_arrays"
+            new, total = b.lens
+            starts = np.concatenate([[0], new.cumsum()])
+            for seqs in (np.flatnonzero(new == 1), np.flatnonzero(new > 1)):
+                if len(seqs) in (0, len(new)):  # none, or the whole step
+                    parts.append(None if len(seqs) == 0 else (slice(None), b))
+                    continue
+                n = new[seqs]
+                first = np.concatenate([[0], n.cumsum()])  # the part's own query starts
+                rows = np.repeat(starts[seqs] - first[:-1], n) + np.arange(first[-1])
+                at, index, first_on = (to_device(x, b.seq_lens.device) for x in (rows, seqs, first.astype(np.int32)))
+                parts.append((at, VarlenBatch(b.input_ids[at], b.positions[at], b.slot_mapping[at], first_on,
+                                              b.seq_lens[index], b.block_tables[index], int(n.max()),
+                                              int(total[seqs].max()), b.lens[:, seqs])))
+            self.parts = parts[0], parts[1]
+        return self.parts
+
+    def context(self, layer: int, batch: VarlenBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key blocks of every sequence of the step (or of a part of it) gathered into one run
+        [n, block_size, Hk, D], and block tables into that run: for a layer that rebuilds its keys and values
+        from what the pool keeps (chapter 14, in prefill). The gather's plan is made once a step (for one batch),
+        for every layer."""
+        if self.gathered is None:
+            b = batch or self.batch
+            used = (b.seq_lens + self.block_size - 1) // self.block_size  # blocks each sequence fills
+            width = torch.arange(b.block_tables.shape[1], device=used.device)
+            mine = width < used[:, None]
+            first = used.cumsum(0) - used  # where each sequence's blocks start in the run
+            self.gathered = b.block_tables[mine].long(), torch.where(mine, first[:, None] + width, 0).int()
+        blocks, tables = self.gathered
+        return self.k[layer][blocks], tables
 
     def run(self, model: Transformer, tokens: list[list[int]], block_tables: list[list[int]],
             num_cached: list[int]) -> torch.Tensor:
