@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,6 @@ from torch import nn
 
 from miniinfer.layers.moe import MoEConfig, SparseMoE
 from miniinfer.model.transformer import MLP, AttentionBackend, Linear, ModelConfig, Ops, RMSNorm, yarn_mscale
-from miniinfer.worker.kv_cache import VarlenKVCache
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,26 @@ def absorb_output(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...hr,hvr->...hv", out, w_uv)
 
 
+@runtime_checkable
+class SplitCache(Protocol):
+    """An attention backend that treats a step's decodes and prompts apart and hands back what it keeps
+    (chapter 05's VarlenKVCache): what rebuilding the prompts' keys and values asks of it."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def split(self) -> tuple[Any, Any]: ...
+    def context(self, layer: int, batch: Any = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               batch: Any = None, block_tables: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 class LatentAttention(nn.Module):
     """Latent attention in its absorbed form: each head's query taken into the latent's space by that
     head's key up-projection (W_UK), attention over the cached [latent, rotary key] as one shared
     key whose first kv_lora_rank dimensions are also the value, then each head's output out of
-    the latent's space by its value up-projection (W_UV)."""
+    the latent's space by its value up-projection (W_UV). In the engine's steps with prompts (a
+    SplitCache), the prompts rebuild each head's keys and values from the cache instead."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -106,22 +121,22 @@ class LatentAttention(nn.Module):
             q_rope, k_rope = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_rope, k_rope))
         q_rope, k_rope = ops.apply_rope(q_rope, k_rope, cos, sin)
         key = torch.cat([latent.view(B, T, 1, r), k_rope], dim=-1)  # what the cache keeps: r + rope_dim
-        if not isinstance(attn, VarlenKVCache) or attn.batch.max_query_len == 1:  # decodes (and the course's caches)
+        cache = attn if isinstance(attn, SplitCache) else None
+        decodes, prompts_part = cache.split() if cache is not None else (None, None)
+        if cache is None or prompts_part is None:  # decodes alone, or the course's caches: absorbed
             o = self.absorbed(q_nope, q_rope, lambda q: attn(layer, q, key, key, m.scale))
         else:  # the engine's step with prompts: they rebuild, its decodes absorb
-            attn.store(layer, key, key)
+            cache.store(layer, key, key)
             o = q_nope.new_empty(B, T, H, m.v_dim)
-            decodes, prompts_part = attn.split()
-            assert prompts_part is not None  # a step with a query longer than one token has a prompt
             rows, prompts = prompts_part
             if decodes is not None:
                 at, part = decodes
                 o[:, at] = self.absorbed(q_nope[:, at], q_rope[:, at],
-                                         lambda q: attn.attend(q, attn.k[layer], attn.v[layer], m.scale, part))
-            blocks, tables = attn.context(layer, prompts)
+                                         lambda q: cache.attend(q, cache.k[layer], cache.v[layer], m.scale, part))
+            blocks, tables = cache.context(layer, prompts)
             k, v = self.rebuild(blocks, q.dtype)
             q_full = torch.cat([q_nope[:, rows], q_rope[:, rows]], dim=-1)
-            o[:, rows] = attn.attend(q_full, k, v, m.scale, prompts, tables)[..., :m.v_dim]
+            o[:, rows] = cache.attend(q_full, k, v, m.scale, prompts, tables)[..., :m.v_dim]
         return ops.linear(self.o_proj, o.reshape(B, T, H * m.v_dim))
 
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, attend) -> torch.Tensor:

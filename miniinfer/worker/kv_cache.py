@@ -143,7 +143,39 @@ ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels(),
                                                   "latent": "miniinfer.kernels.mla:LATENT_ATTENTION"})
 
 
-Part = tuple[torch.Tensor | slice, VarlenBatch]  # a step's rows and their own batch (VarlenKVCache.split)
+Part = tuple[torch.Tensor | slice, VarlenBatch]  # some of a step's rows and a batch of their own
+
+
+def split_step(b: VarlenBatch) -> tuple[Part | None, Part | None]:
+    """A step as two parts, its sequences that decode one token and those that prefill more: each (its
+    rows of the step's tokens, a batch of its own), or None where it has none."""
+    if b.max_query_len == 1:  # decodes alone (a captured step has no host lens, and needs none)
+        return (slice(None), b), None
+    assert b.lens is not None, "a step built by VarlenBatch.from_arrays"
+    new, total = b.lens
+    starts = np.concatenate([[0], new.cumsum()])
+    parts = list[Part | None]()
+    for seqs in (np.flatnonzero(new == 1), np.flatnonzero(new > 1)):
+        if len(seqs) in (0, len(new)):  # none, or the whole step
+            parts.append(None if len(seqs) == 0 else (slice(None), b))
+            continue
+        n = new[seqs]
+        first = np.concatenate([[0], n.cumsum()])  # the part's own query starts
+        rows = np.repeat(starts[seqs] - first[:-1], n) + np.arange(first[-1])
+        at, index, first_on = (to_device(x, b.seq_lens.device) for x in (rows, seqs, first.astype(np.int32)))
+        parts.append((at, VarlenBatch(b.input_ids[at], b.positions[at], b.slot_mapping[at], first_on,
+                                      b.seq_lens[index], b.block_tables[index], int(n.max()),
+                                      int(total[seqs].max()), b.lens[:, seqs])))
+    return parts[0], parts[1]
+
+
+def gather_plan(b: VarlenBatch, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pool blocks every sequence of b fills, in order ([n]), and block tables into that run of n."""
+    used = (b.seq_lens + block_size - 1) // block_size  # blocks each sequence fills
+    width = torch.arange(b.block_tables.shape[1], device=used.device)
+    mine = width < used[:, None]
+    first = used.cumsum(0) - used  # where each sequence's blocks start in the run
+    return b.block_tables[mine].long(), torch.where(mine, first[:, None] + width, 0).int()
 
 
 class VarlenKVCache(PagedKVCache):
@@ -190,40 +222,17 @@ class VarlenKVCache(PagedKVCache):
         return out[None]
 
     def split(self) -> tuple[Part | None, Part | None]:
-        """The step as two parts, its sequences that decode one token and those that prefill more: each
-        (its rows of the step's tokens, a batch of its own), or None where it has none. Made once a step,
-        for layers that treat the two apart (chapter 14's)."""
+        """split_step of this step's batch, made once a step for the layers that ask (chapter 14's)."""
         if self.parts is None:
-            b, parts = self.batch, list[Part | None]()
-            assert b.lens is not None, "a step built by VarlenBatch.from_arrays"
-            new, total = b.lens
-            starts = np.concatenate([[0], new.cumsum()])
-            for seqs in (np.flatnonzero(new == 1), np.flatnonzero(new > 1)):
-                if len(seqs) in (0, len(new)):  # none, or the whole step
-                    parts.append(None if len(seqs) == 0 else (slice(None), b))
-                    continue
-                n = new[seqs]
-                first = np.concatenate([[0], n.cumsum()])  # the part's own query starts
-                rows = np.repeat(starts[seqs] - first[:-1], n) + np.arange(first[-1])
-                at, index, first_on = (to_device(x, b.seq_lens.device) for x in (rows, seqs, first.astype(np.int32)))
-                parts.append((at, VarlenBatch(b.input_ids[at], b.positions[at], b.slot_mapping[at], first_on,
-                                              b.seq_lens[index], b.block_tables[index], int(n.max()),
-                                              int(total[seqs].max()), b.lens[:, seqs])))
-            self.parts = parts[0], parts[1]
+            self.parts = split_step(self.batch)
         return self.parts
 
     def context(self, layer: int, batch: VarlenBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key blocks of every sequence of the step (or of a part of it) gathered into one run
-        [n, block_size, Hk, D], and block tables into that run: for a layer that rebuilds its keys and values
-        from what the pool keeps (chapter 14, in prefill). The gather's plan is made once a step (for one batch),
-        for every layer."""
+        [n, block_size, Hk, D], and block tables into that run (gather_plan's, made once a step): for a
+        layer that rebuilds its keys and values from what the pool keeps (chapter 14, in prefill)."""
         if self.gathered is None:
-            b = batch or self.batch
-            used = (b.seq_lens + self.block_size - 1) // self.block_size  # blocks each sequence fills
-            width = torch.arange(b.block_tables.shape[1], device=used.device)
-            mine = width < used[:, None]
-            first = used.cumsum(0) - used  # where each sequence's blocks start in the run
-            self.gathered = b.block_tables[mine].long(), torch.where(mine, first[:, None] + width, 0).int()
+            self.gathered = gather_plan(batch or self.batch, self.block_size)
         blocks, tables = self.gathered
         return self.k[layer][blocks], tables
 
