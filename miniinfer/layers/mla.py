@@ -79,7 +79,7 @@ class SplitCache(Protocol):
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def split(self) -> tuple[Any, Any]: ...
-    def context(self, layer: int, batch: Any = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                batch: Any = None, block_tables: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -133,7 +133,7 @@ class LatentAttention(nn.Module):
                 at, part = decodes
                 o[:, at] = self.absorbed(q_nope[:, at], q_rope[:, at],
                                          lambda q: cache.attend(q, cache.k[layer], cache.v[layer], m.scale, part))
-            blocks, tables = cache.context(layer, prompts)
+            blocks, tables = cache.context(layer)
             k, v = self.rebuild(blocks, q.dtype)
             q_full = torch.cat([q_nope[:, rows], q_rope[:, rows]], dim=-1)
             o[:, rows] = cache.attend(q_full, k, v, m.scale, prompts, tables)[..., :m.v_dim]

@@ -227,12 +227,14 @@ class VarlenKVCache(PagedKVCache):
             self.parts = split_step(self.batch)
         return self.parts
 
-    def context(self, layer: int, batch: VarlenBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's key blocks of every sequence of the step (or of a part of it) gathered into one run
+    def context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key blocks of the step's prompts (split's second part) gathered into one run
         [n, block_size, Hk, D], and block tables into that run (gather_plan's, made once a step): for a
-        layer that rebuilds its keys and values from what the pool keeps (chapter 14, in prefill)."""
+        layer that rebuilds its keys and values from what the pool keeps (chapter 14)."""
         if self.gathered is None:
-            self.gathered = gather_plan(batch or self.batch, self.block_size)
+            prompts = self.split()[1]
+            assert prompts is not None, "a step without prompts has no context to rebuild"
+            self.gathered = gather_plan(prompts[1], self.block_size)
         blocks, tables = self.gathered
         return self.k[layer][blocks], tables
 
