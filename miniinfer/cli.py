@@ -116,12 +116,29 @@ def stream_text(engine, ids: list[int], params) -> tuple[str, int]:
     return detok.text, n
 
 
+def disaggregated(args: argparse.Namespace, config):
+    """Chapter 15's pair: the engine options for both, the prefill engine on --device, the decode
+    engine on --decode-device (default: the next GPU, or the CPU)."""
+    import torch
+
+    from miniinfer.engine.disaggregated import DisaggregatedConfig
+    device = torch.device(config.device)
+    decode = args.decode_device or (f"cuda:{(device.index or 0) + 1}" if device.type == "cuda" else "cpu")
+    try:
+        return DisaggregatedConfig(config, dataclasses.replace(config, device=decode))
+    except ValueError as err:
+        raise SystemExit(f"miniinfer: {err}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from miniinfer.serving.server import ServerOptions, serve
     name = args.served_model_name or (Path(args.model).name if args.model else "pycoder")
     options = ServerOptions(args.chat_max_tokens, args.max_body_mb, args.max_seqs_per_request,
                             args.max_tokens_per_request, args.shutdown_timeout, args.header_timeout)
-    serve(engine_config(args), name, host=args.host, port=args.port, options=options)
+    config = engine_config(args)
+    if args.disaggregated:
+        config = disaggregated(args, config)
+    serve(config, name, host=args.host, port=args.port, options=options)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -271,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--header-timeout", type=float, default=10,  # server.HEADER_TIMEOUT_S
                    help="a connection that sends no whole request header this long (after opening or its last "
                         "response) is closed")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="a prefill engine and a decode engine, each in its own process on its own device (chapter 15)")
+    p.add_argument("--decode-device", default=None,
+                   help="with --disaggregated: the decode engine's device (default: the GPU after --device's, or cpu)")
     p.set_defaults(run=cmd_serve)
 
     p = command("generate", "complete a prompt, streaming to the terminal")

@@ -9,27 +9,53 @@ import itertools
 import time
 import weakref
 from dataclasses import dataclass
-from typing import AsyncGenerator
+from pathlib import Path
+from typing import AsyncGenerator, Protocol, runtime_checkable
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.sequence import RequestOutput
 from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutput, EngineStats
-from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient
+from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient, Receive
 from miniinfer.engine.llm_engine import LLMEngine, check_request
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.worker.model_runner import build_components
 
 
 @dataclass
-class Stream:
-    """One request as the front end follows it: where its outputs go, and its tokens so far."""
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+class Tokens:
+    """One request's tokens so far, as its engine's outputs tell them to a front end."""
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list | None = None  # the tokens' log-probabilities, if asked (chapter 12)
     prompt_logprobs: list | None = None  # the prompt's, if asked
+
+    def add(self, o: EngineOutput, detokenize=None) -> RequestOutput:
+        """The request's RequestOutput after o."""
+        self.token_ids += o.new_token_ids
+        if o.new_logprobs is not None:  # grown in place, like token_ids: each output reads its share
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += o.new_logprobs
+        self.prompt_logprobs = self.prompt_logprobs or o.prompt_logprobs
+        return RequestOutput(o.request_id, self.prompt_token_ids, self.token_ids, o.new_token_ids, o.finish_reason,
+                             o.num_cached_tokens, o.error, detokenize, self.logprobs, self.prompt_logprobs)
+
+
+@dataclass(kw_only=True)
+class Stream(Tokens):
+    """One request as the front end follows it: its tokens, and where its outputs go."""
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+@runtime_checkable
+class Connects(Protocol):
+    """A config that starts its engines and their client itself (chapter 15's prefill and decode pair)."""
+    model: str | Path | None
+    config: EngineConfig  # the one whose components check requests at the door
+
+    def connect(self, receive: Receive) -> EngineClient: ...
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
@@ -39,9 +65,10 @@ def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncLLMEngine:
     """LLMEngine for asyncio: any number of concurrent requests, each an async stream of outputs.
-    Given an engine, a thread steps it; given an EngineConfig, the engine runs in its own process."""
+    Given an engine, a thread steps it; given an EngineConfig, the engine runs in its own process;
+    given a config that connects its own client (chapter 15's pair of engines), that client."""
 
-    def __init__(self, engine: LLMEngine | EngineConfig):
+    def __init__(self, engine: LLMEngine | EngineConfig | Connects):
         self.streams: dict[str, Stream] = {}
         self.ids = itertools.count()
         self.generated_tokens = 0
@@ -53,8 +80,9 @@ class AsyncLLMEngine:
             self.tokenizer, self.checks = engine.tokenizer, engine.components.checks
             self.client = InprocClient(engine, self._receive)
         else:  # the engine's process builds the same components from the same config
-            self.checks = build_components(engine).checks
-            self.client = MultiprocClient(engine, self._receive)
+            self.checks = build_components(engine.config if isinstance(engine, Connects) else engine).checks
+            self.client = (engine.connect(self._receive) if isinstance(engine, Connects)
+                           else MultiprocClient(engine, self._receive))
             try:
                 self.tokenizer = load_tokenizer(engine.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
@@ -84,7 +112,7 @@ class AsyncLLMEngine:
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
+        stream = Stream(token_ids, loop=asyncio.get_running_loop(), outputs=asyncio.Queue())
         self.streams[request_id] = stream
         self.client.send(AddRequest(request_id, token_ids, params, turn))
         outputs = self._follow(request_id, stream)
@@ -147,16 +175,7 @@ class AsyncLLMEngine:
             stream = self.streams.get(o.request_id)
             if stream is None:  # its client has left
                 continue
-            stream.token_ids += o.new_token_ids
-            if o.new_logprobs is not None:  # grown in place, like token_ids: each output reads its share
-                if stream.logprobs is None:
-                    stream.logprobs = []
-                stream.logprobs += o.new_logprobs
-            stream.prompt_logprobs = stream.prompt_logprobs or o.prompt_logprobs
-            item = FAILURES[o.fault](o.error) if o.error else RequestOutput(
-                o.request_id, stream.prompt_token_ids, stream.token_ids, o.new_token_ids, o.finish_reason,
-                o.num_cached_tokens, detokenize=self.detokenize, logprobs=stream.logprobs,
-                prompt_logprobs=stream.prompt_logprobs)
+            item = FAILURES[o.fault](o.error) if o.error else stream.add(o, self.detokenize)
             by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)

@@ -66,11 +66,13 @@ class MultiprocClient(EngineClient):
     """The engine in a process of its own, over a pipe: a thread sends commands (a full pipe must
     not block the caller), another receives each step's outputs."""
 
-    def __init__(self, config: EngineConfig, receive: Receive):
+    def __init__(self, config: EngineConfig, receive: Receive, make: Callable[[EngineConfig], LLMEngine] = LLMEngine,
+                 name: str = "engine"):
+        """make: builds the engine in its process (picklable: a class, or a partial of one; chapter 15's)."""
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
         self.conn, child = ctx.Pipe()
         # A daemon dies with this process, but may not start processes: chapter 11's workers need that.
-        self.process = ctx.Process(target=engine_process, args=(config, child), name="miniinfer-engine",
+        self.process = ctx.Process(target=engine_process, args=(config, child, make), name=f"miniinfer-{name}",
                                    daemon=config.tensor_parallel_size == 1)
         self.process.start()
         child.close()
@@ -113,10 +115,10 @@ class MultiprocClient(EngineClient):
         self.process.join()
 
 
-def engine_process(config: EngineConfig, conn) -> None:
+def engine_process(config: EngineConfig, conn, make: Callable[[EngineConfig], LLMEngine] = LLMEngine) -> None:
     """The engine's own process: build it, tell the parent what it can serve, then serve commands."""
     try:
-        engine = LLMEngine(config)
+        engine = make(config)
     except Exception as err:  # a bad checkpoint or config: the parent raises it
         conn.send(err)
         return

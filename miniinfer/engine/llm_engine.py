@@ -78,10 +78,12 @@ class StepStats:
     num_free_blocks: int
     seconds: float
     spec: SpecStats | None = None  # speculation's counts so far (chapter 09)
+    kind: str = "decode"  # "prefill" if a prompt's tokens were among those it computed
 
 
 class LLMEngine:
     """Continuous batching over a paged KV pool: add requests at any time, step, read outputs."""
+    scheduler_class = Scheduler  # chapter 15's prefill engine keeps the blocks of the requests it hands on
 
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None,
                  components: Components | None = None):
@@ -104,7 +106,7 @@ class LLMEngine:
                              "gpu_memory_utilization")
         cpu_blocks = (config.num_cpu_blocks or num_blocks) if config.preemption_mode == "swap" else 0
         self.info = self.executor.allocate_kv_cache(num_blocks, cpu_blocks)
-        self.scheduler = Scheduler(block_manager(num_blocks, config.block_size),
+        self.scheduler = self.scheduler_class(block_manager(num_blocks, config.block_size),
                                    config.max_num_seqs, self.info.max_num_batched_tokens, POLICIES[config.policy],
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, list(self.info.eos_token_ids),
@@ -190,8 +192,10 @@ class LLMEngine:
         if self.spec is not None and result.spec is not None:
             self.spec.add(result.spec)
         self._drop_if_idle()
-        self.stats = StepStats(done.out.num_new_tokens, done.out.preempted_ids, self.block_manager.num_free_blocks,
-                               time.perf_counter() - t0, self.spec)
+        ran, per_decode = done.out.num_new_tokens, 1 + self.scheduler.num_speculative_tokens  # a decode's room
+        kind = "decode" if sum(ran.values()) <= len(ran) * per_decode else "prefill"
+        self.stats = StepStats(ran, done.out.preempted_ids, self.block_manager.num_free_blocks,
+                               time.perf_counter() - t0, self.spec, kind)
         return [RequestOutput.of(seq, self.detokenize) for seq in failed + changed]
 
     def _launch(self, failed: list[Sequence]) -> InFlight:
@@ -238,14 +242,11 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
         tokens, seconds = {"prefill": 0, "decode": 0}, {"prefill": 1e-9, "decode": 1e-9}
-        per_decode = 1 + self.scheduler.num_speculative_tokens  # a decode's token and its room for guesses
         try:
             while len(final) < len(ids):
                 outputs = self.step()
-                ran = self.stats.scheduled
-                kind = "decode" if sum(ran.values()) <= len(ran) * per_decode else "prefill"
-                tokens[kind] += sum(ran.values())
-                seconds[kind] += self.stats.seconds
+                tokens[self.stats.kind] += sum(self.stats.scheduled.values())
+                seconds[self.stats.kind] += self.stats.seconds
                 for o in outputs:
                     if o.finished:
                         final[o.request_id] = o

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
 from miniinfer.core.sequence import RequestOutput
-from miniinfer.engine.async_engine import AsyncLLMEngine
+from miniinfer.engine.async_engine import AsyncLLMEngine, Connects
 from miniinfer.engine.core import EngineClosed, RequestFailed, Shutdown
 from miniinfer.serving.detokenize import IncrementalDetokenizer
 from miniinfer.serving.openai.chat import CHAT_MAX_TOKENS, Chat
@@ -511,10 +511,11 @@ def header_timeout(protocol: type, seconds: float) -> type:
     return Protocol
 
 
-def serve(config: EngineConfig, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+def serve(config: EngineConfig | Connects, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           options: ServerOptions = ServerOptions()) -> None:
-    """Serve an engine over HTTP until interrupted. The engine runs in its own process: in this one,
-    the event loop's work for every streamed token would hold the GIL that the engine's host code needs.
+    """Serve an engine (or chapter 15's pair of engines) over HTTP until interrupted. The engine runs in
+    its own process: in this one, the event loop's work for every streamed token would hold the GIL
+    that the engine's host code needs.
     Ctrl-C (or SIGTERM) drains: new requests get 503, those in flight have options.shutdown_timeout
     to finish, then the engine ends the rest (503, or a stream's error event and [DONE]); a second
     Ctrl-C ends them at once."""
