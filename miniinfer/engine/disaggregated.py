@@ -452,7 +452,7 @@ class Router(EngineClient):
         self._fail_all(self.failure, "engine")
 
     def _shut_down(self) -> None:
-        for client in (self.prefill, self.decode):
+        for client in (self.prefill, self.decode) if self.failure is None else ():  # else both are gone
             client.send(Shutdown())
         self._fail_all("the engine was closed", "closed")
 
