@@ -93,25 +93,28 @@ def kv_pools(engine: LLMEngine) -> tuple[torch.Tensor, ...]:
     return (cache.k,) if cache.v is cache.k else (cache.k, cache.v)
 
 
+def empty_blocks(pools: tuple[torch.Tensor, ...], num_blocks: int) -> torch.Tensor:
+    """Room for gather_blocks' tensor of num_blocks blocks."""
+    pool = pools[0]
+    return torch.empty((len(pools), pool.shape[0], num_blocks) + tuple(pool.shape[2:]), dtype=pool.dtype,
+                       device=pool.device)
+
+
 def gather_blocks(pools: tuple[torch.Tensor, ...], block_ids: list[int]) -> torch.Tensor:
     """A request's blocks out of the pools, in table order, as one contiguous tensor
     [pools, layers, blocks, block_size, ...]: one message, whatever the blocks' places."""
     ids = torch.tensor(block_ids, device=pools[0].device)
-    return torch.stack([pool[:, ids] for pool in pools])
+    kv = empty_blocks(pools, len(block_ids))
+    for pool, part in zip(pools, kv):
+        torch.index_select(pool, 1, ids, out=part)  # straight into the message: one copy
+    return kv
 
 
 def scatter_blocks(pools: tuple[torch.Tensor, ...], block_ids: list[int], kv: torch.Tensor) -> None:
     """The inverse: kv's blocks into the pools' blocks block_ids (another engine's, other places)."""
     ids = torch.tensor(block_ids, device=pools[0].device)
     for pool, part in zip(pools, kv):
-        pool[:, ids] = part
-
-
-def empty_blocks(pools: tuple[torch.Tensor, ...], num_blocks: int) -> torch.Tensor:
-    """Room for gather_blocks' tensor of num_blocks blocks."""
-    pool = pools[0]
-    return torch.empty((len(pools), pool.shape[0], num_blocks) + tuple(pool.shape[2:]), dtype=pool.dtype,
-                       device=pool.device)
+        pool.index_copy_(1, ids, part)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,10 @@ class KVLink:
             torch.cuda.set_device(device_)
         dist.init_process_group("nccl" if device_.type == "cuda" else "gloo", init_method=f"file://{self.init_file}",
                                 rank=self.rank, world_size=2, timeout=datetime.timedelta(seconds=self.timeout_s))
+        # NCCL makes a pair's communicator at its first send and receive, and the first send would wait
+        # for it there, inside a step, while the receiver waits for that step's output: make it now.
+        hello = torch.zeros(1, device=device_)
+        (self.send if self.rank == 0 else self.recv)(hello).wait()
 
     def send(self, kv: torch.Tensor) -> Any:
         return dist.isend(kv.view(torch.uint8), dst=1 - self.rank)  # as bytes: fp8 and bf16 alike

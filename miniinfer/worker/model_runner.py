@@ -139,6 +139,8 @@ class ModelRunner:
         config's `build_components`)."""
         self.config = config
         self.processor_factories = build_components(config).processors if processors is None else processors
+        if torch.device(config.device).type == "cuda" and torch.device(config.device).index is not None:
+            torch.cuda.set_device(config.device)  # Triton launches on the current device: make it the engine's
         if model is None:
             model = load_model(config.model, config.device, config.dtype, config.quantization, prepare)
         elif config.quantization is not None:  # a model built by the caller: quantized here, in place
