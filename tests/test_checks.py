@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14  # noqa: E402
+from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15  # noqa: E402
 from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
-LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 15)}
+LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 16)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -232,6 +232,16 @@ def test_chapter_14_last_part_fails_on_each_broken_piece(broken):
                 *q_nope.shape[:-1], w_uk.shape[-1])
     with pytest.raises(AssertionError, match="through your absorbed attention"):
         testing.check_your_attention(your_attention)
+
+
+@pytest.mark.parametrize("gather, scatter", [(ch15.gather_in_pool_order, None), (None, ch15.scatter_in_pool_order),
+                                             (None, ch15.scatter_into_the_first_blocks)])
+def test_chapter_15_last_part_fails_on_each_broken_piece(gather, scatter):
+    """The last part runs two engines on the student's gather and scatter (blocks handed out in no order):
+    a broken one fails it, naming the request."""
+    from miniinfer.engine.disaggregated import after_prefill, gather_blocks, scatter_blocks
+    with pytest.raises(AssertionError, match="through your pair"):
+        testing.check_your_pair(gather or gather_blocks, scatter or scatter_blocks, after_prefill)
 
 
 def test_an_exception_in_the_answer_names_the_case_and_its_inputs():

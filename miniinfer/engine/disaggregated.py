@@ -35,10 +35,10 @@ from miniinfer.engine.core import (
     Shutdown,
 )
 from miniinfer.engine.core_client import EngineClient, MultiprocClient, Receive
+from miniinfer.engine.executor import InProcessExecutor
 from miniinfer.engine.llm_engine import LLMEngine, StepStats, check_request
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.worker.model_runner import build_components
-
 
 # What both engines must share for one's K/V blocks to mean the same in the other's pool.
 SHARED = ("model", "dtype", "quantization", "kv_cache_dtype", "block_size")
@@ -92,7 +92,10 @@ class DisaggregatedConfig:
 def kv_pools(engine: LLMEngine) -> tuple[torch.Tensor, ...]:
     """The engine's K/V pools, each [layers, blocks, block_size, ...]: keys and values, or keys
     alone where they are also the values (chapter 14's latents)."""
-    cache = engine.executor.runner.cache
+    executor = engine.executor
+    if not isinstance(executor, InProcessExecutor):  # DisaggregatedConfig refuses it first
+        raise ValueError("a disaggregated engine keeps its pool in its own process: tensor_parallel_size must be 1")
+    cache = executor.runner.cache
     return (cache.k,) if cache.v is cache.k else (cache.k, cache.v)
 
 

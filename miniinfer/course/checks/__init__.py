@@ -20,6 +20,7 @@ from miniinfer.course.checks import (
     ch12,
     ch13,
     ch14,
+    ch15,
     speed,
 )
 from miniinfer.course.checks.harness import (
@@ -34,7 +35,7 @@ from miniinfer.course.checks.harness import (
     your_answers,
 )
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15)
 __all__ = ["EXERCISES", "AnswerError", "Exercise", "NotAnswered", "device", "last_failure", "last_part",
            "problem_set", "speed", "your_answers"]
 
