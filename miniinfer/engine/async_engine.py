@@ -30,23 +30,28 @@ class Tokens:
     logprobs: list | None = None  # the tokens' log-probabilities, if asked (chapter 12)
     prompt_logprobs: list | None = None  # the prompt's, if asked
 
-    def add(self, o: EngineOutput, detokenize=None) -> RequestOutput:
-        """The request's RequestOutput after o."""
-        self.token_ids += o.new_token_ids
-        if o.new_logprobs is not None:  # grown in place, like token_ids: each output reads its share
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs += o.new_logprobs
-        self.prompt_logprobs = self.prompt_logprobs or o.prompt_logprobs
-        return RequestOutput(o.request_id, self.prompt_token_ids, self.token_ids, o.new_token_ids, o.finish_reason,
-                             o.num_cached_tokens, o.error, detokenize, self.logprobs, self.prompt_logprobs)
 
-
-@dataclass(kw_only=True)
-class Stream(Tokens):
-    """One request as the front end follows it: its tokens, and where its outputs go."""
+@dataclass
+class Stream:
+    """One request as the front end follows it: where its outputs go, and its tokens so far."""
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list | None = None  # the tokens' log-probabilities, if asked (chapter 12)
+    prompt_logprobs: list | None = None  # the prompt's, if asked
+
+
+def advance(tokens: Tokens | Stream, o: EngineOutput, detokenize=None) -> RequestOutput:
+    """A request's RequestOutput after its engine's output o, its tokens so far grown by o's."""
+    tokens.token_ids += o.new_token_ids
+    if o.new_logprobs is not None:  # grown in place, like token_ids: each output reads its share
+        if tokens.logprobs is None:
+            tokens.logprobs = []
+        tokens.logprobs += o.new_logprobs
+    tokens.prompt_logprobs = tokens.prompt_logprobs or o.prompt_logprobs
+    return RequestOutput(o.request_id, tokens.prompt_token_ids, tokens.token_ids, o.new_token_ids, o.finish_reason,
+                         o.num_cached_tokens, o.error, detokenize, tokens.logprobs, tokens.prompt_logprobs)
 
 
 @runtime_checkable
@@ -112,7 +117,7 @@ class AsyncLLMEngine:
         request_id = f"req-{next(self.ids)}" if request_id is None else request_id
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = Stream(token_ids, loop=asyncio.get_running_loop(), outputs=asyncio.Queue())
+        stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
         self.streams[request_id] = stream
         self.client.send(AddRequest(request_id, token_ids, params, turn))
         outputs = self._follow(request_id, stream)
@@ -175,7 +180,7 @@ class AsyncLLMEngine:
             stream = self.streams.get(o.request_id)
             if stream is None:  # its client has left
                 continue
-            item = FAILURES[o.fault](o.error) if o.error else stream.add(o, self.detokenize)
+            item = FAILURES[o.fault](o.error) if o.error else advance(stream, o, self.detokenize)
             by_loop.setdefault(stream.loop, []).append((stream.outputs, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)

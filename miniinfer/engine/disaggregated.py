@@ -24,7 +24,7 @@ from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.scheduler import Scheduler
 from miniinfer.core.sequence import RequestOutput, Sequence, Status
-from miniinfer.engine.async_engine import Tokens
+from miniinfer.engine.async_engine import Tokens, advance
 from miniinfer.engine.core import (
     AbortRequest,
     AddRequest,
@@ -608,7 +608,7 @@ class DisaggregatedEngine:
                     continue
                 if not tokens.token_ids:
                     first[o.request_id] = len(tokens.prompt_token_ids)
-                out = tokens.add(o, self.detokenize)  # a failure's error says why (a dead engine: which)
+                out = advance(tokens, o, self.detokenize)  # a failure's error says why (a dead engine: which)
                 if out.finished:
                     del self.tokens[o.request_id]
                 outputs.append(out)
