@@ -1,8 +1,9 @@
 """Hand-written, not from a notebook: the command line over every floor, which no chapter teaches.
 
-The `miniinfer` command (also `python -m miniinfer`): serve, generate, chat, bench, grade.
-Hand-written module (chapter 08). PyTorch and the engine are imported by the commands that need them,
-so that `--help`, `bench` and `grade` start at once."""
+The `miniinfer` command (also `python -m miniinfer`): serve, generate, chat, bench, grade. Chapter 08
+wrote it; it belongs to no chapter, since its commands reach them all (`serve --disaggregated` is chapter
+15's pair). PyTorch and the engine are imported by the commands that need them, so that `--help`,
+`bench` and `grade` start at once."""
 
 from __future__ import annotations
 

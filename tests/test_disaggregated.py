@@ -150,3 +150,34 @@ def test_a_killed_engine_fails_the_requests_with_the_reason_and_leaves_no_proces
             assert not client.process.is_alive()
     finally:
         pair.close()
+
+
+def test_served_disaggregated_the_openai_client_streams_one_engines_text(tmp_path):
+    """`miniinfer serve --disaggregated`: whole and streamed completions equal one engine's greedy text,
+    hostile values get a 400, and SIGTERM leaves no process and no traceback."""
+    import openai
+    import psutil
+    from test_server import start_server
+
+    log = tmp_path / "server.log"
+    proc, url = start_server(log, "--disaggregated", "--num-blocks", "200", "--block-size", "8",
+                             "--enable-prefix-caching")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+        one = mi.LLMEngine(mi.EngineConfig(num_blocks=200, block_size=8))
+        want = [o.text for o in one.generate(prompts, mi.SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)]
+        whole = [client.completions.create(model="pycoder", prompt=p, max_tokens=20, temperature=0).choices[0].text
+                 for p in prompts]
+        streamed = ["".join(c.choices[0].text for c in client.completions.create(
+            model="pycoder", prompt=p, max_tokens=20, temperature=0, stream=True)) for p in prompts]
+        assert whole == want and streamed == want
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.completions.create(model="pycoder", prompt="x", max_tokens=10**6)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # the two engines (and multiprocessing's resource tracker)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    psutil.wait_procs(children, timeout=10)
+    assert not [c for c in children if c.is_running()] and "Traceback" not in log.read_text(), log.read_text()
