@@ -123,7 +123,21 @@ def scatter_blocks(pools: tuple[torch.Tensor, ...], block_ids: list[int], kv: to
         pool.index_copy_(1, ids, part)
 
 
-@dataclass(frozen=True)
+class Waited:
+    """A gloo transfer, waited for by its link's thread (gloo tells that a transfer is over only to
+    whoever waits for it): over once that wait has returned."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+@dataclass
 class KVLink:
     """One end of the link between the prefill engine (rank 0) and the decode engine (rank 1):
     torch.distributed point-to-point, NCCL between GPUs, gloo between CPU processes. Messages are
@@ -131,11 +145,14 @@ class KVLink:
     rank: int
     init_file: str
     timeout_s: float = 600.0
+    waiter: concurrent.futures.ThreadPoolExecutor | None = None  # gloo's transfers are waited for here, in order
 
     def connect(self, device: str) -> None:
         device_ = torch.device(device)
         if device_.type == "cuda":
             torch.cuda.set_device(device_)
+        else:  # NCCL's transfers tell the device's progress (`is_completed`) to anyone who asks
+            self.waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-kv")
         dist.init_process_group("nccl" if device_.type == "cuda" else "gloo", init_method=f"file://{self.init_file}",
                                 rank=self.rank, world_size=2, timeout=datetime.timedelta(seconds=self.timeout_s))
         # NCCL makes a pair's communicator at its first send and receive, and the first send would wait
@@ -144,12 +161,17 @@ class KVLink:
         (self.send if self.rank == 0 else self.recv)(hello).wait()
 
     def send(self, kv: torch.Tensor) -> Any:
-        return dist.isend(kv.view(torch.uint8), dst=1 - self.rank)  # as bytes: fp8 and bf16 alike
+        return self._watched(dist.isend(kv.view(torch.uint8), dst=1 - self.rank))  # as bytes: fp8 and bf16 alike
 
     def recv(self, kv: torch.Tensor) -> Any:
-        return dist.irecv(kv.view(torch.uint8), src=1 - self.rank)
+        return self._watched(dist.irecv(kv.view(torch.uint8), src=1 - self.rank))
+
+    def _watched(self, work: Any) -> Any:
+        return work if self.waiter is None else Waited(self.waiter.submit(work.wait))
 
     def close(self) -> None:
+        if self.waiter is not None:
+            self.waiter.shutdown(wait=False, cancel_futures=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 
