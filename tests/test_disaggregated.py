@@ -181,3 +181,20 @@ def test_served_disaggregated_the_openai_client_streams_one_engines_text(tmp_pat
         assert proc.wait(60) in (0, -signal.SIGTERM)
     psutil.wait_procs(children, timeout=10)
     assert not [c for c in children if c.is_running()] and "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_a_fault_in_the_router_fails_its_requests_and_stops_both_engines(monkeypatch):
+    from miniinfer.engine.disaggregated import Router
+
+    def broken(self, source, outputs):
+        raise KeyError("a bug")
+    monkeypatch.setattr(Router, "_outputs", broken)
+    pair = DisaggregatedEngine(mi.EngineConfig(num_blocks=32), mi.EngineConfig(num_blocks=32))
+    try:
+        out = pair.generate(["def f(x):"], mi.SamplingParams(max_tokens=4), use_tqdm=False)[0]
+        assert out.finish_reason == "error" and out.error == "the router failed: KeyError: 'a bug'"
+        for client in (pair.router.prefill, pair.router.decode):
+            client.process.join(10)
+            assert not client.process.is_alive()
+    finally:
+        pair.close()

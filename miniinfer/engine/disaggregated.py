@@ -471,17 +471,20 @@ class Router(EngineClient):
     def _run(self) -> None:
         while True:
             source, item = self.inbox.get()
-            if source == "client":
-                if isinstance(item, Shutdown):
-                    return self._shut_down()
-                self._command(item)
-            else:
-                outputs, stats = item
-                if outputs is None:
-                    self._died(source)
+            try:
+                if source == "client":
+                    if isinstance(item, Shutdown):
+                        return self._shut_down()
+                    self._command(item)
                 else:
-                    self.stats[source] = stats
-                    self._outputs(source, outputs)
+                    outputs, stats = item
+                    if outputs is None:
+                        self._died(source)
+                    else:
+                        self.stats[source] = stats
+                        self._outputs(source, outputs)
+            except Exception as err:  # a fault of the router's own: its requests fail with it, not silently
+                self._fail(f"the router failed: {type(err).__name__}: {err}")
 
     def _command(self, command: EngineCommand) -> None:
         if isinstance(command, AddRequest):
@@ -551,10 +554,14 @@ class Router(EngineClient):
             return
         process = getattr(self, source).process
         process.join(timeout=2)
-        self.failure = f"the {source} engine ended (exit code {process.exitcode})"
+        self._fail(f"the {source} engine ended (exit code {process.exitcode})")
+
+    def _fail(self, failure: str) -> None:
+        """Both engines end, and every request with `failure`; later ones fail with it at once."""
+        self.failure = failure
         for client in (self.prefill, self.decode):
             client.process.kill()
-        self._fail_all(self.failure, "engine")
+        self._fail_all(failure, "engine")
 
     def _shut_down(self) -> None:
         for client in (self.prefill, self.decode) if self.failure is None else ():  # else both are gone
