@@ -574,6 +574,7 @@ class DisaggregatedEngine:
     (a Router): outputs come as the two engines' steps make them."""
     generate = LLMEngine.generate  # over check_request, enqueue, step, stats and abort, as LLMEngine's
     stream = LLMEngine.stream
+    add_request = LLMEngine.add_request
 
     def __init__(self, prefill: EngineConfig, decode: EngineConfig):
         self.config = DisaggregatedConfig(prefill, decode)  # refused here, before any process starts
@@ -592,11 +593,6 @@ class DisaggregatedEngine:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         return check_request(prompt, params, self.tokenizer, self.limits, self.checks)
-
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0,
-                    request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        return self.enqueue(self.check_request(prompt, params), params, priority, request_id)
 
     def enqueue(self, token_ids: list[int], params: SamplingParams, priority: int = 0,
                 request_id: str | None = None, turn: int = 0) -> str:
