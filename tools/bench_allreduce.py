@@ -1,12 +1,17 @@
 """Chapter 11's all-reduce on two GPUs: NCCL through torch.distributed, launched eagerly and replayed
-from a CUDA graph, by message size (bf16, 8 KB to 1 GB), with the copy bandwidth of the same GPUs.
+from a CUDA graph, by message size (bf16, 8 KB to 1 GB), with the copy bandwidth of the same GPUs; and
+the course's one-shot all-reduce (`miniinfer.kernels.allreduce`) at every size it serves, eagerly and in
+a graph, checked against NCCL on random data, with PyTorch's own one-shot beside it where it runs.
 
     python tools/bench_allreduce.py docs/benchmarks/allreduce_2gpu_h100.json
 
 Per size: `eager_us` (calls back to back, as a model's layers make them, timed with CUDA events),
 `graph_us` (the same calls captured in one graph and replayed; the decode path's case) and each one's
 bus bandwidth (a ring moves 2 (n-1)/n of the message per GPU). `alpha_us` is the graph latency of
-the smallest message: the fixed cost a decode step pays per all-reduce.
+the smallest message: the fixed cost a decode step pays per all-reduce. `one_shot_eager_us`,
+`one_shot_graph_us`: the course's kernel; `one_shot_max_diff`: its largest difference from NCCL's sum
+over 20 random messages in bf16, eagerly and replayed (`_float32`: in float32, where the sums must be
+equal); `torch_one_shot_graph_us`: `torch.ops.symm_mem.one_shot_all_reduce` in a graph.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SIZES = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from miniinfer.kernels.allreduce import OneShotAllReduce  # noqa: E402
+
+SIZES = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20,
+         64 << 20, 256 << 20, 1 << 30]
 CALLS = 20  # all-reduces per timing (a graph holds as many)
 
 
@@ -41,10 +50,45 @@ def _timed(fn, rounds: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _graphed(fn):
+    """fn's CALLS calls captured in one CUDA graph: its replay (the first call of NCCL on a stream made
+    outside the capture)."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    return graph.replay
+
+
+def _check_one_shot(one_shot: OneShotAllReduce, size: int, dtype: torch.dtype, rank: int) -> float:
+    """The largest difference between the one-shot's sum and NCCL's over 20 random messages, 10 summed
+    eagerly and 10 by a graph's replays (new data in the same buffer each time)."""
+    x = torch.empty(size // torch.finfo(dtype).bits * 8, device="cuda", dtype=dtype)
+    one_shot(x.zero_())  # compiled for this dtype before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_shot(x)
+    worst = 0.0
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    for i in range(20):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen, dtype=dtype))
+        want = x.clone()
+        dist.all_reduce(want)
+        graph.replay() if i % 2 else one_shot(x)
+        worst = max(worst, (x.float() - want.float()).abs().max().item())
+    return worst
+
+
 def _rank(rank: int, world: int, store: str, out: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
+    one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=4 << 20)  # past the crossover
     rows = []
     for size in SIZES:
         x = torch.full((size // 2,), float(rank + 1), device="cuda", dtype=torch.bfloat16)
@@ -59,28 +103,46 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
             for _ in range(CALLS):
                 dist.all_reduce(y)
         eager_s = _timed(eager)
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            dist.all_reduce(y)  # NCCL's first call on a stream must not be in the capture
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            for _ in range(CALLS):
-                dist.all_reduce(y)
-        graph_s = _timed(graph.replay)
+        graph_s = _timed(_graphed(lambda: dist.all_reduce(y)))
         bus = 2 * (world - 1) / world * size
-        rows.append({"bytes": size, "eager_us": eager_s * 1e6, "graph_us": graph_s * 1e6,
-                     "eager_bus_GBps": bus / eager_s / 1e9, "graph_bus_GBps": bus / graph_s / 1e9})
+        row = {"bytes": size, "eager_us": eager_s * 1e6, "graph_us": graph_s * 1e6,
+               "eager_bus_GBps": bus / eager_s / 1e9, "graph_bus_GBps": bus / graph_s / 1e9}
+        if one_shot.serves(y):
+            def one_shot_eager():
+                for _ in range(CALLS):
+                    one_shot(y)
+            row["one_shot_eager_us"] = _timed(one_shot_eager) * 1e6
+            row["one_shot_graph_us"] = _timed(_graphed(lambda: one_shot(y))) * 1e6
+            row["one_shot_max_diff"] = _check_one_shot(one_shot, size, torch.bfloat16, rank)
+            row["one_shot_max_diff_float32"] = _check_one_shot(one_shot, size, torch.float32, rank)
+            row["torch_one_shot_graph_us"] = _torch_one_shot(size)
+        rows.append(row)
         if rank == 0:
             print(f"{size:>11,} B: eager {eager_s * 1e6:8.1f} us, graph {graph_s * 1e6:8.1f} us, "
-                  f"bus {bus / graph_s / 1e9:6.1f} GB/s", flush=True)
+                  f"bus {bus / graph_s / 1e9:6.1f} GB/s; one-shot "
+                  f"{row.get('one_shot_eager_us', 0):.1f} / {row.get('one_shot_graph_us', 0):.1f} us, "
+                  f"diff {row.get('one_shot_max_diff')} / {row.get('one_shot_max_diff_float32')}, "
+                  f"torch's {row.get('torch_one_shot_graph_us')}", flush=True)
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.barrier()
     torch.cuda.synchronize()
     os._exit(0)  # destroy_process_group can wait forever on communicators its graphs captured
+
+
+def _torch_one_shot(size: int) -> float | None:
+    """us per call of PyTorch's one-shot all-reduce (its input in symmetric memory) in a graph, or None
+    where this PyTorch lacks it or it fails."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        x = symm_mem.empty(size // 2, dtype=torch.bfloat16, device="cuda").fill_(1)
+        symm_mem.rendezvous(x, dist.group.WORLD.group_name)
+        name = dist.group.WORLD.group_name
+        replay = _graphed(lambda: torch.ops.symm_mem.one_shot_all_reduce(x, "sum", name))
+        return _timed(replay) * 1e6
+    except Exception as err:  # noqa: BLE001 - a peer's figure, not ours
+        print(f"torch one_shot_all_reduce: {type(err).__name__}: {err}"[:300], flush=True)
+        return None
 
 
 def main(path: str) -> None:

@@ -7,8 +7,11 @@ float32 and bf16): each request served among the others (chapter 10's batched ke
 same request alone (the one-row GEMVs) and against chapter 04's ops (the plain matmuls, no GEMV).
 `moe`: the same parity on the tests' mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; chapter 13's
 fused kernels and CUDA graphs), overlap on; `mla` on the tests' DeepSeek-V2 and -V3 (chapter 14).
+`tp` (two GPUs, chapter 11): the tests' three shapes and the course model served with
+tensor_parallel_size 1 and 2 (the one-shot all-reduce, and NCCL alone) against transformers, float32,
+prefix caching and chunked prefill on and a pool small enough that requests are preempted.
 
-    python tools/gpu_parity.py OUT.json [quantized | moe | mla]   (that part only)
+    python tools/gpu_parity.py OUT.json [quantized | moe | mla | tp]   (that part only)
 """
 
 import json
@@ -17,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
@@ -68,8 +72,51 @@ def quantized(fmt: str, dtype: torch.dtype, n: int = 12) -> dict:
     return res
 
 
+def tp_parity(kind: str, n: int = 48) -> dict:
+    """Two rounds of the shared workload (the second hits the cache) through TP=1 and TP=2 engines whose
+    12-block pool holds fewer than the 16 requests of a step: preemptions counted, outputs compared with
+    transformers' and TP=1's."""
+    prompts, params = shared_workload(n)
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = str(Path(mi.__file__).parent / "assets" / "pycoder") if kind == "course" else tmp
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder) if kind == "course" else make_hf_model(kind)
+        if kind != "course":
+            hf.save_pretrained(folder)
+        hf = hf.cuda().float()
+        expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+        for name, tp, how in (("tp1", 1, "auto"), ("tp2", 2, "auto"), ("tp2_nccl", 2, "nccl")):
+            engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16,
+                                                  num_blocks=12, max_num_seqs=16, max_num_batched_tokens=64,
+                                                  enable_prefix_caching=True, enable_chunked_prefill=True,
+                                                  tensor_parallel_size=tp, all_reduce=how))
+            same, preempted, outs = [], 0, []
+            for _ in range(2):
+                ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+                done = {}
+                while engine.has_unfinished_requests():
+                    done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+                    preempted += len(engine.stats.preempted)
+                same.append(sum(done[i] == e for i, e in zip(ids, expected)))
+                outs.append([done[i] for i in ids])
+            res[name] = {"same_per_round": same, "preemptions": preempted,
+                         "same_as_tp1_per_round": [sum(a == b for a, b in zip(mine, tp1)) for mine, tp1 in
+                                                   zip(outs, res["tp1"]["outputs"])] if tp > 1 else None,
+                         "all_blocks_back": engine.block_manager.num_free_blocks == engine.block_manager.num_blocks}
+            engine.close()
+            print(f"{kind} {name}: {res[name]}", flush=True)
+            res[name]["outputs"] = outs
+    for r in res.values():
+        del r["outputs"]
+    return {"requests": n, **res}
+
+
 if __name__ == "__main__":
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if sys.argv[2:] == ["tp"]:
+        res.update({kind: tp_parity(kind) for kind in (*SHAPES, "course")})
+        Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")
+        sys.exit()
     if sys.argv[2:] in (["moe"], ["mla"]):
         kinds = MOE_SHAPES if sys.argv[2] == "moe" else MLA_SHAPES
         res.update({f"{kind}_overlap_on": parity(kind, True) for kind in kinds})

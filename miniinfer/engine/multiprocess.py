@@ -5,11 +5,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import sys
 import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Any, cast
 
 import cloudpickle
 import torch
@@ -66,25 +68,25 @@ class MultiProcessExecutor:
             self.conns.append(conn)
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _end, self.conns, self.procs, self.init_file)
-        self.unread = 1  # each worker's "ready"
-        self._read()
+        self._read(size)  # each worker's "ready"
 
-    def _read(self) -> list:
-        """Every worker's replies not yet read; the last one's value from each rank. A rank that
-        failed or died ends them all, with the reason."""
-        last = []
-        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs)):
-            for _ in range(self.unread):
-                multiprocessing.connection.wait([conn, proc.sentinel])
+    def _read(self, ranks: int) -> list:
+        """The reply of each of the first `ranks` ranks (the others answer only with an error). A rank
+        that fails or dies meanwhile, any rank, ends them all with the reason: its pipe says so, an
+        error or, when it died, its end."""
+        values: dict[int, Any] = {}
+        while len(values) < ranks:
+            watched = {conn: rank for rank, conn in enumerate(self.conns) if rank not in values}
+            for conn in multiprocessing.connection.wait(list(watched)):
+                rank = watched[cast(multiprocessing.connection.Connection, conn)]
                 try:
-                    status, value = conn.recv()
+                    status, value = cast(multiprocessing.connection.Connection, conn).recv()
                 except (EOFError, OSError):
-                    status, value = "error", f"the process ended (exit code {proc.exitcode})"
+                    status, value = "error", f"the process ended (exit code {self.procs[rank].exitcode})"
                 if status == "error":
                     self._fail(rank, value)
-            last.append(value)
-        self.unread = 0
-        return last
+                values[rank] = value
+        return [values[rank] for rank in range(ranks)]
 
     def _fail(self, rank: int, error: str):
         # A rank that died outright is the cause: the others' errors are its echo in their collectives.
@@ -103,16 +105,17 @@ class MultiProcessExecutor:
     def _send(self, method: str, *args) -> None:
         if self.failure is not None:
             raise RuntimeError(f"{self.failure}; the engine cannot go on")
+        message = pickle.dumps((method, args))  # once, for every rank
         try:
             for conn in self.conns:
-                conn.send((method, args))
+                conn.send_bytes(message)
         except OSError:  # a rank is gone: its last reply says why
-            self._read()
-        self.unread += 1
+            self._read(len(self.conns))
 
     def _call(self, method: str, *args) -> list:
+        """Every rank's answer to a call."""
         self._send(method, *args)
-        return self._read()
+        return self._read(len(self.conns))
 
     def num_blocks_that_fit(self) -> int:
         return min(self._call("num_blocks_that_fit"))  # the pool every rank can hold
@@ -129,7 +132,8 @@ class MultiProcessExecutor:
         return out
 
     def collect(self, launched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("collect")[0]
+        self._send("collect")
+        return self._read(1)[0]  # rank 0's tokens: the other ranks sampled the same
 
     def close(self) -> None:
         self._finalizer()

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from miniinfer.layers.parallel import all_reduce
 from miniinfer.model.transformer import MLP, ModelConfig, Ops, Registry, RMSNorm, silu_and_mul
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class SparseMoE(nn.Module):
         flat = y.reshape(-1, y.shape[-1])
         out = self.experts(flat, *self.select(ops.linear(self.gate, flat)))
         if self.reduce:
-            dist.all_reduce(out)
+            all_reduce(out)
         if self.shared_expert is not None:
             s = self.shared_expert
             shared = ops.linear(s.down_proj, ops.silu_and_mul(ops.linear(s.gate_up_proj, flat)))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from miniinfer.kernels.allreduce import OneShotAllReduce
 from miniinfer.layers.quantization import SCHEMES, FP8Linear, IntLinear
 from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Transformer
 
@@ -84,6 +85,23 @@ class ColumnParallelLinear(Linear):
         return torch.cat([_part(t, (n, *cols), r) for t, r, n in zip(tensors, self.rows, self.sizes)])
 
 
+_one_shot: OneShotAllReduce | None = None  # this process's, once its worker made one (`use_one_shot`)
+
+
+def use_one_shot(one_shot: OneShotAllReduce | None) -> None:
+    global _one_shot
+    _one_shot = one_shot
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks, in place: by the one-shot kernel where this process has one and x is
+    small enough for it, else by NCCL (gloo between CPU processes)."""
+    if _one_shot is not None and _one_shot.serves(x):
+        return _one_shot(x)
+    dist.all_reduce(x)
+    return x
+
+
 class RowParallelLinear(Linear):
     """A projection split by input channels (o after attention, down after the MLP): this rank
     keeps `columns` of in_size. Each rank's product is a partial sum of the whole output, which the
@@ -100,14 +118,12 @@ class RowParallelLinear(Linear):
         return _part(tensors[0], (self.out_features, self.in_size), (slice(None), self.columns))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        dist.all_reduce(out)
-        return out
+        return all_reduce(super().forward(x))
 
 
 def all_reduce_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
     """A forward hook: the module's output, summed over the ranks in place."""
-    dist.all_reduce(out)
+    all_reduce(out)
 
 
 def share_lookup(ids: torch.Tensor, share: torch.Tensor, start: int) -> torch.Tensor:
@@ -133,9 +149,7 @@ class VocabParallelEmbedding(nn.Module):
         return F.pad(rows, (0, 0, 0, self.per_rank - rows.shape[0]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = share_lookup(ids, self.weight, self.start)
-        dist.all_reduce(out)
-        return out
+        return all_reduce(share_lookup(ids, self.weight, self.start))
 
 
 class ParallelLMHead(VocabParallelEmbedding):

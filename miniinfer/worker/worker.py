@@ -7,13 +7,14 @@ import functools
 import os
 import pickle
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from miniinfer.core.config import EngineConfig
-from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model
+from miniinfer.kernels.allreduce import OneShotAllReduce
+from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model, use_one_shot
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig
 from miniinfer.worker.model_runner import Components
@@ -38,6 +39,9 @@ class Worker:
                                 world_size=size)
         config = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device)
         self.rank = rank
+        # Before the runner captures its graphs: they capture whichever all-reduce the layers call.
+        if cuda and size == 2 and config.all_reduce == "auto" and torch.cuda.can_device_access_peer(rank, 1 - rank):
+            use_one_shot(OneShotAllReduce(cast(dist.ProcessGroup, dist.group.WORLD), torch.device(config.device)))
         layers = components.parallel or ParallelLayers()
         shard, whole = layers.shard(rank, size), config.quantization is not None
         prepare = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
@@ -47,6 +51,11 @@ class Worker:
         if whole:
             cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
         self.launched: deque = deque()
+
+    def replies(self, method: str) -> bool:
+        """Whether a call's success is answered: not a step's launch, and its collect by rank 0 alone (its
+        tokens are every rank's): one message back a step. An error is always answered."""
+        return method != "launch" and (method != "collect" or self.rank == 0)
 
     def call(self, method: str, args: tuple) -> Any:
         if method == "launch":
@@ -81,7 +90,7 @@ def run_worker(rank: int, config: EngineConfig, components: bytes, init_file: st
     conn.send(("ok", None))
     while True:
         try:
-            method, args = conn.recv()
+            method, args = pickle.loads(conn.recv_bytes())  # pickled once for every rank
         except EOFError:  # the engine is gone
             break
         if method == "close":
@@ -92,5 +101,6 @@ def run_worker(rank: int, config: EngineConfig, components: bytes, init_file: st
             conn.send(("error", failure(err)))
             # Gone, so that the other ranks' collectives with this one fail instead of waiting forever.
             os._exit(1)
-        conn.send(("ok", result))
+        if worker.replies(method):
+            conn.send(("ok", result))
     dist.destroy_process_group()

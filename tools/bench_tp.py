@@ -1,0 +1,296 @@
+"""Chapter 11 on two GPUs: tensor parallelism's decode on an 8B-sized Llama (Llama-3.1-8B's shape, random
+bf16 weights, written once to /dev/shm as a checkpoint, since each rank loads its own part), served with
+tensor_parallel_size 1 and 2, the ranks' sums by NCCL alone and with the one-shot kernel (`all_reduce`).
+
+    python tools/bench_tp.py run OUT.json [LAYERS [SETTING ...]]   (default: all 32 layers, every setting)
+    python tools/bench_tp.py plot OUT.json             (OUT.png)
+
+Per setting, in a process of its own (each loads the model and frees its GPUs when done):
+    batch1    one request of 32 prompt tokens, 256 greedy tokens: the median time between tokens
+    host      during batch1, the engine's time per step inside the executor's launch (the step's plain
+              data pickled and written to each rank) and collect (waiting for the tokens), and the
+              pickled step's bytes; the same for the workload's steps
+    workload  COURSE.md's 256 requests (prompt and output lengths uniform in 100..1024), output tokens/s
+    timeline  20 batch-1 decode steps under torch.profiler in the engine and in every rank: each
+              process's host work (launch, collect) and each GPU's kernels on one clock; per step,
+              the GPU's busy time and that of its all-reduces
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import pickle
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# MINIINFER_ROOT: another copy of the package (an earlier commit's, to measure it against this one)
+sys.path.insert(0, os.environ.get("MINIINFER_ROOT", str(Path(__file__).resolve().parent.parent)))
+import miniinfer as mi  # noqa: E402
+from miniinfer.worker.model_runner import ModelRunner, build_components  # noqa: E402
+
+FOLDER = Path("/dev/shm/miniinfer-llama8b")
+SETTINGS = {"tp1": (1, "auto"), "tp2_nccl": (2, "nccl"), "tp2": (2, "auto")}
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+                architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", bos_token_id=None,
+                eos_token_id=128001)
+
+
+def write_checkpoint(layers: int) -> None:
+    """Random bf16 weights of the 8B shape (std 0.02, norms 1) in shards of four layers."""
+    from safetensors.torch import save_file
+    config = FOLDER / "config.json"
+    if config.exists() and json.loads(config.read_text())["num_hidden_layers"] == layers:
+        return
+    FOLDER.mkdir(exist_ok=True)
+    c, gen = LLAMA_8B, torch.Generator(device="cuda").manual_seed(0)
+    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+
+    def rand(*shape):
+        return (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+    shards: list[dict] = [{"model.embed_tokens.weight": rand(c["vocab_size"], h)}]
+    for n in range(layers):
+        if n % 4 == 0:
+            shards.append({})
+        p = f"model.layers.{n}."
+        shards[-1].update({p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
+                           p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
+                           p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
+                           p + "mlp.down_proj.weight": rand(h, i), p + "input_layernorm.weight": ones(h),
+                           p + "post_attention_layernorm.weight": ones(h)})
+    shards.append({"model.norm.weight": ones(h), "lm_head.weight": rand(c["vocab_size"], h)})
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        name = f"model-{k:05d}.safetensors"
+        save_file(shard, str(FOLDER / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    (FOLDER / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (FOLDER / "config.json").write_text(json.dumps(dict(LLAMA_8B, num_hidden_layers=layers)))
+
+
+class TracedRunner(ModelRunner):
+    """The runner, its launch and collect marked for the profiler, which `trace` starts and stops (sent
+    to every rank by value, as a notebook's runner is)."""
+    profiler: torch.profiler.profile | None = None
+
+    def launch(self, out):
+        with torch.profiler.record_function("launch"):
+            return super().launch(out)
+
+    def collect(self, launched):
+        with torch.profiler.record_function("collect"):
+            return super().collect(launched)
+
+    def trace(self, path: str | None) -> None:
+        """Start the profiler (path None), or stop it and write its Chrome trace to path."""
+        if path is None:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                               torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.__enter__()
+        else:
+            assert self.profiler is not None
+            self.profiler.__exit__(None, None, None)
+            self.profiler.export_chrome_trace(path.format(torch.cuda.current_device()))  # a rank's GPU is its rank
+
+
+def greedy(n: int) -> mi.SamplingParams:
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+class HostMeter:
+    """The engine-side seconds of each executor launch and collect, and each launched step's pickle."""
+
+    def __init__(self, executor):
+        self.launch_s: list[float] = []
+        self.collect_s: list[float] = []
+        self.outs: list = []
+        launch, collect = executor.launch, executor.collect
+
+        def timed_launch(out):
+            t = time.perf_counter()
+            with torch.profiler.record_function("executor.launch"):
+                res = launch(out)
+            self.launch_s.append(time.perf_counter() - t)
+            self.outs.append(out)
+            return res
+
+        def timed_collect(launched):
+            t = time.perf_counter()
+            with torch.profiler.record_function("executor.collect"):
+                res = collect(launched)
+            self.collect_s.append(time.perf_counter() - t)
+            return res
+        executor.launch, executor.collect = timed_launch, timed_collect
+
+    def summary(self) -> dict:
+        sizes, pickle_s = [], []
+        for out in self.outs[-200:]:
+            t = time.perf_counter()
+            sizes.append(len(pickle.dumps(("launch", (out,)))))
+            pickle_s.append(time.perf_counter() - t)
+        res = {"steps": len(self.launch_s), "launch_us": 1e6 * statistics.median(self.launch_s),
+               "collect_us": 1e6 * statistics.median(self.collect_s), "step_bytes": statistics.median(sizes),
+               "pickle_us": 1e6 * statistics.median(pickle_s)}
+        self.launch_s, self.collect_s, self.outs = [], [], []
+        return res
+
+
+def ranks_trace(engine, path: str | None) -> None:
+    if engine.config.tensor_parallel_size > 1:
+        engine.executor._call("trace", None if path is None else f"{path}.rank{{}}")
+    else:
+        engine.executor.runner.trace(None if path is None else f"{path}.rank0")
+
+
+def setting(name: str, out: str, tmp: str) -> None:
+    """One setting's parts, in this process; its results to out."""
+    tp, how = SETTINGS[name]
+    how_kw = {"all_reduce": how} if "all_reduce" in mi.EngineConfig.__dataclass_fields__ else {}
+    config = mi.EngineConfig(model=str(FOLDER), device="cuda", dtype=torch.bfloat16, max_model_len=2048,
+                             tensor_parallel_size=tp, **how_kw)
+    engine = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), runner=TracedRunner))
+    meter, res = HostMeter(engine.executor), {"setting": name, "tensor_parallel_size": tp, "all_reduce": how}
+    prompt = list(range(100, 132))
+    list(engine.stream(prompt, greedy(16)))  # warm-up
+    meter.summary()
+    times = [time.perf_counter() for _ in engine.stream(prompt, greedy(256))]
+    res["batch1_itl_ms"] = 1e3 * statistics.median(b - a for a, b in zip(times, times[1:]))
+    res["batch1_tokens_per_s"] = 1e3 / res["batch1_itl_ms"]
+    res["host_batch1"] = meter.summary()
+    print(f"{name}: batch 1 {res['batch1_itl_ms']:.2f} ms/token; host {res['host_batch1']}", flush=True)
+
+    random.seed(0)
+    lengths = mi.benchmark_lengths(256)
+    prompts = [[random.randint(0, 10000) for _ in range(p)] for p, _ in lengths]
+    for p, (_, o) in zip(prompts, lengths):
+        engine.add_request(p, greedy(o))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    seconds = time.perf_counter() - t0
+    res["workload"] = {"seconds": seconds, "output_tokens_per_s": sum(o for _, o in lengths) / seconds,
+                       "num_blocks": engine.block_manager.num_blocks, "host": meter.summary()}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    print(f"{name}: workload {res['workload']['output_tokens_per_s']:.0f} output tok/s", flush=True)
+    Path(out).write_text(json.dumps(res))
+
+    # The timeline: 20 decode steps of one request, profiled in the engine and in every rank.
+    rid = engine.add_request(prompt, greedy(60))
+    for _ in range(20):
+        engine.step()
+    ranks_trace(engine, None)
+    if tp > 1:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                engine.step()
+        prof.export_chrome_trace(f"{tmp}/{name}.engine")
+    else:  # one profiler a process: the runner's sees the engine's side too
+        for _ in range(20):
+            engine.step()
+    ranks_trace(engine, f"{tmp}/{name}")
+    engine.abort(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    try:
+        res["timeline"] = timeline(f"{tmp}/{name}", tp)
+    except Exception as err:  # noqa: BLE001 - the figures above stand without it
+        res["timeline"] = {"failed": f"{type(err).__name__}: {err}"}
+    engine.close()
+    Path(out).write_text(json.dumps(res))
+
+
+KINDS = (("all-reduce", ("one_shot", "nccl", "AllReduce", "allreduce")),
+         ("attention", ("_decode_kernel", "_merge_kernel")),
+         ("matmul", ("gemm", "gemv", "sm90", "cutlass", "splitK", "nvjet", "Kernel2")))
+
+
+def kind(name: str) -> str:
+    return next((k for k, keys in KINDS if any(key in name for key in keys)), "other")
+
+
+def timeline(prefix: str, tp: int) -> dict:
+    """The traces of the engine and each rank on one clock: per decode step (rank 0's launches), each
+    GPU's busy and all-reduce time; and the events of three steps, for the figure."""
+    lanes: dict[str, list] = {}
+    engine = f"{prefix}.engine" if tp > 1 else f"{prefix}.rank0"
+    for who, path in [("engine", engine)] + [(f"rank{r}", f"{prefix}.rank{r}") for r in range(tp)]:
+        trace = json.loads(Path(path).read_text())
+        base = trace.get("baseTimeNanoseconds", 0) / 1e3
+        for e in trace["traceEvents"]:
+            if e.get("ph") != "X" or "dur" not in e:
+                continue
+            cat, name = e.get("cat", ""), e.get("name", "")
+            if cat == "kernel" and who != "engine":
+                lanes.setdefault(f"{who} GPU", []).append((base + e["ts"], e["dur"], kind(name), name[:60]))
+            elif cat == "user_annotation" and name in (("executor.launch", "executor.collect") if who == "engine"
+                                                       else ("launch", "collect")):
+                lanes.setdefault(f"{who} host", []).append((base + e["ts"], e["dur"], name, name))
+    for events in lanes.values():
+        events.sort()
+    starts = [e[0] for e in lanes["rank0 host"] if e[2] == "launch"]
+    steps = []
+    for a, b in zip(starts, starts[1:]):
+        step = {"ms": (b - a) / 1e3}
+        for r in range(tp):
+            ks = [e for e in lanes.get(f"rank{r} GPU", []) if a <= e[0] < b]
+            step[f"rank{r}_busy_ms"] = sum(e[1] for e in ks) / 1e3
+            step[f"rank{r}_all_reduce_ms"] = sum(e[1] for e in ks if e[2] == "all-reduce") / 1e3
+            step[f"rank{r}_all_reduces"] = sum(e[2] == "all-reduce" for e in ks)
+        steps.append(step)
+    t0, t1 = starts[len(starts) // 2], starts[min(len(starts) - 1, len(starts) // 2 + 3)]
+    shown = {lane: [(round((e[0] - t0) / 1e3, 4), round(e[1] / 1e3, 4), e[2]) for e in events if t0 <= e[0] < t1]
+             for lane, events in lanes.items()}
+    med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    return {"median_step": med, "steps": len(steps), "events": shown,
+            "kernel_names": sorted({e[3] for ev in lanes.values() for e in ev if e[2] in ("all-reduce", "other")})[:40]}
+
+
+def run(out: str, layers: int, settings: list[str]) -> None:
+    write_checkpoint(layers)
+    res = {"what": __doc__.strip(), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
+           "torch": torch.__version__, "date": datetime.date.today().isoformat(), "layers": layers,
+           "weight_bytes": sum(p.stat().st_size for p in FOLDER.glob("*.safetensors")), "settings": {}}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from copy_bandwidth import copy_bandwidth
+    res["copy_GBps"] = copy_bandwidth()
+    gc.collect()
+    torch.cuda.empty_cache()
+    tmp = tempfile.mkdtemp()  # the traces: large, read here
+    for name in settings:
+        part = f"{tmp}/{name}.json"
+        subprocess.run([sys.executable, __file__, "one", name, part, tmp], check=False)
+        if Path(part).exists():
+            res["settings"][name] = json.loads(Path(part).read_text())
+        Path(out).write_text(json.dumps(res, indent=1))
+    s = res["settings"]
+    if "tp1" in s and "tp2" in s:
+        res["tp2_latency_of_tp1"] = s["tp2"]["batch1_itl_ms"] / s["tp1"]["batch1_itl_ms"]
+        res["tp2_throughput_of_tp1"] = (s["tp2"]["workload"]["output_tokens_per_s"]
+                                        / s["tp1"]["workload"]["output_tokens_per_s"])
+        res["floor_itl_ms"] = {"tp1": 1e3 * res["weight_bytes"] / (res["copy_GBps"] * 1e9),
+                               "tp2": 1e3 * res["weight_bytes"] / 2 / (res["copy_GBps"] * 1e9)}
+    Path(out).write_text(json.dumps(res, indent=1))
+    print({k: v for k, v in res.items() if k.startswith(("tp2_", "floor"))}, flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 32, sys.argv[4:] or list(SETTINGS))
+    elif sys.argv[1] == "one":
+        setting(sys.argv[2], sys.argv[3], sys.argv[4])
