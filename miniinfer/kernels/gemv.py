@@ -163,9 +163,15 @@ def layer_gemv(linear: nn.Module, x: torch.Tensor, **fused) -> tuple[torch.Tenso
         return own(x, **fused)
     if not isinstance(linear, nn.Linear) or type(linear).forward is not nn.Linear.forward:
         return None
-    if x.numel() > GEMV_ROWS * x.shape[-1] or linear.weight.dtype != x.dtype:
+    return rows_gemv(x, linear.weight, linear.bias, **fused)
+
+
+def rows_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """gemv(x, weight, bias, ...), or None where x has more than GEMV_ROWS rows or another dtype."""
+    if x.numel() > GEMV_ROWS * x.shape[-1] or weight.dtype != x.dtype:
         return None
-    return gemv(x, linear.weight, linear.bias, **fused)
+    return gemv(x, weight, bias, **fused)
 
 
 class FusedOps(TritonOps):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.kernels.allreduce import OneShotAllReduce
+from miniinfer.kernels.gemv import rows_gemv
 from miniinfer.layers.quantization import SCHEMES, FP8Linear, IntLinear
 from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Transformer
 
@@ -120,6 +121,11 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(super().forward(x))
 
+    def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward)."""
+        out = rows_gemv(x, self.weight, self.bias, **fused)
+        return None if out is None else (all_reduce(out[0]), out[1])
+
 
 def all_reduce_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
     """A forward hook: the module's output, summed over the ranks in place."""
@@ -157,7 +163,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     ranks into the whole vocabulary (every rank gets them, and samples the same tokens)."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        local = F.linear(h, self.weight)
+        return self.gather(F.linear(h, self.weight))
+
+    def gemv(self, h: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A step of one row: chapter 06's GEMV of this rank's rows, the final norm inside it."""
+        out = rows_gemv(h, self.weight, None, **fused)
+        return None if out is None else (self.gather(out[0]), out[1])
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits, side by side, cut to the vocabulary."""
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local)
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
