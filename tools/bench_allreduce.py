@@ -17,6 +17,7 @@ equal); `torch_one_shot_graph_us`: `torch.ops.symm_mem.one_shot_all_reduce` in a
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -85,6 +86,7 @@ def _check_one_shot(one_shot: OneShotAllReduce, size: int, dtype: torch.dtype, r
 
 
 def _rank(rank: int, world: int, store: str, out: str) -> None:
+    faulthandler.dump_traceback_later(120, exit=True)  # a rank that hangs (a spinning kernel) says where
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))

@@ -5,16 +5,13 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from miniinfer.kernels.norm_rope import pdl_args, wait_for_input
-
 BLOCK = 2048  # elements a program sums at a time: 4 KB of bf16, so a decode message (8-64 KB) is 2-16 programs
 PROGRAMS = 128  # at most, all resident at once on any GPU this runs on: each spins until its peer's arrives
 
 
 @triton.jit
 def _one_shot_kernel(x_ptr, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, n, half,
-                     BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
-    wait_for_input(PDL)  # launched early (chapter 04), it waits here for the matmul before, as all it reads
+                     BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
     pid = tl.program_id(0)
     # Block b of the message is program b % PROGRAMS's, whatever the message's size: a program's flag
     # and call count cover the same part of the buffer in every call.
@@ -81,4 +78,4 @@ def one_shot(x: torch.Tensor, mine: torch.Tensor, peer: torch.Tensor, flags: tor
     n = x.numel()
     grid = (min(PROGRAMS, triton.cdiv(n, BLOCK)),)
     _one_shot_kernel[grid](x, mine, peer, flags, peer_flags, counts, n, mine.numel() // 2, BLOCK=BLOCK,
-                           PROGRAMS=PROGRAMS, **pdl_args(x.device))
+                           PROGRAMS=PROGRAMS)
