@@ -3,6 +3,7 @@ greedy tokens with 2 and 4 ranks equal transformers' (continuous batching, preem
 chunked prefill), a rank that dies or fails ends the engine's requests with the reason and leaves
 no process behind, and bad configurations are refused before any process starts."""
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -10,6 +11,7 @@ import signal
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import make_hf_model
 from test_chunked_prefill import shared_workload
 from test_engine import oracle, run_steps
@@ -17,6 +19,7 @@ from test_engine import oracle, run_steps
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
 from miniinfer.layers.parallel import Shard, shard_model
+from miniinfer.worker.model_runner import ModelRunner, build_components
 
 # 8 query heads and 2 KV heads: 4 ranks split them (each KV head on two ranks)
 FOUR_WAY = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=10)
@@ -134,12 +137,31 @@ def test_a_rank_that_dies_fails_the_requests_and_leaves_no_process():
     engine.close()
 
 
+def test_a_rank_that_fails_in_a_step_nobody_waits_on_says_why():
+    """Rank 1 answers no step (a launch is answered by none, a collect by rank 0 alone): its error in a
+    launch still ends the step, with its reason, and every block comes back."""
+    class BreaksOnRank1(ModelRunner):  # defined here: sent to the ranks by value
+        def launch(self, out):
+            if dist.get_rank() == 1 and out.num_new_tokens:
+                raise RuntimeError("rank 1 broke in a launch")
+            return super().launch(out)
+
+    config = mi.EngineConfig(tensor_parallel_size=2)
+    engine = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), runner=BreaksOnRank1))
+    procs = engine.executor.procs
+    with pytest.raises(RuntimeError, match="rank 1: RuntimeError: rank 1 broke in a launch"):
+        engine.generate([[5, 6, 7]], mi.SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not any(p.is_alive() for p in procs)
+    engine.close()
+
+
 def test_a_rank_that_fails_to_load_says_why(tmp_path):
     """A checkpoint whose tensors do not fit the config fails in the workers: the error names the tensor."""
     make_hf_model("llama").save_pretrained(tmp_path)
     cfg = (tmp_path / "config.json").read_text().replace('"intermediate_size": 100', '"intermediate_size": 50')
     (tmp_path / "config.json").write_text(cfg)
-    with pytest.raises(RuntimeError, match="rank 0: CheckpointError.*mlp"):
+    with pytest.raises(RuntimeError, match="rank [01]: CheckpointError.*mlp"):  # whichever says so first
         mi.LLMEngine(mi.EngineConfig(model=tmp_path, tensor_parallel_size=2))
     assert not multiprocessing.active_children()
 

@@ -3,7 +3,8 @@ from a CUDA graph, by message size (bf16, 8 KB to 1 GB), with the copy bandwidth
 the course's one-shot all-reduce (`miniinfer.kernels.allreduce`) at every size it serves, eagerly and in
 a graph, checked against NCCL on random data, with PyTorch's own one-shot beside it where it runs.
 
-    python tools/bench_allreduce.py docs/benchmarks/allreduce_2gpu_h100.json
+    python tools/bench_allreduce.py docs/benchmarks/allreduce_one_shot_2gpu_h100.json
+    python tools/bench_allreduce.py plot docs/benchmarks/allreduce_one_shot_2gpu_h100.json   (its PNG)
 
 Per size: `eager_us` (calls back to back, as a model's layers make them, timed with CUDA events),
 `graph_us` (the same calls captured in one graph and replayed; the decode path's case) and each one's
@@ -167,5 +168,28 @@ def main(path: str) -> None:
           f"{res['bus_GBps_1GB']:.0f} GB/s bus at 1 GB, copy {gbps:.0f} GB/s")
 
 
+def plot(path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = json.loads(Path(path).read_text())
+    rows = res["sizes"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for key, label, style in (("eager_us", "NCCL, eager", "o--"), ("graph_us", "NCCL, in a graph", "o-"),
+                              ("one_shot_eager_us", "one-shot, eager", "s--"),
+                              ("one_shot_graph_us", "one-shot, in a graph", "s-"),
+                              ("torch_one_shot_graph_us", "PyTorch's one-shot, in a graph", "^:")):
+        have = [r for r in rows if r.get(key) is not None]
+        ax.plot([r["bytes"] for r in have], [r[key] for r in have], style, label=label)
+    ax.set(xscale="log", yscale="log", xlabel="message bytes (bf16)", ylabel="us per all-reduce",
+           title=f"all-reduce on two {res['gpu']}s, NCCL {res['nccl']}, torch {res['torch']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "plot":
+        plot(sys.argv[2])
+    else:
+        main(sys.argv[1])

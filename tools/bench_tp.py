@@ -3,7 +3,7 @@ bf16 weights, written once to /dev/shm as a checkpoint, since each rank loads it
 tensor_parallel_size 1 and 2, the ranks' sums by NCCL alone and with the one-shot kernel (`all_reduce`).
 
     python tools/bench_tp.py run OUT.json [LAYERS [SETTING ...]]   (default: all 32 layers, every setting)
-    python tools/bench_tp.py plot OUT.json             (OUT.png)
+    python tools/bench_tp.py plot OUT.json             (OUT.png: the times, and three steps of both ranks)
 
 Per setting, in a process of its own (each loads the model and frees its GPUs when done):
     batch1    one request of 32 prompt tokens, 256 greedy tokens: the median time between tokens
@@ -224,6 +224,16 @@ def kind(name: str) -> str:
     return next((k for k, keys in KINDS if any(key in name for key in keys)), "other")
 
 
+def busy(events: list[tuple[float, float]]) -> float:
+    """The time in which at least one of the (start, duration) events runs: kernels launched early
+    (PDL) overlap the one before."""
+    total, end = 0.0, float("-inf")
+    for start, dur in sorted(events):
+        total += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    return total
+
+
 def timeline(prefix: str, tp: int) -> dict:
     """The traces of the engine and each rank on one clock: per decode step (rank 0's launches), each
     GPU's busy and all-reduce time; and the events of three steps, for the figure."""
@@ -249,7 +259,7 @@ def timeline(prefix: str, tp: int) -> dict:
         step = {"ms": (b - a) / 1e3}
         for r in range(tp):
             ks = [e for e in lanes.get(f"rank{r} GPU", []) if a <= e[0] < b]
-            step[f"rank{r}_busy_ms"] = sum(e[1] for e in ks) / 1e3
+            step[f"rank{r}_busy_ms"] = busy([(e[0], e[1]) for e in ks]) / 1e3
             step[f"rank{r}_all_reduce_ms"] = sum(e[1] for e in ks if e[2] == "all-reduce") / 1e3
             step[f"rank{r}_all_reduces"] = sum(e[2] == "all-reduce" for e in ks)
         steps.append(step)
@@ -289,8 +299,44 @@ def run(out: str, layers: int, settings: list[str]) -> None:
     print({k: v for k, v in res.items() if k.startswith(("tp2_", "floor"))}, flush=True)
 
 
+COLOURS = {"matmul": "#3182bd", "attention": "#31a354", "all-reduce": "#de2d26", "other": "#969696",
+           "launch": "#fd8d3c", "collect": "#fdd0a2", "executor.launch": "#fd8d3c", "executor.collect": "#fdd0a2"}
+
+
+def plot(path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = json.loads(Path(path).read_text())
+    s, names = res["settings"], {"tp1": "one GPU", "tp2_nccl": "two, NCCL", "tp2": "two, one-shot"}
+    fig = plt.figure(figsize=(12, 6.5))
+    lat, thr, lanes_ax = fig.add_subplot(2, 2, 1), fig.add_subplot(2, 2, 2), fig.add_subplot(2, 1, 2)
+    lat.bar(list(names.values()), [s[k]["batch1_itl_ms"] for k in names], color="#3182bd")
+    for n, style in ((1, "-"), (2, "--")):
+        lat.axhline(res["floor_itl_ms"][f"tp{n}"], color="0.3", ls=style, lw=1, label=f"floor, {n} GPU(s)")
+    lat.axhline(0.6 * s["tp1"]["batch1_itl_ms"], color="#de2d26", lw=1, label="goal: 0.6x one GPU")
+    lat.set(ylabel="ms per token", title="batch 1")
+    thr.bar(list(names.values()), [s[k]["workload"]["output_tokens_per_s"] for k in names], color="#3182bd")
+    thr.axhline(1.7 * s["tp1"]["workload"]["output_tokens_per_s"], color="#de2d26", lw=1, label="goal: 1.7x")
+    thr.set(ylabel="output tokens/s", title="256 requests")
+    lat.legend(fontsize=7), thr.legend(fontsize=7)
+    ev = s["tp2"]["timeline"]["events"]
+    lanes = ["engine host", "rank0 host", "rank0 GPU", "rank1 host", "rank1 GPU"]
+    for y, lane in enumerate(reversed(lanes)):
+        for start, dur, kind in ev[lane]:
+            lanes_ax.broken_barh([(start, max(dur, 0.004))], (y - 0.35, 0.7), color=COLOURS[kind])
+    lanes_ax.set_yticks(range(len(lanes)), list(reversed(lanes)))
+    lanes_ax.set(xlabel="ms", title="three batch-1 steps on two GPUs, both ranks (one-shot)")
+    fig.suptitle(f"an 8B-sized Llama ({res['layers']} layers) on {res['gpu']}s, commit {res.get('commit', '?')}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
+    if sys.argv[1] == "plot":
+        plot(sys.argv[2])
+    elif sys.argv[1] == "run":
         run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 32, sys.argv[4:] or list(SETTINGS))
     elif sys.argv[1] == "one":
         setting(sys.argv[2], sys.argv[3], sys.argv[4])

@@ -114,8 +114,9 @@ def tp_parity(kind: str, n: int = 48) -> dict:
 if __name__ == "__main__":
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if sys.argv[2:] == ["tp"]:
-        res.update({kind: tp_parity(kind) for kind in (*SHAPES, "course")})
-        Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")
+        for kind in (*SHAPES, "course"):
+            res[kind] = tp_parity(kind)
+            Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")  # kept if a later shape is cut short
         sys.exit()
     if sys.argv[2:] in (["moe"], ["mla"]):
         kinds = MOE_SHAPES if sys.argv[2] == "moe" else MLA_SHAPES

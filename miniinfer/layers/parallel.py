@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from miniinfer.kernels.allreduce import OneShotAllReduce
-from miniinfer.kernels.gemv import rows_gemv
 from miniinfer.layers.quantization import SCHEMES, FP8Linear, IntLinear
-from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Transformer
+from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Registry, Transformer
+
+# Chapter 06's one-row GEMV, a floor up (kernels): named here, imported when a step of one row first asks.
+ROW_GEMV = Registry("one-row matmul", {"triton": "miniinfer.kernels.gemv:rows_gemv"})
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,16 @@ class ColumnParallelLinear(Linear):
         return torch.cat([_part(t, (n, *cols), r) for t, r, n in zip(tensors, self.rows, self.sizes)])
 
 
-_one_shot: OneShotAllReduce | None = None  # this process's, once its worker made one (`use_one_shot`)
+class OneShot(Protocol):
+    """What `all_reduce` asks of a one-shot all-reduce (`kernels.allreduce`, below, made by the worker)."""
+    def serves(self, x: torch.Tensor) -> bool: ...
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-def use_one_shot(one_shot: OneShotAllReduce | None) -> None:
+_one_shot: OneShot | None = None  # this process's, once its worker made one (`use_one_shot`)
+
+
+def use_one_shot(one_shot: OneShot | None) -> None:
     global _one_shot
     _one_shot = one_shot
 
@@ -123,7 +130,7 @@ class RowParallelLinear(Linear):
 
     def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward)."""
-        out = rows_gemv(x, self.weight, self.bias, **fused)
+        out = ROW_GEMV["triton"](x, self.weight, self.bias, **fused)
         return None if out is None else (all_reduce(out[0]), out[1])
 
 
@@ -167,7 +174,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def gemv(self, h: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A step of one row: chapter 06's GEMV of this rank's rows, the final norm inside it."""
-        out = rows_gemv(h, self.weight, None, **fused)
+        out = ROW_GEMV["triton"](h, self.weight, None, **fused)
         return None if out is None else (self.gather(out[0]), out[1])
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,8 @@ def failure(err: BaseException) -> str:
 
 
 def run_worker(rank: int, config: EngineConfig, components: bytes, init_file: str, conn) -> None:
-    """A worker process: a reply to each call, ("ok", value) or ("error", why). components: the
-    engine's, pickled (by value: `MultiProcessExecutor`)."""
+    """A worker process: ("ok", value) to each call that wants it (`Worker.replies`), ("error", why) to
+    one that fails. components: the engine's, pickled (by value: `MultiProcessExecutor`)."""
     try:
         worker = Worker(rank, config, pickle.loads(components), init_file)
     except BaseException as err:
