@@ -62,8 +62,7 @@ class Worker:
             self.launched.append(self.runner.launch(*args))
             return None
         if method == "collect":
-            output = self.runner.collect(self.launched.popleft())
-            return output if self.rank == 0 else None
+            return self.runner.collect(self.launched.popleft())
         return getattr(self.runner, method)(*args)
 
 
