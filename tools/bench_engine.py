@@ -56,6 +56,8 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
 SHAPES = {"llama": ("LlamaConfig", "LlamaForCausalLM", LLAMA_3_2_1B),
           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", QWEN3_0_6B)}
 MAX_MODEL_LEN = 2048
+LLAMA_3_1_8B = dict(LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+                    tie_word_embeddings=False)
 
 
 def models(shape: str):
@@ -76,8 +78,7 @@ def models(shape: str):
 def llama_8b():
     """An 8B-sized Llama (Llama-3.1-8B's shape) with random bf16 weights, built on the GPU: no
     checkpoint, which would take minutes to write and read. No transformers model beside it."""
-    cfg = mi.ModelConfig.from_hf(dict(LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      head_dim=128, tie_word_embeddings=False))
+    cfg = mi.ModelConfig.from_hf(LLAMA_3_1_8B)
     torch.manual_seed(0)
     torch.set_default_dtype(DT)
     try:

@@ -24,7 +24,6 @@ import gc
 import json
 import os
 import pickle
-import random
 import statistics
 import subprocess
 import sys
@@ -39,13 +38,15 @@ sys.path.insert(0, os.environ.get("MINIINFER_ROOT", str(Path(__file__).resolve()
 import miniinfer as mi  # noqa: E402
 from miniinfer.worker.model_runner import ModelRunner, build_components  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import LLAMA_3_1_8B, greedy, workload  # noqa: E402
+from copy_bandwidth import copy_bandwidth  # noqa: E402
+
 FOLDER = Path("/dev/shm/miniinfer-llama8b")
 SETTINGS = {"tp1": (1, "auto"), "tp2_nccl": (2, "nccl"), "tp2": (2, "auto")}
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-                architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", bos_token_id=None,
-                eos_token_id=128001)
+# The checkpoint's config.json: Llama-3.1-8B's shape (`bench_engine.LLAMA_3_1_8B`) as a Hugging Face config.
+CHECKPOINT = dict(LLAMA_3_1_8B, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"], model_type="llama",
+                  hidden_act="silu", bos_token_id=None, eos_token_id=128001)
 
 
 def write_checkpoint(layers: int) -> None:
@@ -55,7 +56,7 @@ def write_checkpoint(layers: int) -> None:
     if config.exists() and json.loads(config.read_text())["num_hidden_layers"] == layers:
         return
     FOLDER.mkdir(exist_ok=True)
-    c, gen = LLAMA_8B, torch.Generator(device="cuda").manual_seed(0)
+    c, gen = CHECKPOINT, torch.Generator(device="cuda").manual_seed(0)
     h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
 
     def rand(*shape):
@@ -80,7 +81,7 @@ def write_checkpoint(layers: int) -> None:
         save_file(shard, str(FOLDER / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     (FOLDER / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (FOLDER / "config.json").write_text(json.dumps(dict(LLAMA_8B, num_hidden_layers=layers)))
+    (FOLDER / "config.json").write_text(json.dumps(dict(CHECKPOINT, num_hidden_layers=layers)))
 
 
 class TracedRunner(ModelRunner):
@@ -106,10 +107,6 @@ class TracedRunner(ModelRunner):
             assert self.profiler is not None
             self.profiler.__exit__(None, None, None)
             self.profiler.export_chrome_trace(path.format(torch.cuda.current_device()))  # a rank's GPU is its rank
-
-
-def greedy(n: int) -> mi.SamplingParams:
-    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 class HostMeter:
@@ -174,17 +171,15 @@ def setting(name: str, out: str, tmp: str) -> None:
     res["host_batch1"] = meter.summary()
     print(f"{name}: batch 1 {res['batch1_itl_ms']:.2f} ms/token; host {res['host_batch1']}", flush=True)
 
-    random.seed(0)
-    lengths = mi.benchmark_lengths(256)
-    prompts = [[random.randint(0, 10000) for _ in range(p)] for p, _ in lengths]
-    for p, (_, o) in zip(prompts, lengths):
+    prompts, outs = workload(256)
+    for p, o in zip(prompts, outs):
         engine.add_request(p, greedy(o))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
     seconds = time.perf_counter() - t0
-    res["workload"] = {"seconds": seconds, "output_tokens_per_s": sum(o for _, o in lengths) / seconds,
+    res["workload"] = {"seconds": seconds, "output_tokens_per_s": sum(outs) / seconds,
                        "num_blocks": engine.block_manager.num_blocks, "host": meter.summary()}
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     print(f"{name}: workload {res['workload']['output_tokens_per_s']:.0f} output tok/s", flush=True)
@@ -276,8 +271,6 @@ def run(out: str, layers: int, settings: list[str]) -> None:
     res = {"what": __doc__.strip(), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "layers": layers,
            "weight_bytes": sum(p.stat().st_size for p in FOLDER.glob("*.safetensors")), "settings": {}}
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from copy_bandwidth import copy_bandwidth
     res["copy_GBps"] = copy_bandwidth()
     gc.collect()
     torch.cuda.empty_cache()

@@ -25,6 +25,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
 from test_chunked_prefill import shared_workload  # noqa: E402
+from test_engine import run_steps  # noqa: E402
 from test_mla import SHAPES as MLA_SHAPES  # noqa: E402
 from test_mla import make_mla_model  # noqa: E402
 from test_moe import MOE_SHAPES, make_moe_model  # noqa: E402
@@ -93,12 +94,10 @@ def tp_parity(kind: str, n: int = 48) -> dict:
             same, preempted, outs = [], 0, []
             for _ in range(2):
                 ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-                done = {}
-                while engine.has_unfinished_requests():
-                    done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-                    preempted += len(engine.stats.preempted)
-                same.append(sum(done[i] == e for i, e in zip(ids, expected)))
-                outs.append([done[i] for i in ids])
+                final, steps_preempted = run_steps(engine)
+                preempted += steps_preempted
+                outs.append([final[i].token_ids for i in ids])
+                same.append(sum(o == e for o, e in zip(outs[-1], expected)))
             res[name] = {"same_per_round": same, "preemptions": preempted,
                          "same_as_tp1_per_round": [sum(a == b for a, b in zip(mine, tp1)) for mine, tp1 in
                                                    zip(outs, res["tp1"]["outputs"])] if tp > 1 else None,
