@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, one_shot
-from miniinfer.kernels.gemv import layer_gemv
+from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, one_shot, row_parallel_gemv
+from miniinfer.kernels.gemv import gemv, layer_gemv
 from miniinfer.layers import parallel
 from miniinfer.layers.parallel import ParallelLMHead, RowParallelLinear, Shard, all_reduce, use_one_shot
 
@@ -16,16 +16,17 @@ HALF = PROGRAMS * BLOCK + 4096  # room for a message that loops
 
 
 class Rank0:
-    """Rank 0's buffers, and the peer's as the peer leaves them."""
+    """Rank 0's buffers as the peer leaves them, and the peer's."""
 
     def __init__(self, dtype=torch.float32):
         self.mine, self.peer = torch.zeros(2 * HALF, dtype=dtype), torch.zeros(2 * HALF, dtype=dtype)
         self.flags, self.peer_flags, self.counts = (torch.zeros(PROGRAMS, dtype=torch.int32) for _ in range(3))
 
     def call(self, x: torch.Tensor, y: torch.Tensor, call: int, peer_call: int | None = None) -> None:
-        """The peer's part y of call `call` in its half; its flags raised to peer_call (default: call)."""
+        """The peer's part y of call `call` stored into rank 0's half; its flags raised to peer_call
+        (default: call)."""
         base = (call % 2) * HALF
-        self.peer[base:base + y.numel()] = y
+        self.mine[base:base + y.numel()] = y
         self.flags[:] = call if peer_call is None else peer_call
         one_shot(x, self.mine, self.peer, self.flags, self.peer_flags, self.counts)
 
@@ -36,11 +37,11 @@ def test_the_one_shot_adds_the_peers_part_call_after_call(n):
     programs = min(PROGRAMS, -(-n // BLOCK))
     for call in (1, 2, 3):
         x, y = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-        mine, want = x.clone(), x + y
+        x_before, want = x.clone(), x + y
         rank.call(x, y, call)
         assert torch.equal(x, want)
-        base = (call % 2) * HALF  # this call's half: the peer reads rank 0's part there
-        assert torch.equal(rank.mine[base:base + n], mine)
+        base = (call % 2) * HALF  # this call's half: rank 0 stores its part there for the peer
+        assert torch.equal(rank.peer[base:base + n], x_before)
         assert rank.peer_flags[:programs].tolist() == [call] * programs and not rank.peer_flags[programs:].any()
         assert rank.counts[:programs].tolist() == [call] * programs
 
@@ -62,6 +63,27 @@ def test_both_ranks_get_the_same_bits():
         Rank0(dtype).call(a, y, 1)
         Rank0(dtype).call(b, x, 1)
         assert torch.equal(a, b)
+
+
+def test_the_row_parallel_gemv_sums_its_row_with_the_peers_call_after_call():
+    """Chapter 06's GEMV over three programs (the CPU's tiles: 512 outputs a program), the last of
+    which exchanges the row: the sum is the GEMV's row plus the peer's, bit for bit, and the counter of
+    programs done is back at zero after each call."""
+    gen = torch.Generator().manual_seed(0)
+    N, K, half = 1100, 24, 2048
+    weight, bias = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    mine, peer = torch.zeros(2 * half), torch.zeros(2 * half)
+    flags, peer_flags, counts = (torch.zeros(n, dtype=torch.int32) for n in (1, 1, 2))
+    for call in (1, 2, 3):
+        x, y = torch.randn(1, K, generator=gen), torch.randn(N, generator=gen)
+        base = (call % 2) * half
+        mine[base:base + N] = y  # the peer's row, as it stores it
+        flags[0] = call
+        part = gemv(x, weight, bias)[0]
+        out = row_parallel_gemv(x, weight, bias, mine, peer, flags, peer_flags, counts)
+        assert torch.equal(out[0], part[0] + y)
+        assert torch.equal(peer[base:base + N], part[0])
+        assert peer_flags.tolist() == [call] and counts.tolist() == [call, 0]
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +135,26 @@ def test_a_row_parallel_layer_and_the_lm_head_take_the_gemv_in_a_step_of_one_row
     want = head(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm)
     assert torch.allclose(total, s) and torch.allclose(logits, want, atol=1e-4)
     assert layer_gemv(row, torch.randn(2, 48)) is None  # two rows: the layer's own forward
+
+
+class SelfSumming(Recorder):
+    """A one-shot stand-in whose GEMV sums the row itself: what it returns is off by one from the
+    layer's own GEMV, to tell whose the row is."""
+
+    def gemv(self, x, weight, bias):
+        self.sizes.append(x.shape[0])
+        return x @ weight.T + bias + 1
+
+
+def test_with_a_one_shot_a_row_parallel_layer_takes_its_self_summing_gemv(group_of_one):
+    torch.manual_seed(0)
+    row = RowParallelLinear(slice(0, 48), 48, 40, bias=True, first=True)
+    torch.nn.init.normal_(row.weight), torch.nn.init.normal_(row.bias)
+    one_shot = SelfSumming(max_bytes=0)
+    use_one_shot(one_shot)  # type: ignore[arg-type]
+    try:
+        x = torch.randn(1, 48)
+        out, total = layer_gemv(row, x)
+        assert total is None and torch.allclose(out, row(x) + 1, atol=1e-4) and one_shot.sizes == [1]
+    finally:
+        use_one_shot(None)

@@ -13,6 +13,11 @@ the smallest message: the fixed cost a decode step pays per all-reduce. `one_sho
 `one_shot_graph_us`: the course's kernel; `one_shot_max_diff`: its largest difference from NCCL's sum
 over 20 random messages in bf16, eagerly and replayed (`_float32`: in float32, where the sums must be
 equal); `torch_one_shot_graph_us`: `torch.ops.symm_mem.one_shot_all_reduce` in a graph.
+
+`row_gemv`: a step of one row's row-parallel projections of the 8B shape on two GPUs (o: 4096 x 2048 a
+rank, down: 4096 x 7168), in a graph: chapter 06's GEMV alone (`gemv_us`, no sum: the floor), the GEMV
+then the one-shot (`gemv_one_shot_us`), and the GEMV that sums its row itself (`row_parallel_gemv_us`,
+`OneShotAllReduce.gemv`), with its largest difference from the GEMV + NCCL's sum over 20 random rows.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from miniinfer.kernels.allreduce import OneShotAllReduce  # noqa: E402
+from miniinfer.kernels.gemv import gemv  # noqa: E402
 
 SIZES = [8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 4 << 20, 16 << 20,
          64 << 20, 256 << 20, 1 << 30]
@@ -126,11 +132,44 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
                   f"{row.get('one_shot_eager_us', 0):.1f} / {row.get('one_shot_graph_us', 0):.1f} us, "
                   f"diff {row.get('one_shot_max_diff')} / {row.get('one_shot_max_diff_float32')}, "
                   f"torch's {row.get('torch_one_shot_graph_us')}", flush=True)
+    rows_gemv = [_row_gemv(one_shot, n, k, rank) for n, k in ((4096, 2048), (4096, 7168))]
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"sizes": rows, "row_gemv": rows_gemv}))
     dist.barrier()
     torch.cuda.synchronize()
     os._exit(0)  # destroy_process_group can wait forever on communicators its graphs captured
+
+
+def _row_gemv(one_shot: OneShotAllReduce, n: int, k: int, rank: int) -> dict:
+    """One row x [1, k] by this rank's weight [n, k]: the GEMV alone, then the one-shot, and summing
+    itself; timed in graphs, and the last checked against NCCL's sum of the GEMV's rows."""
+    gen = torch.Generator(device="cuda").manual_seed(10 + rank)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    row = {"n": n, "k": k}
+    for key, fn in (("gemv_us", lambda: gemv(x, weight)), ("gemv_one_shot_us", lambda: one_shot(gemv(x, weight)[0])),
+                    ("row_parallel_gemv_us", lambda: one_shot.gemv(x, weight, None))):
+        row[key] = _timed(_graphed(fn)) * 1e6
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(one_shot.gemv(x, weight, None))
+    worst = 0.0
+    for i in range(20):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen, dtype=x.dtype))
+        want = gemv(x, weight)[0]
+        dist.all_reduce(want)
+        if i % 2:
+            graph.replay()
+            got = out
+        else:
+            got = one_shot.gemv(x, weight, None)
+        worst = max(worst, (got.float() - want.float()).abs().max().item())
+    row["row_parallel_gemv_max_diff"] = worst
+    if rank == 0:
+        print(f"row GEMV {n} x {k}: alone {row['gemv_us']:.1f} us, + one-shot {row['gemv_one_shot_us']:.1f}, "
+              f"summing itself {row['row_parallel_gemv_us']:.1f}; diff {worst}", flush=True)
+    return row
 
 
 def _torch_one_shot(size: int) -> float | None:
@@ -157,12 +196,12 @@ def main(path: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows_file = os.path.join(tmp, "rows.json")
         mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), rows_file), nprocs=world)
-        rows = json.loads(Path(rows_file).read_text())
+        rows, rows_gemv = json.loads(Path(rows_file).read_text()).values()
     res = {"what": __doc__.strip(), "gpu": torch.cuda.get_device_name(), "gpus": world,
            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
            "date": datetime.date.today().isoformat(), "copy_GBps": gbps,
            "alpha_us": rows[0]["graph_us"], "alpha_eager_us": rows[0]["eager_us"],
-           "bus_GBps_1GB": rows[-1]["graph_bus_GBps"], "sizes": rows}
+           "bus_GBps_1GB": rows[-1]["graph_bus_GBps"], "sizes": rows, "row_gemv": rows_gemv}
     Path(path).write_text(json.dumps(res, indent=1) + "\n")
     print(f"alpha {res['alpha_us']:.1f} us in a graph ({res['alpha_eager_us']:.1f} eager), "
           f"{res['bus_GBps_1GB']:.0f} GB/s bus at 1 GB, copy {gbps:.0f} GB/s")

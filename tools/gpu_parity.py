@@ -9,7 +9,8 @@ same request alone (the one-row GEMVs) and against chapter 04's ops (the plain m
 fused kernels and CUDA graphs), overlap on; `mla` on the tests' DeepSeek-V2 and -V3 (chapter 14).
 `tp` (two GPUs, chapter 11): the tests' three shapes and the course model served with
 tensor_parallel_size 1 and 2 (the one-shot all-reduce, and NCCL alone) against transformers, float32,
-prefix caching and chunked prefill on and a pool small enough that requests are preempted.
+prefix caching and chunked prefill on and a pool small enough that requests are preempted; then six
+requests alone.
 
     python tools/gpu_parity.py OUT.json [quantized | moe | mla | tp]   (that part only)
 """
@@ -98,7 +99,10 @@ def tp_parity(kind: str, n: int = 48) -> dict:
                 preempted += steps_preempted
                 outs.append([final[i].token_ids for i in ids])
                 same.append(sum(o == e for o, e in zip(outs[-1], expected)))
+            # and a few alone: every decode step one row (on two GPUs, the GEMVs that sum their rows)
+            alone = [engine.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts[:6], params[:6])]
             res[name] = {"same_per_round": same, "preemptions": preempted,
+                         "same_alone": [sum(a == e for a, e in zip(alone, expected)), len(alone)],
                          "same_as_tp1_per_round": [sum(a == b for a, b in zip(mine, tp1)) for mine, tp1 in
                                                    zip(outs, res["tp1"]["outputs"])] if tp > 1 else None,
                          "all_blocks_back": engine.block_manager.num_free_blocks == engine.block_manager.num_blocks}
@@ -113,7 +117,7 @@ def tp_parity(kind: str, n: int = 48) -> dict:
 if __name__ == "__main__":
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     if sys.argv[2:] == ["tp"]:
-        for kind in (*SHAPES, "course"):
+        for kind in ("course", *SHAPES):
             res[kind] = tp_parity(kind)
             Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")  # kept if a later shape is cut short
         sys.exit()

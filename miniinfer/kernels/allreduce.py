@@ -7,68 +7,86 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from miniinfer.kernels.gemv import GEMV_ROWS, _gemv_program, gemv_config, launch_gemv
+from miniinfer.kernels.norm_rope import pdl_args, wait_for_input
+
 BLOCK = 2048  # elements a program sums at a time: 4 KB of bf16, so a decode message (8-64 KB) is 2-16 programs
 PROGRAMS = 128  # at most, all on the GPU at once on any GPU this runs on: each spins until its peer's arrives
+ROW_BYTES = 64 << 10  # the largest row a row-parallel GEMV sums itself (below): a hidden size of 32,768 in bf16
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, n, half,
-                     BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-    # Block b of the message is program b % PROGRAMS's in every call, whatever the size, so a program's
-    # call count and flag always speak of the same part of the buffer. The count (its own slot, read
-    # and written by it alone) names the call: the flag the peer waits for, and the half that holds it.
-    pid = tl.program_id(0)
-    epoch = tl.load(counts_ptr + pid) + 1
-    tl.store(counts_ptr + pid, epoch)
+def _exchange(x_ptr, n, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, slot, first, half,
+              BLOCK: tl.constexpr, STEP: tl.constexpr):
+    """x[i] += the peer's x[i] for i in first, first + STEP, ... (in blocks of BLOCK), under the call
+    count and flag of `slot`. The count (its own slot, read and written by one program) names the call:
+    the flag the peer waits for, and the half of the buffer that holds it."""
+    epoch = tl.load(counts_ptr + slot) + 1
+    tl.store(counts_ptr + slot, epoch)
     base = (epoch % 2) * half
-    for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
+    # Pushed, not pulled: a store over the link needs no answer, a load waits a round trip.
+    for start in range(first, n, STEP):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < n
-        tl.store(mine_ptr + base + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
-    tl.debug_barrier()  # every thread's part written before the flag says so
-    tl.atomic_xchg(peer_flags_ptr + pid, epoch, sem="release", scope="sys")
+        tl.store(peer_ptr + base + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
+    tl.debug_barrier()  # every thread's part stored before the flag says so (release: ordered before it)
+    tl.atomic_xchg(peer_flags_ptr + slot, epoch, sem="release", scope="sys")
     # At least, not equal: a fast peer may already have flagged its next call.
-    while tl.atomic_add(flags_ptr + pid, 0, sem="acquire", scope="sys") < epoch:
+    while tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="sys") < epoch:
         pass
-    for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
+    for start in range(first, n, STEP):
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < n
         x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
-        other = tl.load(peer_ptr + base + offsets, mask=mask).to(tl.float32)
+        other = tl.load(mine_ptr + base + offsets, mask=mask).to(tl.float32)
         # x + y == y + x: both ranks get the same bits. (In float32, as NCCL adds bf16; the CPU
         # interpreter cannot add bf16.)
         tl.store(x_ptr + offsets, (x + other).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _one_shot_kernel(x_ptr, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, n, half,
+                     BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_input(PDL)  # launched early (chapter 04): it waits here for the matmul whose sums it adds
+    # Block b of the message is program b % PROGRAMS's in every call, whatever the size, so a program's
+    # call count and flag always speak of the same part of the buffer.
+    pid = tl.program_id(0)
+    _exchange(x_ptr, n, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, pid, pid * BLOCK, half, BLOCK,
+              PROGRAMS * BLOCK)
+
+
 def one_shot(x: torch.Tensor, mine: torch.Tensor, peer: torch.Tensor, flags: torch.Tensor,
              peer_flags: torch.Tensor, counts: torch.Tensor) -> None:
-    """The kernel's launch: x += the peer's x, through this rank's buffer `mine` (two halves) and the
-    peer's `peer`; the flags this rank waits on, the peer's, and this rank's call counts, one per program."""
+    """The kernel's launch: x += the peer's x, which the peer stores into this rank's buffer `mine` (two
+    halves) as this rank stores x into the peer's, `peer`; the flags this rank waits on, the peer's, and
+    this rank's call counts, one per program."""
     n = x.numel()
     grid = (min(PROGRAMS, triton.cdiv(n, BLOCK)),)
     _one_shot_kernel[grid](x, mine, peer, flags, peer_flags, counts, n, mine.numel() // 2, BLOCK=BLOCK,
-                           PROGRAMS=PROGRAMS)
+                           PROGRAMS=PROGRAMS, **pdl_args(x.device))
 
 
 class OneShotAllReduce:
-    """The sum of a tensor over two GPUs in one kernel: each rank copies its part into a buffer the
-    other can read (symmetric memory: the same buffer mapped into both processes over NVLink), raises
-    a flag in the peer's buffer, waits for the peer's flag and adds the peer's part to its own. One
-    launch, one read over the link, nothing for the host to do: a CUDA graph captures it."""
+    """The sum of a tensor over two GPUs in one kernel: each rank stores its part into the peer's buffer
+    (symmetric memory: each process's buffer mapped into the other's over NVLink), raises a flag there,
+    waits for the peer's flag in its own and adds the part the peer stored to its own. One launch, one
+    crossing of the link, nothing for the host to do: a CUDA graph captures it."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = 4 << 20):
         """max_bytes: the largest message it serves. On two H100s it beat NCCL at every size measured,
         8 KB to 4 MB (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet."""
         import torch.distributed._symmetric_memory as symm_mem
         self.rank, self.max_bytes = dist.get_rank(group), max_bytes
-        size = 2 * max_bytes + 4 * PROGRAMS  # two halves, then the flags
-        self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        peer = symm_mem.rendezvous(self.buffer, group.group_name).get_buffer(1 - self.rank, (size,), torch.uint8)
-        self.mine, self.peer = self.buffer[:2 * max_bytes], peer[:2 * max_bytes]
-        self.flags = self.buffer[2 * max_bytes:].view(torch.int32)  # the peer raises these
-        self.peer_flags = peer[2 * max_bytes:].view(torch.int32)
+        # two halves; two for the row-parallel GEMV's rows (below); the flags, one a program and the GEMV's
+        edges = [0, 2 * max_bytes, 2 * max_bytes + 2 * ROW_BYTES, 2 * max_bytes + 2 * ROW_BYTES + 4 * (PROGRAMS + 1)]
+        self.buffer = symm_mem.empty(edges[-1], dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group.group_name)
+        peer = handle.get_buffer(1 - self.rank, (edges[-1],), torch.uint8)
+        (self.mine, self.rows, flags), (self.peer, self.peer_rows, peer_flags) = (
+            [buffer[a:b] for a, b in zip(edges, edges[1:])] for buffer in (self.buffer, peer))
+        self.flags, self.peer_flags = flags.view(torch.int32), peer_flags.view(torch.int32)  # the peer raises ours
         self.flags.zero_()
-        self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(PROGRAMS + 2, dtype=torch.int32, device=device)  # the GEMV's: calls, programs done
         torch.cuda.synchronize(device)
         dist.barrier(group)  # both ranks' flags are zero before either raises one
 
@@ -79,3 +97,43 @@ class OneShotAllReduce:
         """x summed over both ranks, in place."""
         one_shot(x, self.mine.view(x.dtype), self.peer.view(x.dtype), self.flags, self.peer_flags, self.counts)
         return x
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x @ weight^T (+ bias) summed over both ranks by `row_parallel_gemv` (below), or None where it
+        does not serve: more than GEMV_ROWS rows, another dtype, a row of more than ROW_BYTES."""
+        x2 = x.reshape(-1, x.shape[-1])
+        row_bytes = x2.shape[0] * weight.shape[0] * x.element_size()
+        if x2.shape[0] > GEMV_ROWS or weight.dtype != x.dtype or row_bytes > ROW_BYTES:
+            return None
+        out = row_parallel_gemv(x2.contiguous(), weight, bias, self.rows.view(x.dtype), self.peer_rows.view(x.dtype),
+                                self.flags[PROGRAMS:], self.peer_flags[PROGRAMS:], self.counts[PROGRAMS:])
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _row_parallel_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
+                              mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, half,
+                              ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr, BLOCK: tl.constexpr):
+    _gemv_program(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps, ROWS, ADD, NORM,
+                  HAS_BIAS, GATED, BLOCK_N, BLOCK_K, PDL)
+    tl.debug_barrier()  # this program's outputs stored before it counts itself in
+    # counts: [the calls, the programs of this call done]
+    if tl.atomic_add(counts_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(counts_ptr + 1, 0)
+        _exchange(out_ptr, M * N, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, 0, 0, half, BLOCK,
+                  BLOCK)
+
+
+def row_parallel_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mine: torch.Tensor,
+                      peer: torch.Tensor, flags: torch.Tensor, peer_flags: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight^T (+ bias) summed over both ranks: chapter 06's GEMV, whose last program sums
+    the output with the peer's through `mine` and `peer` (two halves each, as `one_shot`'s), one flag
+    each way and counts [calls, programs done]."""
+    N, K = weight.shape
+    return launch_gemv(_row_parallel_gemv_kernel, (weight,), N, x, bias, False, gemv_config(N, K, False, x.device),
+                       res_ptr=x, sum_ptr=x, nw_ptr=x, eps=0.0, ADD=False, NORM=False, mine_ptr=mine, peer_ptr=peer,
+                       flags_ptr=flags, peer_flags_ptr=peer_flags, counts_ptr=counts, half=mine.numel() // 2,
+                       BLOCK=BLOCK)
