@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, one_shot, row_parallel_gemv
-from miniinfer.kernels.gemv import gemv, layer_gemv
+from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, one_shot
+from miniinfer.kernels.gemv import layer_gemv
 from miniinfer.layers import parallel
 from miniinfer.layers.parallel import ParallelLMHead, RowParallelLinear, Shard, all_reduce, use_one_shot
 
@@ -65,27 +65,6 @@ def test_both_ranks_get_the_same_bits():
         assert torch.equal(a, b)
 
 
-def test_the_row_parallel_gemv_sums_its_row_with_the_peers_call_after_call():
-    """Chapter 06's GEMV over three programs (the CPU's tiles: 512 outputs a program), the last of
-    which exchanges the row: the sum is the GEMV's row plus the peer's, bit for bit, and the counter of
-    programs done is back at zero after each call."""
-    gen = torch.Generator().manual_seed(0)
-    N, K, half = 1100, 24, 2048
-    weight, bias = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
-    mine, peer = torch.zeros(2 * half), torch.zeros(2 * half)
-    flags, peer_flags, counts = (torch.zeros(n, dtype=torch.int32) for n in (1, 1, 2))
-    for call in (1, 2, 3):
-        x, y = torch.randn(1, K, generator=gen), torch.randn(N, generator=gen)
-        base = (call % 2) * half
-        mine[base:base + N] = y  # the peer's row, as it stores it
-        flags[0] = call
-        part = gemv(x, weight, bias)[0]
-        out = row_parallel_gemv(x, weight, bias, mine, peer, flags, peer_flags, counts)
-        assert torch.equal(out[0], part[0] + y)
-        assert torch.equal(peer[base:base + N], part[0])
-        assert peer_flags.tolist() == [call] and counts.tolist() == [call, 0]
-
-
 @pytest.fixture(scope="module")
 def group_of_one(tmp_path_factory):
     store = tmp_path_factory.mktemp("dist") / "store"
@@ -136,25 +115,3 @@ def test_a_row_parallel_layer_and_the_lm_head_take_the_gemv_in_a_step_of_one_row
     assert torch.allclose(total, s) and torch.allclose(logits, want, atol=1e-4)
     assert layer_gemv(row, torch.randn(2, 48)) is None  # two rows: the layer's own forward
 
-
-class SelfSumming(Recorder):
-    """A one-shot stand-in whose GEMV sums the row itself: what it returns is off by one from the
-    layer's own GEMV, to tell whose the row is."""
-
-    def gemv(self, x, weight, bias):
-        self.sizes.append(x.shape[0])
-        return x @ weight.T + bias + 1
-
-
-def test_with_a_one_shot_a_row_parallel_layer_takes_its_self_summing_gemv(group_of_one):
-    torch.manual_seed(0)
-    row = RowParallelLinear(slice(0, 48), 48, 40, bias=True, first=True)
-    torch.nn.init.normal_(row.weight), torch.nn.init.normal_(row.bias)
-    one_shot = SelfSumming(max_bytes=0)
-    use_one_shot(one_shot)  # type: ignore[arg-type]
-    try:
-        x = torch.randn(1, 48)
-        out, total = layer_gemv(row, x)
-        assert total is None and torch.allclose(out, row(x) + 1, atol=1e-4) and one_shot.sizes == [1]
-    finally:
-        use_one_shot(None)

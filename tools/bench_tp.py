@@ -14,6 +14,7 @@ Per setting, in a process of its own (each loads the model and frees its GPUs wh
     timeline  20 batch-1 decode steps under torch.profiler in the engine and in every rank: each
               process's host work (launch, collect) and each GPU's kernels on one clock; per step,
               the GPU's busy time and that of its all-reduces
+    workload_timeline  the same for 10 steps of the workload, 150 steps in
 """
 
 from __future__ import annotations
@@ -185,27 +186,31 @@ def setting(name: str, out: str, tmp: str) -> None:
     print(f"{name}: workload {res['workload']['output_tokens_per_s']:.0f} output tok/s", flush=True)
     Path(out).write_text(json.dumps(res))
 
-    # The timeline: 20 decode steps of one request, profiled in the engine and in every rank.
-    rid = engine.add_request(prompt, greedy(60))
-    for _ in range(20):
-        engine.step()
-    ranks_trace(engine, None)
-    if tp > 1:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(20):
-                engine.step()
-        prof.export_chrome_trace(f"{tmp}/{name}.engine")
-    else:  # one profiler a process: the runner's sees the engine's side too
-        for _ in range(20):
+    # The timelines: 20 decode steps of one request, then 10 steps of the workload once its first requests
+    # are past their prompts, profiled in the engine and in every rank.
+    for key, requests, warm, steps in (("timeline", ([prompt], [60]), 20, 20),
+                                       ("workload_timeline", workload(256), 150, 10)):
+        rids = [engine.add_request(p, greedy(o)) for p, o in zip(*requests)]
+        for _ in range(warm):
             engine.step()
-    ranks_trace(engine, f"{tmp}/{name}")
-    engine.abort(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
-    try:
-        res["timeline"] = timeline(f"{tmp}/{name}", tp)
-    except Exception as err:  # noqa: BLE001 - the figures above stand without it
-        res["timeline"] = {"failed": f"{type(err).__name__}: {err}"}
+        ranks_trace(engine, None)
+        if tp > 1:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    engine.step()
+            prof.export_chrome_trace(f"{tmp}/{name}.engine")
+        else:  # one profiler a process: the runner's sees the engine's side too
+            for _ in range(steps):
+                engine.step()
+        ranks_trace(engine, f"{tmp}/{name}")
+        for rid in rids:
+            engine.abort(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        try:
+            res[key] = timeline(f"{tmp}/{name}", tp)
+        except Exception as err:  # noqa: BLE001 - the figures above stand without it
+            res[key] = {"failed": f"{type(err).__name__}: {err}"}
     engine.close()
     Path(out).write_text(json.dumps(res))
 

@@ -7,12 +7,10 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from miniinfer.kernels.gemv import GEMV_ROWS, _gemv_program, gemv_config, launch_gemv
 from miniinfer.kernels.norm_rope import pdl_args, wait_for_input
 
 BLOCK = 2048  # elements a program sums at a time: 4 KB of bf16, so a decode message (8-64 KB) is 2-16 programs
 PROGRAMS = 128  # at most, all on the GPU at once on any GPU this runs on: each spins until its peer's arrives
-ROW_BYTES = 64 << 10  # the largest row a row-parallel GEMV sums itself (below): a hidden size of 32,768 in bf16
 
 
 @triton.jit
@@ -77,16 +75,14 @@ class OneShotAllReduce:
         8 KB to 4 MB (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet."""
         import torch.distributed._symmetric_memory as symm_mem
         self.rank, self.max_bytes = dist.get_rank(group), max_bytes
-        # two halves; two for the row-parallel GEMV's rows (below); the flags, one a program and the GEMV's
-        edges = [0, 2 * max_bytes, 2 * max_bytes + 2 * ROW_BYTES, 2 * max_bytes + 2 * ROW_BYTES + 4 * (PROGRAMS + 1)]
-        self.buffer = symm_mem.empty(edges[-1], dtype=torch.uint8, device=device)
-        handle = symm_mem.rendezvous(self.buffer, group.group_name)
-        peer = handle.get_buffer(1 - self.rank, (edges[-1],), torch.uint8)
-        (self.mine, self.rows, flags), (self.peer, self.peer_rows, peer_flags) = (
-            [buffer[a:b] for a, b in zip(edges, edges[1:])] for buffer in (self.buffer, peer))
-        self.flags, self.peer_flags = flags.view(torch.int32), peer_flags.view(torch.int32)  # the peer raises ours
+        size = 2 * max_bytes + 4 * PROGRAMS  # two halves, then the flags
+        self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        peer = symm_mem.rendezvous(self.buffer, group.group_name).get_buffer(1 - self.rank, (size,), torch.uint8)
+        self.mine, self.peer = self.buffer[:2 * max_bytes], peer[:2 * max_bytes]
+        self.flags = self.buffer[2 * max_bytes:].view(torch.int32)  # the peer raises these
+        self.peer_flags = peer[2 * max_bytes:].view(torch.int32)
         self.flags.zero_()
-        self.counts = torch.zeros(PROGRAMS + 2, dtype=torch.int32, device=device)  # the GEMV's: calls, programs done
+        self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # both ranks' flags are zero before either raises one
 
@@ -97,43 +93,3 @@ class OneShotAllReduce:
         """x summed over both ranks, in place."""
         one_shot(x, self.mine.view(x.dtype), self.peer.view(x.dtype), self.flags, self.peer_flags, self.counts)
         return x
-
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """x @ weight^T (+ bias) summed over both ranks by `row_parallel_gemv` (below), or None where it
-        does not serve: more than GEMV_ROWS rows, another dtype, a row of more than ROW_BYTES."""
-        x2 = x.reshape(-1, x.shape[-1])
-        row_bytes = x2.shape[0] * weight.shape[0] * x.element_size()
-        if x2.shape[0] > GEMV_ROWS or weight.dtype != x.dtype or row_bytes > ROW_BYTES:
-            return None
-        out = row_parallel_gemv(x2.contiguous(), weight, bias, self.rows.view(x.dtype), self.peer_rows.view(x.dtype),
-                                self.flags[PROGRAMS:], self.peer_flags[PROGRAMS:], self.counts[PROGRAMS:])
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-
-@triton.jit(do_not_specialize=["eps"])
-def _row_parallel_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
-                              mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, half,
-                              ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PDL: tl.constexpr, BLOCK: tl.constexpr):
-    _gemv_program(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps, ROWS, ADD, NORM,
-                  HAS_BIAS, GATED, BLOCK_N, BLOCK_K, PDL)
-    tl.debug_barrier()  # this program's outputs stored before it counts itself in
-    # counts: [the calls, the programs of this call done]
-    if tl.atomic_add(counts_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(counts_ptr + 1, 0)
-        _exchange(out_ptr, M * N, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, 0, 0, half, BLOCK,
-                  BLOCK)
-
-
-def row_parallel_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mine: torch.Tensor,
-                      peer: torch.Tensor, flags: torch.Tensor, peer_flags: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight^T (+ bias) summed over both ranks: chapter 06's GEMV, whose last program sums
-    the output with the peer's through `mine` and `peer` (two halves each, as `one_shot`'s), one flag
-    each way and counts [calls, programs done]."""
-    N, K = weight.shape
-    return launch_gemv(_row_parallel_gemv_kernel, (weight,), N, x, bias, False, gemv_config(N, K, False, x.device),
-                       res_ptr=x, sum_ptr=x, nw_ptr=x, eps=0.0, ADD=False, NORM=False, mine_ptr=mine, peer_ptr=peer,
-                       flags_ptr=flags, peer_flags_ptr=peer_flags, counts_ptr=counts, half=mine.numel() // 2,
-                       BLOCK=BLOCK)

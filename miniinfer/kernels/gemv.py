@@ -61,10 +61,10 @@ def _tiles(w_ptr, rn, k0, N, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
     return w, u
 
 
-@triton.jit
-def _gemv_program(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
-                  ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["eps"])
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
+                 ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[:M, n] = norm(x + res)[:M] @ W[n]^T (+ bias) for this program's BLOCK_N outputs n, on the
     CUDA cores: a few rows against each weight tile, read once. GATED: out = silu(gate) * up, with
     W = [gate; up] stacked along N, N the number of gate rows."""
@@ -98,15 +98,6 @@ def _gemv_program(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_
         if GATED:
             acc_up += x * u.to(tl.float32)
     _finish(tl.sum(acc, 2), tl.sum(acc_up, 2) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS, GATED)
-
-
-@triton.jit(do_not_specialize=["eps"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
-                 ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # A program's work is a function of its own: chapter 11's kernel adds to it.
-    _gemv_program(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps, ROWS, ADD, NORM,
-                  HAS_BIAS, GATED, BLOCK_N, BLOCK_K, PDL)
 
 
 def gemv_config(N: int, K: int, norm: bool, device: torch.device) -> dict:

@@ -91,7 +91,6 @@ class OneShot(Protocol):
     """What `all_reduce` asks of a one-shot all-reduce (`kernels.allreduce`, below, made by the worker)."""
     def serves(self, x: torch.Tensor) -> bool: ...
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None: ...
 
 
 _one_shot: OneShot | None = None  # this process's, once its worker made one (`use_one_shot`)
@@ -130,12 +129,7 @@ class RowParallelLinear(Linear):
         return all_reduce(super().forward(x))
 
     def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward);
-        with a one-shot, a GEMV that sums its row itself (`OneShotAllReduce.gemv`)."""
-        if _one_shot is not None and not fused:
-            summed = _one_shot.gemv(x, self.weight, self.bias)
-            if summed is not None:
-                return summed, None
+        """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward)."""
         out = ROW_GEMV["triton"](x, self.weight, self.bias, **fused)
         return None if out is None else (all_reduce(out[0]), out[1])
 
