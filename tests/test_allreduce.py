@@ -16,19 +16,22 @@ HALF = PROGRAMS * BLOCK + 4096  # room for a message that loops
 
 
 class Rank0:
-    """Rank 0's buffers as the peer leaves them, and the peer's."""
+    """Rank 0's buffer as the peer leaves it (-0.0 where unwritten), and the peer's."""
 
     def __init__(self, dtype=torch.float32):
-        self.mine, self.peer = torch.zeros(2 * HALF, dtype=dtype), torch.zeros(2 * HALF, dtype=dtype)
-        self.flags, self.peer_flags, self.counts = (torch.zeros(PROGRAMS, dtype=torch.int32) for _ in range(3))
+        self.mine, self.peer = torch.full((2 * HALF,), -0.0, dtype=dtype), torch.full((2 * HALF,), -0.0, dtype=dtype)
+        self.counts = torch.zeros(PROGRAMS, dtype=torch.int32)
 
-    def call(self, x: torch.Tensor, y: torch.Tensor, call: int, peer_call: int | None = None) -> None:
-        """The peer's part y of call `call` stored into rank 0's half; its flags raised to peer_call
-        (default: call)."""
+    def call(self, x: torch.Tensor, y: torch.Tensor, call: int) -> None:
+        """The peer's part y of call `call` stored into rank 0's half, then rank 0's kernel."""
         base = (call % 2) * HALF
         self.mine[base:base + y.numel()] = y
-        self.flags[:] = call if peer_call is None else peer_call
-        one_shot(x, self.mine, self.peer, self.flags, self.peer_flags, self.counts)
+        one_shot(x, self.mine, self.peer, self.counts)
+
+
+def unwritten(t: torch.Tensor) -> bool:
+    """Whether every slot of t is -0.0."""
+    return bool(((t == 0) & torch.signbit(t)).all())
 
 
 @pytest.mark.parametrize("n", [1, 5, BLOCK - 1, BLOCK + 1, 3 * BLOCK + 17, PROGRAMS * BLOCK + 4095])
@@ -42,17 +45,22 @@ def test_the_one_shot_adds_the_peers_part_call_after_call(n):
         assert torch.equal(x, want)
         base = (call % 2) * HALF  # this call's half: rank 0 stores its part there for the peer
         assert torch.equal(rank.peer[base:base + n], x_before)
-        assert rank.peer_flags[:programs].tolist() == [call] * programs and not rank.peer_flags[programs:].any()
-        assert rank.counts[:programs].tolist() == [call] * programs
+        assert unwritten(rank.mine[base:base + n]), "read slots are marked unwritten again"
+        assert rank.counts[:programs].tolist() == [call] * programs and not rank.counts[programs:].any()
+    assert unwritten(rank.mine), "the whole buffer unwritten after the calls"
 
 
-def test_a_peer_already_a_call_ahead_does_not_stall_it():
-    """The peer may have flagged its next call before rank 0 looks: its flag is then past, not equal."""
-    rank = Rank0()
-    x, y = torch.randn(100), torch.randn(100)
-    want = x + y
-    rank.call(x, y, call=1, peer_call=2)
-    assert torch.equal(x, want)
+def test_a_part_of_negative_zero_is_sent_as_zero():
+    """-0.0 marks a slot not yet written, so a part that is -0.0 goes over as +0.0 (the same number),
+    on both sides of the sum."""
+    for dtype in (torch.float32, torch.bfloat16):
+        rank = Rank0(dtype)
+        x = torch.tensor([-0.0, -0.0, 1.0, -2.0], dtype=dtype)
+        y = torch.tensor([-0.0 + 0.0, 3.0, -0.0 + 0.0, 0.5], dtype=dtype)  # as the peer sends them: +0.0
+        rank.call(x, y, 1)
+        assert x.tolist() == [0.0, 3.0, 1.0, -1.5] and not torch.signbit(x[0])
+        sent = rank.peer[HALF:HALF + 4]
+        assert sent.tolist() == [0.0, 0.0, 1.0, -2.0] and not torch.signbit(sent[:2]).any()
 
 
 def test_both_ranks_get_the_same_bits():

@@ -72,9 +72,10 @@ def _graphed(fn):
     return graph.replay
 
 
-def _check_one_shot(one_shot: OneShotAllReduce, size: int, dtype: torch.dtype, rank: int) -> float:
+def _check_one_shot(one_shot: OneShotAllReduce, size: int, rank: int) -> float:
     """The largest difference between the one-shot's sum and NCCL's over 20 random messages, 10 summed
     eagerly and 10 by a graph's replays (new data in the same buffer each time)."""
+    dtype = one_shot.dtype
     x = torch.empty(size // torch.finfo(dtype).bits * 8, device="cuda", dtype=dtype)
     one_shot(x.zero_())  # compiled for this dtype before the capture
     graph = torch.cuda.CUDAGraph()
@@ -96,7 +97,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
-    one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=4 << 20)  # past the crossover
+    # one a dtype (each marks its buffer with its dtype's -0.0), serving past the crossover
+    one_shot, one_shot_float32 = (OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), dtype,
+                                                   max_bytes=4 << 20) for dtype in (torch.bfloat16, torch.float32))
     rows = []
     for size in SIZES:
         x = torch.full((size // 2,), float(rank + 1), device="cuda", dtype=torch.bfloat16)
@@ -121,8 +124,8 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
                     one_shot(y)
             row["one_shot_eager_us"] = _timed(one_shot_eager) * 1e6
             row["one_shot_graph_us"] = _timed(_graphed(lambda: one_shot(y))) * 1e6
-            row["one_shot_max_diff"] = _check_one_shot(one_shot, size, torch.bfloat16, rank)
-            row["one_shot_max_diff_float32"] = _check_one_shot(one_shot, size, torch.float32, rank)
+            row["one_shot_max_diff"] = _check_one_shot(one_shot, size, rank)
+            row["one_shot_max_diff_float32"] = _check_one_shot(one_shot_float32, size, rank)
             row["torch_one_shot_graph_us"] = _torch_one_shot(size)
         rows.append(row)
         if rank == 0:

@@ -14,82 +14,95 @@ PROGRAMS = 128  # at most, all on the GPU at once on any GPU this runs on: each 
 
 
 @triton.jit
-def _exchange(x_ptr, n, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, slot, first, half,
-              BLOCK: tl.constexpr, STEP: tl.constexpr):
-    """x[i] += the peer's x[i] for i in first, first + STEP, ... (in blocks of BLOCK), under the call
-    count and flag of `slot`. The count (its own slot, read and written by one program) names the call:
-    the flag the peer waits for, and the half of the buffer that holds it."""
-    epoch = tl.load(counts_ptr + slot) + 1
-    tl.store(counts_ptr + slot, epoch)
-    base = (epoch % 2) * half
-    # Pushed, not pulled: a store over the link needs no answer, a load waits a round trip.
-    for start in range(first, n, STEP):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        tl.store(peer_ptr + base + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
-    tl.debug_barrier()  # every thread's part stored before the flag says so (release: ordered before it)
-    tl.atomic_xchg(peer_flags_ptr + slot, epoch, sem="release", scope="sys")
-    # At least, not equal: a fast peer may already have flagged its next call.
-    while tl.atomic_add(flags_ptr + slot, 0, sem="acquire", scope="sys") < epoch:
-        pass
-    for start in range(first, n, STEP):
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
-        other = tl.load(mine_ptr + base + offsets, mask=mask).to(tl.float32)
-        # x + y == y + x: both ranks get the same bits. (In float32, as NCCL adds bf16; the CPU
-        # interpreter cannot add bf16.)
-        tl.store(x_ptr + offsets, (x + other).to(x_ptr.dtype.element_ty), mask=mask)
+def _bits(v):
+    """v's bits, as integers of its width (bf16 and fp16: 16, float32: 32)."""
+    if v.dtype.primitive_bitwidth == 16:
+        return v.to(tl.int16, bitcast=True)
+    else:
+        return v.to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, n, half,
-                     BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+def _negative_zeros(v):
+    """-0.0 (the sign bit alone) in v's shape and dtype: the mark of a slot the peer has not written."""
+    if v.dtype.primitive_bitwidth == 16:
+        return tl.full(v.shape, -(1 << 15), tl.int16).to(v.dtype, bitcast=True)
+    else:
+        return tl.full(v.shape, -(1 << 31), tl.int32).to(v.dtype, bitcast=True)
+
+
+@triton.jit
+def _unwritten(v):
+    """Where v is -0.0. No part is sent as -0.0: the sender sends +0.0 for it, the same number."""
+    return _bits(v) == _bits(_negative_zeros(v))
+
+
+@triton.jit
+def _one_shot_kernel(x_ptr, mine_ptr, peer_ptr, counts_ptr, n, half, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                     PDL: tl.constexpr):
     wait_for_input(PDL)  # launched early (chapter 04): it waits here for the matmul whose sums it adds
     # Block b of the message is program b % PROGRAMS's in every call, whatever the size, so a program's
-    # call count and flag always speak of the same part of the buffer.
+    # call count always speaks of the same part of the buffer. The count names the call's half.
     pid = tl.program_id(0)
-    _exchange(x_ptr, n, mine_ptr, peer_ptr, flags_ptr, peer_flags_ptr, counts_ptr, pid, pid * BLOCK, half, BLOCK,
-              PROGRAMS * BLOCK)
+    epoch = tl.load(counts_ptr + pid) + 1
+    tl.store(counts_ptr + pid, epoch)
+    base = (epoch % 2) * half
+    for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):  # stored over the link: a store waits for no answer
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < n
+        x = tl.load(x_ptr + offsets, mask=mask)
+        tl.store(peer_ptr + base + offsets, tl.where(_unwritten(x), 0.0, x).to(x.dtype), mask=mask)
+    for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < n
+        # The data is its own flag: read again (volatile: from memory) until no slot is -0.0.
+        other = tl.load(mine_ptr + base + offsets, mask=mask, other=1.0, volatile=True)
+        while tl.sum(_unwritten(other).to(tl.int32)) > 0:
+            other = tl.load(mine_ptr + base + offsets, mask=mask, other=1.0, volatile=True)
+        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+        # x + y == y + x: both ranks get the same bits. (In float32, as NCCL adds bf16; the CPU
+        # interpreter cannot add bf16.)
+        tl.store(x_ptr + offsets, (x + other.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=mask)
+        # -0.0 again, for the call after next: the peer writes this half again only once this kernel
+        # has ended (it first needs this rank's part of the next call).
+        tl.store(mine_ptr + base + offsets, _negative_zeros(other), mask=mask)
 
 
-def one_shot(x: torch.Tensor, mine: torch.Tensor, peer: torch.Tensor, flags: torch.Tensor,
-             peer_flags: torch.Tensor, counts: torch.Tensor) -> None:
+def one_shot(x: torch.Tensor, mine: torch.Tensor, peer: torch.Tensor, counts: torch.Tensor) -> None:
     """The kernel's launch: x += the peer's x, which the peer stores into this rank's buffer `mine` (two
-    halves) as this rank stores x into the peer's, `peer`; the flags this rank waits on, the peer's, and
-    this rank's call counts, one per program."""
+    halves, -0.0 where unwritten) as this rank stores x into the peer's, `peer`; this rank's call counts,
+    one per program."""
     n = x.numel()
     grid = (min(PROGRAMS, triton.cdiv(n, BLOCK)),)
-    _one_shot_kernel[grid](x, mine, peer, flags, peer_flags, counts, n, mine.numel() // 2, BLOCK=BLOCK,
-                           PROGRAMS=PROGRAMS, **pdl_args(x.device))
+    _one_shot_kernel[grid](x, mine, peer, counts, n, mine.numel() // 2, BLOCK=BLOCK, PROGRAMS=PROGRAMS,
+                           **pdl_args(x.device))
 
 
 class OneShotAllReduce:
     """The sum of a tensor over two GPUs in one kernel: each rank stores its part into the peer's buffer
-    (symmetric memory: each process's buffer mapped into the other's over NVLink), raises a flag there,
-    waits for the peer's flag in its own and adds the part the peer stored to its own. One launch, one
-    crossing of the link, nothing for the host to do: a CUDA graph captures it."""
+    (symmetric memory: each process's buffer mapped into the other's over NVLink) and, once the peer's
+    part has arrived in its own, adds it to its own. One launch, one crossing of the link, nothing for
+    the host to do: a CUDA graph captures it."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, max_bytes: int = 4 << 20):
-        """max_bytes: the largest message it serves. On two H100s it beat NCCL at every size measured,
-        8 KB to 4 MB (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet."""
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                 max_bytes: int = 4 << 20):
+        """Serves messages of one floating dtype (the buffer's -0.0 is that dtype's), up to max_bytes. On
+        two H100s it beat NCCL at every size measured, 8 KB to 4 MB (`tools/bench_allreduce.py`); above,
+        NCCL's bandwidth (a ring) is the better bet."""
         import torch.distributed._symmetric_memory as symm_mem
-        self.rank, self.max_bytes = dist.get_rank(group), max_bytes
-        size = 2 * max_bytes + 4 * PROGRAMS  # two halves, then the flags
-        self.buffer = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        peer = symm_mem.rendezvous(self.buffer, group.group_name).get_buffer(1 - self.rank, (size,), torch.uint8)
-        self.mine, self.peer = self.buffer[:2 * max_bytes], peer[:2 * max_bytes]
-        self.flags = self.buffer[2 * max_bytes:].view(torch.int32)  # the peer raises these
-        self.peer_flags = peer[2 * max_bytes:].view(torch.int32)
-        self.flags.zero_()
+        self.rank, self.dtype, self.max_bytes = dist.get_rank(group), dtype, max_bytes
+        self.buffer = symm_mem.empty(2 * max_bytes // dtype.itemsize, dtype=dtype, device=device)  # two halves
+        self.peer = symm_mem.rendezvous(self.buffer, group.group_name).get_buffer(
+            1 - self.rank, self.buffer.shape, dtype)
+        self.buffer.fill_(-0.0)  # nothing written
         self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # both ranks' flags are zero before either raises one
+        dist.barrier(group)  # both buffers marked before either rank writes into the other's
 
     def serves(self, x: torch.Tensor) -> bool:
-        return x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
+        return x.dtype == self.dtype and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over both ranks, in place."""
-        one_shot(x, self.mine.view(x.dtype), self.peer.view(x.dtype), self.flags, self.peer_flags, self.counts)
+        one_shot(x, self.buffer, self.peer, self.counts)
         return x

@@ -41,7 +41,8 @@ class Worker:
         self.rank = rank
         # Before the runner captures its graphs: they capture whichever all-reduce the layers call.
         if cuda and size == 2 and config.all_reduce == "auto" and torch.cuda.can_device_access_peer(rank, 1 - rank):
-            use_one_shot(OneShotAllReduce(cast(dist.ProcessGroup, dist.group.WORLD), torch.device(config.device)))
+            use_one_shot(OneShotAllReduce(cast(dist.ProcessGroup, dist.group.WORLD), torch.device(config.device),
+                                           config.dtype))
         layers = components.parallel or ParallelLayers()
         shard, whole = layers.shard(rank, size), config.quantization is not None
         prepare = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
