@@ -282,10 +282,12 @@ def run(out: str, layers: int, settings: list[str]) -> None:
     tmp = tempfile.mkdtemp()  # the traces: large, read here
     for name in settings:
         part = f"{tmp}/{name}.json"
-        subprocess.run([sys.executable, __file__, "one", name, part, tmp], check=False)
-        if Path(part).exists():
-            res["settings"][name] = json.loads(Path(part).read_text())
-        Path(out).write_text(json.dumps(res, indent=1))
+        try:
+            subprocess.run([sys.executable, __file__, "one", name, part, tmp], check=False)
+        finally:  # cut short (SIGINT), still what the setting wrote before its profiles
+            if Path(part).exists():
+                res["settings"][name] = json.loads(Path(part).read_text())
+            Path(out).write_text(json.dumps(res, indent=1))
     s = res["settings"]
     if "tp1" in s and "tp2" in s:
         res["tp2_latency_of_tp1"] = s["tp2"]["batch1_itl_ms"] / s["tp1"]["batch1_itl_ms"]
