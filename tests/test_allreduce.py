@@ -1,5 +1,5 @@
 """Chapter 11's one-shot all-reduce, its kernel under Triton's CPU interpreter with one process playing
-rank 0 (the peer's part and flags as the peer would leave them: the interpreter has no second GPU);
+rank 0 (its buffer as the peer would leave it: the interpreter has no second GPU);
 the dispatch by size; and a row-parallel layer's and the LM head's one-row GEMV against their forward,
 in a gloo group of one."""
 
@@ -56,7 +56,7 @@ def test_a_part_of_negative_zero_is_sent_as_zero():
     for dtype in (torch.float32, torch.bfloat16):
         rank = Rank0(dtype)
         x = torch.tensor([-0.0, -0.0, 1.0, -2.0], dtype=dtype)
-        y = torch.tensor([-0.0 + 0.0, 3.0, -0.0 + 0.0, 0.5], dtype=dtype)  # as the peer sends them: +0.0
+        y = torch.tensor([0.0, 3.0, 0.0, 0.5], dtype=dtype)  # as the peer sends its -0.0: +0.0
         rank.call(x, y, 1)
         assert x.tolist() == [0.0, 3.0, 1.0, -1.5] and not torch.signbit(x[0])
         sent = rank.peer[HALF:HALF + 4]
@@ -122,4 +122,3 @@ def test_a_row_parallel_layer_and_the_lm_head_take_the_gemv_in_a_step_of_one_row
     want = head(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm)
     assert torch.allclose(total, s) and torch.allclose(logits, want, atol=1e-4)
     assert layer_gemv(row, torch.randn(2, 48)) is None  # two rows: the layer's own forward
-

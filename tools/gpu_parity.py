@@ -99,7 +99,7 @@ def tp_parity(kind: str, n: int = 48) -> dict:
                 preempted += steps_preempted
                 outs.append([final[i].token_ids for i in ids])
                 same.append(sum(o == e for o, e in zip(outs[-1], expected)))
-            # and a few alone: every decode step one row (on two GPUs, the GEMVs that sum their rows)
+            # and a few alone: every decode step one row (on two GPUs, each GEMV's row summed by the one-shot)
             alone = [engine.generate([p], sp, use_tqdm=False)[0].token_ids for p, sp in zip(prompts[:6], params[:6])]
             res[name] = {"same_per_round": same, "preemptions": preempted,
                          "same_alone": [sum(a == e for a, e in zip(alone, expected)), len(alone)],
