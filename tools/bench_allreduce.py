@@ -3,8 +3,8 @@ from a CUDA graph, by message size (bf16, 8 KB to 1 GB), with the copy bandwidth
 the course's one-shot all-reduce (`miniinfer.kernels.allreduce`) at every size it serves, eagerly and in
 a graph, checked against NCCL on random data, with PyTorch's own one-shot beside it where it runs.
 
-    python tools/bench_allreduce.py docs/benchmarks/allreduce_one_shot_2gpu_h100.json
-    python tools/bench_allreduce.py plot docs/benchmarks/allreduce_one_shot_2gpu_h100.json   (its PNG)
+    python tools/bench_allreduce.py docs/benchmarks/allreduce_one_shot_2gpu_h200.json
+    python tools/bench_allreduce.py plot docs/benchmarks/allreduce_one_shot_2gpu_h200.json   (its PNG)
 
 Per size: `eager_us` (calls back to back, as a model's layers make them, timed with CUDA events),
 `graph_us` (the same calls captured in one graph and replayed; the decode path's case) and each one's
