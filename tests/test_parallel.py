@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -184,8 +185,8 @@ def test_bad_configurations_are_refused_before_any_process_starts(config, match)
 
 def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():
     """The server's setup: the engine in a process of its own, its ranks that process's children.
-    A rank killed mid-stream ends the streams with the reason; later requests fail the same way;
-    close() leaves no process."""
+    A rank killed mid-stream ends the streams with the reason; the engine stops (its process ends),
+    so a later request fails at once; close() leaves no process."""
     import asyncio
 
     import psutil
@@ -213,10 +214,15 @@ def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():
 
     try:
         got, later = asyncio.run(asyncio.wait_for(main(), 120))
+        # The engine's loop stopped at the failure and its process ended: what /health reads.
+        deadline = time.monotonic() + 30
+        while eng.client.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not eng.client.is_alive() and eng.stopped
     finally:
         eng.close()
     assert all(isinstance(g, RuntimeError) and "rank 1 died" in str(g) for g in got), got
-    assert later is not None and "cannot go on" in str(later)
+    assert isinstance(later, RuntimeError) and "the engine has stopped" in str(later), later
     assert not eng.client.process.is_alive() and not any(p.is_running() and p.status() != "zombie" for p in ranks)
 
 

@@ -22,6 +22,7 @@ import pytest
 from conftest import hf_greedy
 
 import miniinfer as mi
+from miniinfer.engine.executor import ExecutorDead
 from miniinfer.serving.bench import one_request, read_metrics, sse_data
 from miniinfer.serving.openai.chat import chat_prompt
 from miniinfer.serving.server import ENDPOINTS, build_app
@@ -580,6 +581,44 @@ def test_every_shape_matches_transformers(hf_checkpoint, tmp_path, stream):
         assert engine.client.engine.block_manager.num_free_blocks == 64
     finally:
         engine.close()
+
+
+def test_an_engine_that_can_run_no_step_again_stops_and_the_server_says_so():
+    """An executor that can run no step again (ExecutorDead: a tensor-parallel rank died) fails the
+    requests of the step and those waiting with its reason; the engine's loop stops, /health answers
+    503, and a new request gets a 503 at once, not a stream that never ends. Every block comes back."""
+    llm = mi.LLMEngine(mi.EngineConfig(num_blocks=64, max_num_seqs=2))
+    collect, calls = llm.executor.collect, itertools.count()
+
+    def dies_in_the_fourth_step(launched):
+        if next(calls) == 3:
+            raise ExecutorDead("tensor parallelism failed: rank 1 died (exit code -9)")
+        return collect(launched)
+    llm.executor.collect = dies_in_the_fourth_step
+    engine = mi.AsyncLLMEngine(llm)
+    body = {"prompt": [5, 6, 7], "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+
+    async def main():
+        transport = httpx.ASGITransport(app=build_app(engine, "course"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200
+            failed = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(3)))
+            for _ in range(100):  # the loop returns right after it told the requests
+                if (health := await http.get("/health")).status_code != 200:
+                    break
+                await asyncio.sleep(0.05)
+            return failed, health, await http.post("/v1/completions", json=body)
+
+    try:
+        failed, health, later = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.close()
+    # two in the step, one waiting for a place: all three get the reason
+    assert all(r.status_code == 500 and "rank 1 died" in r.json()["error"]["message"] for r in failed), \
+        [r.text for r in failed]
+    assert health.status_code == 503 and "stopped" in health.json()["status"]
+    assert later.status_code == 503 and later.json()["error"]["code"] == "engine_stopped", later.text
+    assert llm.block_manager.num_free_blocks == 64
 
 
 LIMITS = [({"prompt": "x", "stop": ["a"] * 17}, "stop"), ({"prompt": "x", "stop": "y" * 513}, "stop"),

@@ -15,7 +15,7 @@ from typing import AsyncGenerator, Protocol, runtime_checkable
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.sequence import RequestOutput
-from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutput, EngineStats
+from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutput, EngineStats, EngineStopped
 from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient, Receive
 from miniinfer.engine.llm_engine import LLMEngine, check_request
 from miniinfer.model.loader import load_tokenizer
@@ -80,6 +80,7 @@ class AsyncLLMEngine:
         # Seconds the engine spent in steps, and waiting to hand outputs over (a server too slow to read).
         self.totals = {"steps": 0, "step_seconds": 0.0, "wait_seconds": 0.0}
         self.recent: collections.deque = collections.deque()  # (time, tokens) of the last minute's steps
+        self.stopped = False  # the client said the engine is gone: nothing would answer a new request
         self.client: EngineClient
         if isinstance(engine, LLMEngine):
             self.tokenizer, self.checks = engine.tokenizer, engine.components.checks
@@ -119,6 +120,9 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
         self.streams[request_id] = stream
+        if self.stopped:  # (filed first: were the engine to stop after this line, it fails with the rest)
+            del self.streams[request_id]
+            raise EngineStopped("the engine has stopped: it serves no new request")
         self.client.send(AddRequest(request_id, token_ids, params, turn))
         outputs = self._follow(request_id, stream)
         # A generator never started never runs its `finally`: its collection ends the request instead.
@@ -162,7 +166,8 @@ class AsyncLLMEngine:
         """In the engine's thread (or the receiver's): each output becomes its stream's RequestOutput,
         built here once in both modes, with the tokenizer that gives its text."""
         if outputs is None or stats is None:
-            outputs = [EngineOutput(rid, [], "error", error="the engine process ended", fault="engine")
+            self.stopped = True
+            outputs = [EngineOutput(rid, [], "error", error="the engine has stopped", fault="engine")
                        for rid in list(self.streams)]
             stats = dataclasses.replace(self.stats, new_tokens=0, step_seconds=0.0, wait_seconds=0.0)
         self.stats = stats  # read by other threads (metrics): replaced whole, never changed in place

@@ -8,6 +8,7 @@ from typing import Callable, Union
 
 from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.sequence import RequestOutput
+from miniinfer.engine.executor import ExecutorDead
 from miniinfer.engine.llm_engine import Limits, LLMEngine
 
 
@@ -53,6 +54,10 @@ class EngineClosed(RuntimeError):
     """The engine was shut down before the request finished."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine has stopped (its process ended, or it could run no step again): it takes no request."""
+
+
 FAILURES = {"request": RequestFailed, "engine": RuntimeError, "closed": EngineClosed}
 
 
@@ -96,8 +101,9 @@ class EngineInfo:
 
 def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand | None],
                emit: Callable[[list[EngineOutput], EngineStats], None]) -> None:
-    """Step `engine` until Shutdown. Commands are applied between steps (`next_command(True)` waits
-    for one while the engine is idle); emit gets each step's outputs and the engine's state."""
+    """Step `engine` until Shutdown, or until its executor can run no step again. Commands are applied
+    between steps (`next_command(True)` waits for one while the engine is idle); emit gets each
+    step's outputs and the engine's state."""
     preparing: dict[str, tuple[concurrent.futures.Future, AddRequest]] = {}
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-prepare")
     try:
@@ -123,8 +129,10 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
             if preparing and not outputs and not engine.has_unfinished_requests():  # nothing to step or tell
                 concurrent.futures.wait([future for future, _ in preparing.values()], timeout=0.01,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
-            else:
-                step(engine, outputs, emit)
+            elif (failure := step(engine, outputs, emit)) is not None:  # no step can run again
+                emit([EngineOutput(rid, [], "error", error=failure, fault="engine") for rid in preparing],
+                     EngineStats.of(engine))
+                return
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a preparation under way ends on its own
 
@@ -156,18 +164,26 @@ def enqueue(engine: LLMEngine, add: AddRequest, failure: BaseException | None = 
 
 
 def step(engine: LLMEngine, outputs: list[EngineOutput],
-         emit: Callable[[list[EngineOutput], EngineStats], None]) -> None:
-    """One step; emit its outputs after those already in `outputs`."""
+         emit: Callable[[list[EngineOutput], EngineStats], None]) -> str | None:
+    """One step; emit its outputs after those already in `outputs`. If the executor can run no step
+    again (`ExecutorDead`: a rank died), every request fails, and the failure is returned."""
     before = list(engine.requests)
     try:
         done = engine.step()
     except Exception as err:  # the engine aborted that step's requests: tell their clients
         failure = f"{type(err).__name__}: {err}"
+        dead = isinstance(err, ExecutorDead)
+        for rid in list(engine.requests) if dead else ():  # no later step would serve them
+            engine.abort(rid)
         outputs += [EngineOutput(rid, [], "error", error=failure, fault="engine")
                     for rid in before if rid not in engine.requests]
+        if dead:
+            emit(outputs, EngineStats.of(engine))
+            return failure
         done = []
     # A request that failed on its own data (the others of its step ran): its client gets the error.
     outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
                              o.error and f"the request failed: {o.error}", o.new_logprobs,
                              o.prompt_logprobs if o.prompt_logprobs and first_output(o) else None) for o in done]
     emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
+    return None

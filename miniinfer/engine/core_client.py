@@ -43,9 +43,14 @@ class InprocClient(EngineClient):
         self.engine, self.commands = engine, queue.SimpleQueue()
         self.info = EngineInfo(engine.limits, list(engine.info.eos_token_ids), engine.config.max_num_seqs,
                                EngineStats.of(engine))
-        self.thread = threading.Thread(target=run_engine, args=(engine, self._next, receive), daemon=True,
-                                       name="miniinfer-engine")
+        self.thread = threading.Thread(target=self._run, args=(receive,), daemon=True, name="miniinfer-engine")
         self.thread.start()
+
+    def _run(self, receive: Receive) -> None:
+        try:
+            run_engine(self.engine, self._next, receive)
+        finally:  # stopped (or failed): what is sent from now on gets no answer from it
+            receive(None, None)
 
     def _next(self, block: bool) -> EngineCommand | None:
         try:
@@ -93,7 +98,10 @@ class MultiprocClient(EngineClient):
             batch = [self.commands.get()]
             while not isinstance(batch[-1], Shutdown) and not self.commands.empty():
                 batch.append(self.commands.get())
-            self.conn.send(batch)
+            try:
+                self.conn.send(batch)
+            except OSError:  # the engine's process has ended: the receiver fails every stream
+                return
             if isinstance(batch[-1], Shutdown):
                 return
 

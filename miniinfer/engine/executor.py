@@ -10,6 +10,11 @@ from miniinfer.model.transformer import Registry, Transformer
 from miniinfer.worker.model_runner import Components, Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
 
 
+class ExecutorDead(RuntimeError):
+    """Raised by an executor that can run no step again (chapter 11's, once a rank has died): the
+    engine's loop stops, and every request it holds fails with it."""
+
+
 class Executor(Protocol):
     """The engine's device side: the runners of all ranks, fed the scheduler's plain-data steps."""
     model: Transformer | None  # when it is in the engine's process (chapter 11's ranks hold theirs)

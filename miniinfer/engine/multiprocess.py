@@ -18,6 +18,7 @@ import torch
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
+from miniinfer.engine.executor import ExecutorDead
 from miniinfer.layers.parallel import check_parallel, check_quantized_split
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig, Transformer
@@ -100,11 +101,11 @@ class MultiProcessExecutor:
         for proc in self.procs:  # the others may wait in a collective with the failed rank
             proc.kill()
         self._finalizer()
-        raise RuntimeError(self.failure)
+        raise ExecutorDead(self.failure)
 
     def _send(self, method: str, *args) -> None:
         if self.failure is not None:
-            raise RuntimeError(f"{self.failure}; the engine cannot go on")
+            raise ExecutorDead(f"{self.failure}; the engine cannot go on")
         message = pickle.dumps((method, args))  # once, for every rank
         try:
             for conn in self.conns:

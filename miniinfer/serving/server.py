@@ -28,7 +28,7 @@ from miniinfer.core.config import EngineConfig
 from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
 from miniinfer.core.sequence import RequestOutput
 from miniinfer.engine.async_engine import AsyncLLMEngine, Connects
-from miniinfer.engine.core import EngineClosed, RequestFailed, Shutdown
+from miniinfer.engine.core import EngineClosed, EngineStopped, RequestFailed, Shutdown
 from miniinfer.serving.detokenize import IncrementalDetokenizer
 from miniinfer.serving.openai.chat import CHAT_MAX_TOKENS, Chat
 from miniinfer.serving.openai.completions import Completions, TextOffsets
@@ -82,6 +82,13 @@ def shutting_down(what: str) -> APIError:
     """503 for a request the server will not finish because it is shutting down (Ctrl-C or SIGTERM)."""
     return APIError(f"the server is shutting down: {what}; try again later, or another server", 503,
                     type="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def engine_stopped() -> APIError:
+    """503 for a request the engine can no longer take: its process ended, or it could run no step again
+    (a tensor-parallel rank died). /health says so too; the server's log says why."""
+    return APIError("the engine has stopped: it serves no new request", 503, type="server_error",
+                    code="engine_stopped")
 
 
 def generation_failed(err: Exception, what: str) -> APIError:
@@ -220,7 +227,10 @@ class Server:
                 p = dataclasses.replace(params, seed=seed) if j else params
                 # The engine starts it now; its turn is its place in this request: the scheduler serves
                 # every request's first sequence before any request's second, and so on.
-                stream = self.engine.stream(ids, p, turn=i * n + j)
+                try:
+                    stream = self.engine.stream(ids, p, turn=i * n + j)
+                except EngineStopped:
+                    raise engine_stopped() from None
                 streams.append(self.choice(i * n + j, stream, stops, ids if echo else None))
         return streams
 
@@ -473,6 +483,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = 
         async def generate(request: Request):
             if server.draining:
                 raise shutting_down("it takes no new requests")
+            if not engine.client.is_alive():
+                raise engine_stopped()
             raw = await read_body(request, server.max_body_bytes)
             result = await until_disconnected(request, server.run(raw, endpoint))
             if isinstance(result, (dict, Response)):
