@@ -98,6 +98,11 @@ class AsyncLLMEngine:
         self.limits, self.eos_token_ids, self.max_num_seqs = info.limits, info.eos_token_ids, info.max_num_seqs
         self.stats = info.stats
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine still takes requests (/health reads it)."""
+        return not self.stopped and self.client.is_alive()
+
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The door: the prompt's token ids, or ValueError if the engine can never serve the request."""
         return check_request(prompt, params, self.tokenizer, self.limits, self.checks)
@@ -120,7 +125,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), token_ids, [])
         self.streams[request_id] = stream
-        if self.stopped:  # (filed first: were the engine to stop after this line, it fails with the rest)
+        if not self.alive:  # (filed first: were the engine to stop after this line, it fails with the rest)
             del self.streams[request_id]
             raise EngineStopped("the engine has stopped: it serves no new request")
         self.client.send(AddRequest(request_id, token_ids, params, turn))

@@ -130,7 +130,7 @@ def run_engine(engine: LLMEngine, next_command: Callable[[bool], EngineCommand |
                 concurrent.futures.wait([future for future, _ in preparing.values()], timeout=0.01,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             elif (failure := step(engine, outputs, emit)) is not None:  # no step can run again
-                emit([EngineOutput(rid, [], "error", error=failure, fault="engine") for rid in preparing],
+                emit(outputs + [EngineOutput(rid, [], "error", error=failure, fault="engine") for rid in preparing],
                      EngineStats.of(engine))
                 return
     finally:
@@ -166,7 +166,8 @@ def enqueue(engine: LLMEngine, add: AddRequest, failure: BaseException | None = 
 def step(engine: LLMEngine, outputs: list[EngineOutput],
          emit: Callable[[list[EngineOutput], EngineStats], None]) -> str | None:
     """One step; emit its outputs after those already in `outputs`. If the executor can run no step
-    again (`ExecutorDead`: a rank died), every request fails, and the failure is returned."""
+    again (`ExecutorDead`: a rank died), every request fails: its outputs are left in `outputs`, for
+    the loop to emit with those of the requests still preparing, and the failure is returned."""
     before = list(engine.requests)
     try:
         done = engine.step()
@@ -178,7 +179,6 @@ def step(engine: LLMEngine, outputs: list[EngineOutput],
         outputs += [EngineOutput(rid, [], "error", error=failure, fault="engine")
                     for rid in before if rid not in engine.requests]
         if dead:
-            emit(outputs, EngineStats.of(engine))
             return failure
         done = []
     # A request that failed on its own data (the others of its step ran): its client gets the error.

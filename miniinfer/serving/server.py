@@ -463,7 +463,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = 
 
     @app.get("/health")
     async def health():
-        if not engine.client.is_alive():
+        if not engine.alive:
             return JSONResponse({"status": "the engine has stopped"}, status_code=503)
         if server.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -483,7 +483,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, options: ServerOptions = 
         async def generate(request: Request):
             if server.draining:
                 raise shutting_down("it takes no new requests")
-            if not engine.client.is_alive():
+            if not engine.alive:
                 raise engine_stopped()
             raw = await read_body(request, server.max_body_bytes)
             result = await until_disconnected(request, server.run(raw, endpoint))
