@@ -1,5 +1,7 @@
 """Chapter 04: Triton kernels against the PyTorch references (interpreter on CPU), and the ops seam."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -102,6 +104,27 @@ def test_gemv(M, N, K, block_n, block_k, add, norm, bias, gated, dtype):
         torch.testing.assert_close(s, total)
     else:
         assert s is None
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_the_fused_ops_take_the_norm_inside_the_gemv_up_to_a_width_and_apart_past_it(hf_checkpoint, monkeypatch,
+                                                                                   inside):
+    """Rows up to NORM_INSIDE_UP_TO wide: the GEMV does the add and the norm; wider: chapter 04's kernel
+    does, then the GEMV (SiLU still inside gate/up's). Every one-row matmul a GEMV, the same tokens."""
+    kg = importlib.import_module("miniinfer.kernels.gemv")
+    model = mi.load_model(hf_checkpoint[1])
+    prompt, params = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = mi.generate_cached(model, prompt, params)
+    calls: list[dict] = []
+    gemv = kg.gemv
+    monkeypatch.setattr(kg, "gemv", lambda *a, **k: calls.append(k) or gemv(*a, **k))
+    monkeypatch.setattr(kg, "NORM_INSIDE_UP_TO", model.cfg.hidden_size if inside else model.cfg.hidden_size - 1)
+    assert mi.generate_cached(model.use_ops("fused"), prompt, params) == ref
+    with_norm = [k.get("norm") is not None for k in calls]
+    # per decode step: qkv, o, gate/up, down in every layer, then the LM head
+    assert len(calls) == (params.max_tokens - 1) * (4 * model.cfg.num_layers + 1)
+    assert sum(with_norm) == (params.max_tokens - 1) * (2 * model.cfg.num_layers + 1 if inside else 0)
+    assert any(k.get("gated") for k in calls)
 
 
 @pytest.mark.parametrize("ops", ["triton", "fused"])

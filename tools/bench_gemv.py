@@ -10,7 +10,8 @@ Parts (any, in one run; results merge into the JSON):
     fused   the norm + qkv and norm + gate/up + SiLU pairs: two kernels (ours Triton norm or SiLU +
             cuBLAS) against one fused GEMV (its configs swept as well)
     chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
-            with programmatic dependent launch (each launched while the one before drains), and without
+            with programmatic dependent launch (each launched while the one before drains), and without;
+            and the GEMVs with the add and norm before them apart, in chapter 04's kernel
     int_sweep  the int8/int4 GEMV's tiles at one row on the 1B and 8B layers (chapter 10's gemv_config)
     fp8_sweep  the fp8 GEMV's tiles at 1 and 2 rows on the same layers (chapter 10's fp8_config), beside
             torch._scaled_mm after our activation quantization and bf16 cuBLAS; its outputs checked
@@ -22,6 +23,7 @@ Parts (any, in one run; results merge into the JSON):
             row counts, without the peers
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
     python tools/bench_gemv.py plot docs/benchmarks/gemv_formats_h100.json docs/benchmarks/quant_decode_h100.json
+    python tools/bench_gemv.py plot_norm docs/benchmarks/gemv_norm_h200.json  (the norm inside or apart)
         (the formats beside batch-1 decode per format from tools/bench_quant.py decode, as a PNG)
 """
 
@@ -50,7 +52,8 @@ DT = torch.bfloat16
 EPS = 1e-6
 # (hidden, intermediate, q heads, kv heads, head dim, vocab)
 MODELS = {"llama_1b": (2048, 8192, 32, 8, 64, 128256), "qwen3_0_6b": (1024, 3072, 16, 8, 128, 151936),
-          "llama_8b": (4096, 14336, 32, 8, 128, 128256)}
+          "llama_8b": (4096, 14336, 32, 8, 128, 128256),
+          "llama_8b_tp2": (4096, 7168, 16, 4, 128, 64128)}  # one of two tensor-parallel ranks' (chapter 11)
 ROWS = (1, 2, 4)
 
 
@@ -180,9 +183,16 @@ def chain(gbps: float, layers_cap: int = 16) -> dict:
             y, _ = gemv(h, w["gate_up"], residual=x, norm=(nw, EPS), gated=True)
             return gemv(y, w["down"])[0]
 
+        def apart(w):
+            gemv(mi.kernels.fused_add_rms_norm(h, x, nw, EPS)[0], w["qkv"])
+            gemv(o_in, w["o"])
+            y, _ = gemv(mi.kernels.fused_add_rms_norm(h, x, nw, EPS)[0], w["gate_up"], gated=True)
+            return gemv(y, w["down"])[0]
+
         torch.testing.assert_close(ours(ws[0]), today(ws[0]), atol=0.05, rtol=0.05)
+        torch.testing.assert_close(apart(ws[0]), today(ws[0]), atol=0.05, rtol=0.05)
         row = {"layers": n_layers, "floor_us": sum(N * K * 2 for N, K in shapes.values()) / gbps / 1e3}
-        for name, fn in (("today", today), ("gemv", ours)):
+        for name, fn in (("today", today), ("gemv", ours), ("gemv_norm_apart", apart)):
             row[f"{name}_us"] = graph_us([lambda w=w: fn(w) for w in ws])
         with no_pdl():
             row["gemv_without_pdl_us"] = graph_us([lambda w=w: ours(w) for w in ws])
@@ -478,8 +488,41 @@ def plot(formats_path: str, decode_path: str) -> None:
     fig.savefig(Path(formats_path).with_suffix(".png"), dpi=110)
 
 
+def plot_norm(path: str) -> None:
+    """gemv_norm_h200.json's picture: a layer's matmuls with the norm inside the GEMV and apart (the
+    chain), and the batch-1 decode step on the device before and after the change, against the floor."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(path).read_text())
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    chain, shapes = res["chain"], ("llama_1b", "qwen3_0_6b", "llama_8b", "llama_8b_tp2")
+    for i, (key, label, color) in enumerate((("today_us", "chapter 04's add + norm, cuBLAS, SiLU", "#bdbdbd"),
+                                             ("gemv_us", "GEMVs, the add and norm inside", "#9ecae1"),
+                                             ("gemv_norm_apart_us", "add + norm kernel, then GEMVs", "#3182bd"))):
+        a.bar([j + (i - 1) * 0.27 for j in range(len(shapes))], [chain[s]["floor_us"] / chain[s][key] for s in shapes],
+              0.27, color=color, label=label)
+    a.set_xticks(range(len(shapes)), ["Llama-1B", "Qwen3-0.6B", "8B", "8B, one of 2 ranks"])
+    a.set(ylim=(0, 1), ylabel="weights at copy bandwidth / time", title="a layer's four matmuls at one row, in a row")
+    a.legend(fontsize=7, loc="lower right")
+    dec, names = res["decode"], {"llama": "Llama-1B", "qwen3": "Qwen3-0.6B", "llama8b": "8B"}
+    for i, (when, color) in enumerate((("before", "#9ecae1"), ("after", "#3182bd"))):
+        b.bar([j + (i - 0.5) * 0.38 for j in range(3)],
+              [dec[when][s]["timeline1"]["fraction_of_floor"] for s in names], 0.38, color=color,
+              label={"before": "the norm inside at every width", "after": f"apart past {2048:,} (this commit)"}[when])
+    b.set_xticks(range(3), names.values())
+    b.set(ylim=(0, 1), ylabel="floor / step", title="a batch-1 decode step on the device (graph replayed)")
+    b.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{res['gpu']}, copy {res['copy_GBps']:,.0f} GB/s, {res['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         main(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "plot":
         plot(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "plot_norm":
+        plot_norm(sys.argv[2])

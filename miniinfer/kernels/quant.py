@@ -382,7 +382,7 @@ def fp8_config(N: int, K: int, device: torch.device) -> dict:
     the best tile on 6 of the 8 Llama-1B and 8B layers; 2048 inputs for the 1B's 2048-wide o and
     down, where 1024 took 1.2x the best. Under the CPU interpreter chapter 06's wide tiles."""
     if device.type != "cuda":
-        return bf16_gemv_config(N, K, False, device)
+        return bf16_gemv_config(N, K, False, False, device)
     return dict(BLOCK_N=8, BLOCK_K=2048 if N <= 2048 else 1024, num_warps=4)
 
 

@@ -233,7 +233,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class Ops:
     """The elementwise ops the model calls (PyTorch here; chapter 04 registers Triton's), and the two
-    calls in which they meet a matmul (chapter 06 makes each one kernel when a step has one row)."""
+    calls in which they meet a matmul (chapter 06 runs a step of one row's matmuls as its own kernel)."""
 
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
@@ -246,12 +246,12 @@ class Ops:
         """(linear(rms_norm(h + x)), h + x): the residual add, the norm after it and the matmul it
         feeds; gated: silu(gate) * up of the matmul's two halves."""
         y, x = self.add_rms_norm(h, x, norm.weight, norm.eps)
-        y = linear(y)
-        return (self.silu_and_mul(y) if gated else y), x
+        return self.linear(linear, y, gated), x
 
-    def linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A matmul with no op before it: the o and down projections."""
-        return linear(x)
+    def linear(self, linear: nn.Module, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """A matmul (alone: the o and down projections); gated: silu(gate) * up of its two halves."""
+        y = linear(x)
+        return self.silu_and_mul(y) if gated else y
 
 
 class Registry(dict):
