@@ -2,8 +2,9 @@
 bf16 weights, written once to /dev/shm as a checkpoint, since each rank loads its own part), served with
 tensor_parallel_size 1 and 2, the ranks' sums by NCCL alone and with the one-shot kernel (`all_reduce`).
 
-    python tools/bench_tp.py run OUT.json [LAYERS [SETTING ...]]   (default: all 32 layers, every setting)
+    python tools/bench_tp.py run OUT.json [LAYERS [SETTING ...]]   (default: all 32 layers, tp1 tp2_nccl tp2)
     python tools/bench_tp.py plot OUT.json             (OUT.png: the times, and three steps of both ranks)
+    python tools/bench_tp.py plot_rank docs/benchmarks/tp_rank_1gpu_h200.json   (one GPU: a rank's shape alone)
 
 Per setting, in a process of its own (each loads the model and frees its GPUs when done):
     batch1    one request of 32 prompt tokens, 256 greedy tokens: the median time between tokens
@@ -15,6 +16,8 @@ Per setting, in a process of its own (each loads the model and frees its GPUs wh
               process's host work (launch, collect) and each GPU's kernels on one clock; per step,
               the GPU's busy time and that of its all-reduces
     workload_timeline  the same for 10 steps of the workload, 150 steps in
+Settings: tp1 and tp2 (the one-shot where it serves, NCCL above), tp2_nccl (NCCL alone), and rank (one GPU
+serving one of two ranks' shape alone, no sums: `python tools/bench_tp.py run OUT.json 32 tp1 rank`).
 """
 
 from __future__ import annotations
@@ -44,21 +47,33 @@ from bench_engine import LLAMA_3_1_8B, greedy, workload  # noqa: E402
 from copy_bandwidth import copy_bandwidth  # noqa: E402
 
 FOLDER = Path("/dev/shm/miniinfer-llama8b")
-SETTINGS = {"tp1": (1, "auto"), "tp2_nccl": (2, "nccl"), "tp2": (2, "auto")}
+SETTINGS = {"tp1": (1, "auto"), "tp2_nccl": (2, "nccl"), "tp2": (2, "auto"), "rank": (1, "auto")}
+# `rank` (one GPU, not in the default run): a model of one of two ranks' shape, half the heads, channels and
+# vocabulary rows, served alone: what a rank's step costs without its sums and its gather.
+RANK = dict(num_attention_heads=16, num_key_value_heads=4, intermediate_size=7168, vocab_size=64128)
 # The checkpoint's config.json: Llama-3.1-8B's shape (`bench_engine.LLAMA_3_1_8B`) as a Hugging Face config.
 CHECKPOINT = dict(LLAMA_3_1_8B, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"], model_type="llama",
                   hidden_act="silu", bos_token_id=None, eos_token_id=128001)
 
 
-def write_checkpoint(layers: int) -> None:
-    """Random bf16 weights of the 8B shape (std 0.02, norms 1) in shards of four layers."""
+def checkpoint(name: str) -> tuple[Path, dict]:
+    """The folder and config.json of a setting's model: the 8B shape, or one rank's (`rank`)."""
+    if name == "rank":
+        return FOLDER.with_name(FOLDER.name + "-rank"), dict(CHECKPOINT, **RANK)
+    return FOLDER, CHECKPOINT
+
+
+def write_checkpoint(layers: int, name: str = "tp1") -> None:
+    """Random bf16 weights of the setting's shape (std 0.02, norms 1) in shards of four layers."""
     from safetensors.torch import save_file
-    config = FOLDER / "config.json"
+    folder, c = checkpoint(name)
+    config = folder / "config.json"
     if config.exists() and json.loads(config.read_text())["num_hidden_layers"] == layers:
         return
-    FOLDER.mkdir(exist_ok=True)
-    c, gen = CHECKPOINT, torch.Generator(device="cuda").manual_seed(0)
+    folder.mkdir(exist_ok=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * c["head_dim"]
+    q = c["num_attention_heads"] * c["head_dim"]
 
     def rand(*shape):
         return (torch.randn(shape, generator=gen, device="cuda") * 0.02).to(torch.bfloat16).cpu()
@@ -70,19 +85,19 @@ def write_checkpoint(layers: int) -> None:
         if n % 4 == 0:
             shards.append({})
         p = f"model.layers.{n}."
-        shards[-1].update({p + "self_attn.q_proj.weight": rand(h, h), p + "self_attn.k_proj.weight": rand(kv, h),
-                           p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, h),
+        shards[-1].update({p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+                           p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
                            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
                            p + "mlp.down_proj.weight": rand(h, i), p + "input_layernorm.weight": ones(h),
                            p + "post_attention_layernorm.weight": ones(h)})
     shards.append({"model.norm.weight": ones(h), "lm_head.weight": rand(c["vocab_size"], h)})
     weight_map = {}
     for k, shard in enumerate(shards):
-        name = f"model-{k:05d}.safetensors"
-        save_file(shard, str(FOLDER / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    (FOLDER / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (FOLDER / "config.json").write_text(json.dumps(dict(CHECKPOINT, num_hidden_layers=layers)))
+        file = f"model-{k:05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config.write_text(json.dumps(dict(c, num_hidden_layers=layers)))
 
 
 class TracedRunner(ModelRunner):
@@ -159,7 +174,7 @@ def setting(name: str, out: str, tmp: str) -> None:
     """One setting's parts, in this process; its results to out."""
     tp, how = SETTINGS[name]
     how_kw = {"all_reduce": how} if "all_reduce" in mi.EngineConfig.__dataclass_fields__ else {}
-    config = mi.EngineConfig(model=str(FOLDER), device="cuda", dtype=torch.bfloat16, max_model_len=2048,
+    config = mi.EngineConfig(model=str(checkpoint(name)[0]), device="cuda", dtype=torch.bfloat16, max_model_len=2048,
                              tensor_parallel_size=tp, **how_kw)
     engine = mi.LLMEngine(config, components=dataclasses.replace(build_components(config), runner=TracedRunner))
     meter, res = HostMeter(engine.executor), {"setting": name, "tensor_parallel_size": tp, "all_reduce": how}
@@ -272,7 +287,8 @@ def timeline(prefix: str, tp: int) -> dict:
 
 
 def run(out: str, layers: int, settings: list[str]) -> None:
-    write_checkpoint(layers)
+    for name in settings:
+        write_checkpoint(layers, name)
     res = {"what": __doc__.strip(), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
            "torch": torch.__version__, "date": datetime.date.today().isoformat(), "layers": layers,
            "weight_bytes": sum(p.stat().st_size for p in FOLDER.glob("*.safetensors")), "settings": {}}
@@ -295,6 +311,8 @@ def run(out: str, layers: int, settings: list[str]) -> None:
                                         / s["tp1"]["workload"]["output_tokens_per_s"])
         res["floor_itl_ms"] = {"tp1": 1e3 * res["weight_bytes"] / (res["copy_GBps"] * 1e9),
                                "tp2": 1e3 * res["weight_bytes"] / 2 / (res["copy_GBps"] * 1e9)}
+    if "tp1" in s and "rank" in s:
+        res["rank_latency_of_tp1"] = s["rank"]["batch1_itl_ms"] / s["tp1"]["batch1_itl_ms"]
     Path(out).write_text(json.dumps(res, indent=1))
     print({k: v for k, v in res.items() if k.startswith(("tp2_", "floor"))}, flush=True)
 
@@ -334,10 +352,43 @@ def plot(path: str) -> None:
     fig.savefig(Path(path).with_suffix(".png"), dpi=110)
 
 
+def plot_rank(path: str) -> None:
+    """tp_rank_1gpu_h200.json's picture: a batch-1 token on one GPU, a rank's shape alone on one GPU, two
+    GPUs measured, against the 0.6x goal; and decode attention at 256 ragged contexts by splits."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = json.loads(Path(path).read_text())
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    inside, apart = res["norm_inside"], res["norm_apart"]
+    bars = {"one GPU": [inside["tp1"][0]["batch1_itl_ms"], apart["tp1"]["batch1_itl_ms"]],
+            "a rank alone": [inside["rank"][0]["batch1_itl_ms"], apart["rank"]["batch1_itl_ms"]]}
+    for i, (label, color) in enumerate((("the norm inside the GEMV", "#9ecae1"), ("apart", "#3182bd"))):
+        a.bar([j + (i - 0.5) * 0.38 for j in range(2)], [v[i] for v in bars.values()], 0.38, color=color, label=label)
+        a.hlines(0.6 * bars["one GPU"][i], 0.6, 1.4, color=color, ls="--", lw=1)
+    a.scatter([1], [res["tp2_measured_before"]["batch1_itl_ms"]], marker="x", color="#de2d26", zorder=3,
+              label="two GPUs, measured (norm inside)")
+    a.set_xticks(range(2), list(bars))
+    a.set(ylabel="ms per token", title="batch 1, 8B shape (dashed: 0.6x one GPU)")
+    a.legend(fontsize=7)
+    for key, label in (("8_32", "8 KV heads (one GPU)"), ("4_16", "4 KV heads (a rank)")):
+        row = res["attention"][f"{key}/ragged256"]
+        splits = sorted(int(k[1:-3]) for k in row if k.startswith("s") and k.endswith("_us"))
+        b.plot(splits, [row[f"s{n}_us"] for n in splits], "o-", label=label)
+    b.set(xscale="log", xlabel="splits of each context", ylabel="us a step",
+          title="decode attention, 256 ragged contexts")
+    b.legend(fontsize=7)
+    fig.suptitle(f"one {res['gpu']}, {res['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "plot":
         plot(sys.argv[2])
+    elif sys.argv[1] == "plot_rank":
+        plot_rank(sys.argv[2])
     elif sys.argv[1] == "run":
-        run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 32, sys.argv[4:] or list(SETTINGS))
+        run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 32, sys.argv[4:] or ["tp1", "tp2_nccl", "tp2"])
     elif sys.argv[1] == "one":
         setting(sys.argv[2], sys.argv[3], sys.argv[4])
