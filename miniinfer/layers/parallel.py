@@ -173,7 +173,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.gather(F.linear(h, self.weight))
 
     def gemv(self, h: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A step of one row: chapter 06's GEMV of this rank's rows, the final norm inside it."""
+        """A step of one row: chapter 06's GEMV of this rank's rows (the final norm inside it on short rows)."""
         out = ROW_GEMV["triton"](h, self.weight, None, **fused)
         return None if out is None else (self.gather(out[0]), out[1])
 
