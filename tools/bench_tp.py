@@ -14,7 +14,7 @@ Per setting, in a process of its own (each loads the model and frees its GPUs wh
     workload  COURSE.md's 256 requests (prompt and output lengths uniform in 100..1024), output tokens/s
     timeline  20 batch-1 decode steps under torch.profiler in the engine and in every rank: each
               process's host work (launch, collect) and each GPU's kernels on one clock; per step,
-              the GPU's busy time and that of its all-reduces
+              the GPU's busy time and that of its all-reduces (and of the logits' all-gather)
     workload_timeline  the same for 10 steps of the workload, 150 steps in
 Settings: tp1 and tp2 (the one-shot where it serves, NCCL above), tp2_nccl (NCCL alone), and rank (one GPU
 serving one of two ranks' shape alone, no sums: `python tools/bench_tp.py run OUT.json 32 tp1 rank`).
@@ -230,7 +230,8 @@ def setting(name: str, out: str, tmp: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-KINDS = (("all-reduce", ("one_shot", "nccl", "AllReduce", "allreduce")),
+KINDS = (("all-gather", ("AllGather",)),  # the LM head's logits, before "nccl" makes it an all-reduce
+         ("all-reduce", ("one_shot", "nccl", "AllReduce", "allreduce")),
          ("attention", ("_decode_kernel", "_merge_kernel")),
          ("matmul", ("gemm", "gemv", "sm90", "cutlass", "splitK", "nvjet", "Kernel2")))
 
@@ -251,7 +252,7 @@ def busy(events: list[tuple[float, float]]) -> float:
 
 def timeline(prefix: str, tp: int) -> dict:
     """The traces of the engine and each rank on one clock: per decode step (rank 0's launches), each
-    GPU's busy and all-reduce time; and the events of three steps, for the figure."""
+    GPU's busy, all-reduce and all-gather time; and the events of three steps, for the figure."""
     lanes: dict[str, list] = {}
     engine = f"{prefix}.engine" if tp > 1 else f"{prefix}.rank0"
     for who, path in [("engine", engine)] + [(f"rank{r}", f"{prefix}.rank{r}") for r in range(tp)]:
@@ -277,13 +278,15 @@ def timeline(prefix: str, tp: int) -> dict:
             step[f"rank{r}_busy_ms"] = busy([(e[0], e[1]) for e in ks]) / 1e3
             step[f"rank{r}_all_reduce_ms"] = sum(e[1] for e in ks if e[2] == "all-reduce") / 1e3
             step[f"rank{r}_all_reduces"] = sum(e[2] == "all-reduce" for e in ks)
+            step[f"rank{r}_all_gather_ms"] = sum(e[1] for e in ks if e[2] == "all-gather") / 1e3
         steps.append(step)
     t0, t1 = starts[len(starts) // 2], starts[min(len(starts) - 1, len(starts) // 2 + 3)]
     shown = {lane: [(round((e[0] - t0) / 1e3, 4), round(e[1] / 1e3, 4), e[2]) for e in events if t0 <= e[0] < t1]
              for lane, events in lanes.items()}
     med = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     return {"median_step": med, "steps": len(steps), "events": shown,
-            "kernel_names": sorted({e[3] for ev in lanes.values() for e in ev if e[2] in ("all-reduce", "other")})[:40]}
+            "kernel_names": sorted({e[3] for ev in lanes.values() for e in ev
+                                    if e[2] in ("all-reduce", "all-gather", "other")})[:40]}
 
 
 def run(out: str, layers: int, settings: list[str]) -> None:
@@ -317,7 +320,8 @@ def run(out: str, layers: int, settings: list[str]) -> None:
     print({k: v for k, v in res.items() if k.startswith(("tp2_", "floor"))}, flush=True)
 
 
-COLOURS = {"matmul": "#3182bd", "attention": "#31a354", "all-reduce": "#de2d26", "other": "#969696",
+COLOURS = {"matmul": "#3182bd", "attention": "#31a354", "all-reduce": "#de2d26", "all-gather": "#fb6a4a",
+           "other": "#969696",
            "launch": "#fd8d3c", "collect": "#fdd0a2", "executor.launch": "#fd8d3c", "executor.collect": "#fdd0a2"}
 
 
