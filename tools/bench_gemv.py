@@ -23,8 +23,8 @@ Parts (any, in one run; results merge into the JSON):
             row counts, without the peers
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
     python tools/bench_gemv.py plot docs/benchmarks/gemv_formats_h100.json docs/benchmarks/quant_decode_h100.json
-    python tools/bench_gemv.py plot_norm docs/benchmarks/gemv_norm_h200.json  (the norm inside or apart)
         (the formats beside batch-1 decode per format from tools/bench_quant.py decode, as a PNG)
+    python tools/bench_gemv.py plot_norm docs/benchmarks/gemv_norm_h200.json  (the norm inside or apart)
 """
 
 import contextlib
@@ -510,7 +510,7 @@ def plot_norm(path: str) -> None:
     for i, (when, color) in enumerate((("before", "#9ecae1"), ("after", "#3182bd"))):
         b.bar([j + (i - 0.5) * 0.38 for j in range(3)],
               [dec[when][s]["timeline1"]["fraction_of_floor"] for s in names], 0.38, color=color,
-              label={"before": "the norm inside at every width", "after": f"apart past {2048:,} (this commit)"}[when])
+              label={"before": "the norm inside at every width", "after": "apart past 2,048 wide"}[when])
     b.set_xticks(range(3), names.values())
     b.set(ylim=(0, 1), ylabel="floor / step", title="a batch-1 decode step on the device (graph replayed)")
     b.legend(fontsize=7, loc="upper left")
