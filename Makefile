@@ -9,7 +9,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NOTEBOOKS := notebooks/*.ipynb solutions/*.ipynb exercises/*.ipynb
 # Without an NVIDIA GPU, PyTorch's CPU build: about 2.5 GB in .venv instead of 6 (CUDA libraries).
-# `make TORCH_INDEX= lab` takes PyPI's default build instead.
+# `make TORCH_INDEX= lab` takes PyPI's default build instead. One retry, not pip's five: where the index
+# cannot be reached, each of torch's ten requirements would wait out five backoffs (75 s in all).
 TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
 LAB_ARGS ?=
 GRADES ?= grades.csv
@@ -23,7 +24,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(if $(TORCH_INDEX),$(PY) -m pip install torch --index-url $(TORCH_INDEX) || echo "no CPU build of torch from $(TORCH_INDEX): PyPI's default follows")
+	$(if $(TORCH_INDEX),$(PY) -m pip install torch --retries 1 --index-url $(TORCH_INDEX) || echo "no CPU build of torch from $(TORCH_INDEX): PyPI's default follows")
 	$(PY) -m pip install -e ".[dev]"
 	touch $@
 
