@@ -64,27 +64,32 @@ def test_int_matmul_equals_dequantize_then_matmul(bits, group, M):
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 128), (4, 32)])
 @pytest.mark.parametrize("M,N,K,gated,bias", [(1, 37, 256, False, False), (1, 19, 384, True, True),
                                               (3, 40, 256, True, False), (2, 33, 512, False, True)])
-def test_int_gemv_with_the_add_norm_before_and_the_gate_inside(bits, group, M, N, K, gated, bias):
-    """The Triton kernels' int_gemv (the add and norm kernel, then the GEMV with SiLU-and-multiply in
-    its epilogue) against the add, the norm, the dequantized matmul and SiLU one by one; tiles of 8
+def test_int_gemv_with_the_gate_inside_after_the_ops_add_and_norm(bits, group, M, N, K, gated, bias):
+    """Chapter 06's fused ops over an IntLinear with the Triton kernels: the layer declines the add and
+    norm inside its GEMV, so chapter 04's kernel runs them first, then the GEMV with SiLU-and-multiply in
+    its epilogue; against the add, the norm, the dequantized matmul and SiLU one by one. Tiles of 8
     words split K in several, groups span tiles and lie within them."""
     from miniinfer.kernels import quant as kq
+    from miniinfer.kernels.gemv import FUSED_OPS
 
     torch.manual_seed(M * N)
     h, x, nw = torch.randn(M, K), torch.randn(M, K), torch.randn(K)
     codes, scale = quant.quantize_int(torch.randn(2 * N if gated else N, K), bits, group)
-    packed = quant.pack(codes, bits)
-    b = torch.randn(codes.shape[0]) if bias else None
+    b = torch.nn.Parameter(torch.randn(codes.shape[0])) if bias else None
+    layer = quant.IntLinear.from_codes(codes, scale, bits, b, kernels=kq.TRITON_QUANT)
+    norm = mi.model.transformer.RMSNorm(K, 1e-6)
+    norm.weight.data = nw
     y, total = mi.model.transformer.add_rms_norm(h, x, nw, 1e-6)
-    ref = torch.nn.functional.linear(y, quant.dequantize(packed, scale, bits), b)
+    ref = torch.nn.functional.linear(y, quant.dequantize(quant.pack(codes, bits), scale, bits), b)
     ref = mi.model.transformer.silu_and_mul(ref) if gated else ref
-    args = (packed.t().contiguous(), scale.t().contiguous(), bits, b)
-    with mock.patch.object(kq, "GEMV_ROWS", 4):
-        out, s = kq.TRITON_QUANT.int_gemv(h, *args, residual=x, norm=(nw, 1e-6), gated=gated)
+    with mock.patch.object(kq, "GEMV_ROWS", 4), torch.no_grad():
+        assert layer.gemv(h, residual=x, norm=(nw, 1e-6), gated=gated) is None
+        out, s = FUSED_OPS.add_norm_linear(h, x, norm, layer, gated)
     torch.testing.assert_close(s, total)
     # sum x*v - 1.5 * sum x cancels a few bits of float32 (the tiled kernel's exact codes keep them)
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
-    tiles = kq.int_gemv(y, *args, gated=gated, config=dict(BLOCK_N=16, WORDS=8))
+    tiles = kq.int_gemv(y, layer.weight_packed, layer.weight_scale, bits, b, gated=gated,
+                        config=dict(BLOCK_N=16, WORDS=8))
     torch.testing.assert_close(tiles, ref, atol=1e-3, rtol=1e-3)
 
 
@@ -124,23 +129,27 @@ def test_e4m3_rounding_and_reading_are_torchs_casts():
 @pytest.mark.parametrize("M,N,K,gated,bias", [(1, 37, 256, False, False), (1, 19, 384, True, True),
                                               (2, 33, 520, False, True), (3, 8, 1000, True, False)])
 def test_fp8_gemv_computes_what_scaled_mm_does(M, N, K, gated, bias):
-    """The add and norm kernel, then the fp8 GEMV, against FP8Linear's activations quantized by
-    quantize_fp8, float32 products, the scales and the bf16 bias after, rounded to bf16 (what
-    `_scaled_mm` returns), SiLU after: equal up to the order of the sums (a bf16 step)."""
+    """The fp8 GEMV on normed rows (an FP8Linear declines the add and norm: the ops run them first)
+    against FP8Linear's activations quantized by quantize_fp8, float32 products, the scales and the bf16
+    bias after, rounded to bf16 (what `_scaled_mm` returns), SiLU after: equal up to the order of the
+    sums (a bf16 step)."""
     from miniinfer.kernels import quant as kq
 
     torch.manual_seed(M * N)
     h, x, nw = torch.randn(M, K), torch.randn(M, K), torch.randn(K)
     w, ws = quant.quantize_fp8(torch.randn(2 * N if gated else N, K))
     b = torch.randn(w.shape[0]) if bias else None
-    y, total = mi.model.transformer.add_rms_norm(h, x, nw, 1e-6)
+    y, _ = mi.model.transformer.add_rms_norm(h, x, nw, 1e-6)
     yq, ys = quant.quantize_fp8(y)
     ref = yq.float() @ w.float().T * ys * ws.T + (b.bfloat16().float() if bias else 0)
     ref = ref.bfloat16().float()
     ref = mi.model.transformer.silu_and_mul(ref) if gated else ref
+    layer = quant.FP8Linear(K, w.shape[0], False)
+    layer.weight, layer.weight_scale = w, ws
+    assert layer.gemv(h, residual=x, norm=(nw, 1e-6), gated=gated) is None
     with mock.patch.object(kq, "FP8_GEMV_ROWS", 4):
-        out, s = kq.TRITON_QUANT.fp8_gemv(h, w, ws, b, residual=x, norm=(nw, 1e-6), gated=gated)
-    torch.testing.assert_close(s, total)
+        out = kq.TRITON_QUANT.fp8_gemv(y, w, ws, b, gated=gated)
+        assert kq.TRITON_QUANT.fp8_gemv(y.repeat(5, 1), w, ws, b) is None  # over the rows
     step = 2 ** -7 * ref.abs().max().item()
     torch.testing.assert_close(out, ref, atol=step, rtol=2 ** -7)
     tiles = kq.fp8_gemv(y, w, ws, b, gated=gated, config=dict(BLOCK_N=4, BLOCK_K=64))  # K in several tiles

@@ -9,7 +9,7 @@ import triton.language as tl
 from miniinfer.kernels.attention import _multiprocessors
 from miniinfer.kernels.gemv import _finish, _input_tile, _tiles, launch_gemv
 from miniinfer.kernels.gemv import gemv_config as bf16_gemv_config
-from miniinfer.kernels.norm_rope import fused_add_rms_norm, wait_for_input
+from miniinfer.kernels.norm_rope import wait_for_input
 from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
 
 
@@ -390,13 +390,13 @@ class TritonQuantKernels(QuantKernels):
     def int_linear(self, x, packed, scale, bits, bias):
         return int_matmul(x, packed, scale, bits, bias)
 
-    def int_gemv(self, x, packed, scale, bits, bias, residual=None, norm=None, gated=False):
-        return _gemv_after_norm(lambda y: int_gemv(y, packed, scale, bits, bias, gated=gated), x, residual, norm,
-                                GEMV_ROWS)
+    def int_gemv(self, x, packed, scale, bits, bias, gated=False):
+        rows = x.numel() // x.shape[-1]
+        return int_gemv(x, packed, scale, bits, bias, gated=gated) if rows <= GEMV_ROWS else None
 
-    def fp8_gemv(self, x, weight, scale, bias, residual=None, norm=None, gated=False):
-        return _gemv_after_norm(lambda y: fp8_gemv(y, weight, scale, bias, gated=gated), x, residual, norm,
-                                FP8_GEMV_ROWS)
+    def fp8_gemv(self, x, weight, scale, bias, gated=False):
+        rows = x.numel() // x.shape[-1]
+        return fp8_gemv(x, weight, scale, bias, gated=gated) if rows <= FP8_GEMV_ROWS else None
 
     def quantize_fp8(self, x):
         return quantize_fp8(x)
@@ -405,18 +405,6 @@ class TritonQuantKernels(QuantKernels):
 # One row only: at two the fp8 GEMV lost to _scaled_mm on the 8B gate/up, 76.5 us against 51.6
 # (gemv_fp8_h200.json); at one it won on every 1B and 8B layer.
 FP8_GEMV_ROWS = 1
-
-
-def _gemv_after_norm(gemv, x, residual, norm, rows: int):
-    """gemv(x) up to `rows` rows, with chapter 06's add and norm before it in chapter 04's kernel
-    (inside, every program redid them for each word of its tile, and the int GEMV took 1.3-2.5x as
-    long on the 8B layers: gemv_formats_h100.json, norm_inside) -> (out, x + residual), or None."""
-    if x.numel() > rows * x.shape[-1]:
-        return None
-    total = None
-    if norm is not None:  # with the residual: FusedOps.add_norm_linear passes both
-        x, total = fused_add_rms_norm(x, residual, *norm)
-    return gemv(x), total
 
 
 TRITON_QUANT = TritonQuantKernels()  # QUANT_KERNELS["triton"]

@@ -76,17 +76,13 @@ class QuantKernels:
         return F.linear(x, dequantize(packed.t(), scale.t(), bits).to(x.dtype), bias)
 
     def int_gemv(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None, residual: torch.Tensor | None = None,
-                 norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Chapter 06's GEMV step over packed codes (the add and norm before it, silu(gate) * up after:
-        -> (out, x + residual or None)), or None where there is none: PyTorch has none, the add, norm
-        and matmul then run one by one."""
+                 bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor | None:
+        """Chapter 06's GEMV step over packed codes (silu(gate) * up after it if gated), or None where
+        there is none: PyTorch has none, the matmul then runs as the layer's forward."""
         return None
 
     def fp8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                 gated: bool = False) -> torch.Tensor | None:
         """The same over FP8Linear's e4m3 weight, or None."""
         return None
 
@@ -157,10 +153,16 @@ class IntLinear(nn.Module):
         kernels = self.kernels or _kernels(x)
         return kernels.int_linear(x, self.weight_packed, self.weight_scale, self.bits, self.bias)
 
-    def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Chapter 06's FusedOps asks here first: the add and norm before, the activation after."""
+    def gemv(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: tuple | None = None,
+             gated: bool = False) -> tuple[torch.Tensor, None] | None:
+        """Chapter 06's FusedOps asks here first, with the activation after the matmul inside. The add and
+        norm before it (residual, norm) it declines (None): inside, every program would redo them for each
+        word of its tile (the int GEMV took 1.3-2.5x as long on the 8B layers: gemv_formats_h100.json,
+        norm_inside), so the ops run them first, in chapter 04's kernel, and ask again with the normed rows."""
         kernels = self.kernels or _kernels(x)
-        return kernels.int_gemv(x, self.weight_packed, self.weight_scale, self.bits, self.bias, **fused)
+        out = None if norm is not None else kernels.int_gemv(x, self.weight_packed, self.weight_scale, self.bits,
+                                                              self.bias, gated)
+        return None if out is None else (out, None)
 
 
 class FP8Linear(nn.Module):
@@ -199,9 +201,11 @@ class FP8Linear(nn.Module):
             out = out.to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
 
-    def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """As IntLinear's: chapter 06's FusedOps asks here first."""
-        return _kernels(x).fp8_gemv(x, self.weight, self.weight_scale, self.bias, **fused)
+    def gemv(self, x: torch.Tensor, residual: torch.Tensor | None = None, norm: tuple | None = None,
+             gated: bool = False) -> tuple[torch.Tensor, None] | None:
+        """As IntLinear's: the activation inside, the add and norm declined."""
+        out = None if norm is not None else _kernels(x).fp8_gemv(x, self.weight, self.weight_scale, self.bias, gated)
+        return None if out is None else (out, None)
 
 
 @dataclass(frozen=True)
