@@ -92,9 +92,19 @@ def leaves(obj, path: str = "", long: bool = False) -> list[tuple[str, float, bo
 
 @cache
 def json_leaves(name: str) -> list[tuple[str, float, bool]] | None:
-    hits = [ROOT / "docs/benchmarks" / Path(name).name] + sorted(ROOT.glob(f"**/{Path(name).name}"))
-    path = next((p for p in hits if p.exists() and ".venv" not in p.parts), None)
+    path = ROOT / "docs/benchmarks" / Path(name).name
+    if not path.exists():  # elsewhere in the checkout: a walk of the whole tree, so only when needed
+        path = next((p for p in sorted(ROOT.glob(f"**/{Path(name).name}")) if ".venv" not in p.parts), None)
     return leaves(json.loads(path.read_text())) if path else None
+
+
+@cache
+def json_pools(name: str, keys: frozenset[str]) -> tuple[list[tuple[str, float]], ...]:
+    """A JSON document's numbers to search for a passage's figure, in order: those under a key the
+    passage names (a long list, a trace, is searched only so), then every number outside long lists."""
+    found = json_leaves(name) or []
+    return ([(p, x) for p, x, _ in found if any(k in p for k in keys)],
+            [(p, x) for p, x, long in found if not long])
 
 
 @cache
@@ -115,14 +125,9 @@ def in_outputs(text: str, notebook: Path) -> bool:
 
 def traced_in_json(text: str, passage: str) -> str | None:
     target, decimals = value(text)
-    keys = set(KEY.findall(passage))
+    keys = frozenset(KEY.findall(passage))
     for name in dict.fromkeys(JSON_NAME.findall(passage)):
-        found = json_leaves(name)
-        if not found:
-            continue
-        # A long list (a trace) is searched only where the passage names its key.
-        named = [(p, x) for p, x, _ in found if any(k in p for k in keys)]
-        for pool in (named, [(p, x) for p, x, long in found if not long]):
+        for pool in json_pools(name, keys):
             for path, x in pool:
                 if any(matches(x * s, target, decimals) for s in SCALES):
                     return f"{Path(name).name}: {path}"
