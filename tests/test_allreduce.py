@@ -7,10 +7,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, one_shot
+import miniinfer as mi
+from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, ROW_PROGRAMS, one_shot, one_shot_add_rms_norm
 from miniinfer.kernels.gemv import layer_gemv
 from miniinfer.layers import parallel
-from miniinfer.layers.parallel import ParallelLMHead, RowParallelLinear, Shard, all_reduce, use_one_shot
+from miniinfer.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    all_reduce,
+    shard_model,
+    sum_at_norms,
+    use_one_shot,
+)
+from miniinfer.model.transformer import add_rms_norm
 
 HALF = PROGRAMS * BLOCK + 4096  # room for a message that loops
 
@@ -73,6 +83,77 @@ def test_both_ranks_get_the_same_bits():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("M", [1, 3, ROW_PROGRAMS + 2])
+def test_the_one_shot_with_the_norm_adds_the_peers_rows_the_residual_and_normalizes(M):
+    """Rank 0's kernel of the sum, the residual add and the norm, call after call, rows of 37 numbers (more
+    rows than programs: a program loops over its rows), against the sum and chapter 01's add and norm."""
+    H, half = 37, (ROW_PROGRAMS + 2) * 37
+    for dtype in (torch.float32, torch.bfloat16):
+        mine, peer = torch.full((2 * half,), -0.0, dtype=dtype), torch.full((2 * half,), -0.0, dtype=dtype)
+        counts = torch.zeros(ROW_PROGRAMS, dtype=torch.int32)
+        gen = torch.Generator().manual_seed(M)
+        for call in (1, 2, 3):
+            h, y, x = (torch.randn(M, H, generator=gen).to(dtype) for _ in range(3))
+            w = torch.rand(H, generator=gen).to(dtype)
+            base = (call % 2) * half
+            mine[base:base + M * H] = y.flatten()
+            normed, s = one_shot_add_rms_norm(h, x, w, 1e-6, mine, peer, counts)
+            want_normed, want_s = add_rms_norm(h + y, x, w, 1e-6)
+            if dtype == torch.float32:  # the interpreter rounds to bf16 its own way: a step apart at most there
+                assert torch.equal(s, want_s), "the sum rounded as the one-shot stores it, then the residual's add"
+            step = dict(atol=2 ** -6, rtol=2 ** -6) if dtype == torch.bfloat16 else {}  # two roundings
+            torch.testing.assert_close(s, want_s, **step)
+            torch.testing.assert_close(normed, want_normed, **step)
+            assert torch.equal(peer[base:base + M * H], h.flatten())
+            assert unwritten(mine)
+            programs = min(M, ROW_PROGRAMS)
+            assert counts[:programs].tolist() == [call] * programs and not counts[programs:].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_two_ranks_on_one_gpu_sum_and_normalize_as_the_kernels_apart():
+    """Both ranks' kernels on one GPU, on two streams, each the other's peer (each spins until the other's
+    part arrives): the one-shot, then the one with the norm, against the sum and chapter 04's kernel."""
+    from miniinfer.kernels.norm_rope import fused_add_rms_norm
+    dev, dtype, H, half = torch.device("cuda"), torch.bfloat16, 4096, 256 * 4096
+    buffers = [torch.full((4 * half,), -0.0, dtype=dtype, device=dev) for _ in range(2)]
+    counts = [torch.zeros(PROGRAMS, dtype=torch.int32, device=dev) for _ in range(2)]
+    row_counts = [torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=dev) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # Each kernel loaded first, alone (the peer's part already in place): loading a module while the other
+    # rank's kernel spins could wait for the device to be idle, which it never would be.
+    w = torch.ones(H, dtype=dtype, device=dev)
+    for r in range(2):
+        mine = buffers[r].chunk(2)
+        for buffer in mine:
+            buffer[buffer.numel() // 2:].fill_(1.0)  # the half of call 1
+        one_shot(torch.ones(1, H, dtype=dtype, device=dev), mine[0], buffers[1 - r].chunk(2)[0], counts[r])
+        one_shot_add_rms_norm(torch.ones(1, H, dtype=dtype, device=dev), w[None], w, 1e-6, mine[1],
+                              buffers[1 - r].chunk(2)[1], row_counts[r])
+    torch.cuda.synchronize()
+    for t in buffers + counts + row_counts:
+        t.fill_(-0.0) if t.is_floating_point() else t.zero_()
+    for M in (1, 3, 256, 1):
+        h, x = ([torch.randn(M, H, generator=gen, device=dev).to(dtype) for _ in range(2)] for _ in range(2))
+        w = torch.rand(H, generator=gen, device=dev).to(dtype)
+        summed = [t.clone() for t in h]
+        out: list = [None, None]
+        torch.cuda.synchronize()
+        for r in range(2):
+            with torch.cuda.stream(streams[r]):
+                mine, peer = buffers[r].chunk(2), buffers[1 - r].chunk(2)
+                one_shot(summed[r], mine[0], peer[0], counts[r])
+                out[r] = one_shot_add_rms_norm(h[r], x[r], w, 1e-6, mine[1], peer[1], row_counts[r])
+        torch.cuda.synchronize()
+        assert torch.equal(summed[0], summed[1]) and torch.equal(summed[0], (h[0].float() + h[1].float()).to(dtype))
+        for r in range(2):
+            want_normed, want_s = fused_add_rms_norm(summed[r], x[r], w, 1e-6)
+            assert torch.equal(out[r][1], want_s)
+            torch.testing.assert_close(out[r][0], want_normed, atol=0, rtol=2 ** -7)
+        assert all(unwritten(b.cpu().float()) for b in buffers)
+
+
 @pytest.fixture(scope="module")
 def group_of_one(tmp_path_factory):
     store = tmp_path_factory.mktemp("dist") / "store"
@@ -122,3 +203,42 @@ def test_a_row_parallel_layer_and_the_lm_head_take_the_gemv_in_a_step_of_one_row
     want = head(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm)
     assert torch.allclose(total, s) and torch.allclose(logits, want, atol=1e-4)
     assert layer_gemv(row, torch.randn(2, 48)) is None  # two rows: the layer's own forward
+
+
+class OneShotStandIn(Recorder):
+    """A one-shot in a group of one: the sum is the rank's own part; counts the norms it does."""
+
+    def __init__(self):
+        super().__init__(max_bytes=1 << 30)
+        self.norms = 0
+
+    def add_rms_norm(self, h, x, weight, eps):
+        self.norms += 1
+        return add_rms_norm(h, x, weight, eps)
+
+
+def test_sum_at_norms_leaves_each_sum_to_the_norm_after_it(group_of_one):
+    """The embedding, o and down return their part; the model's ops add the parts at the norm after each,
+    in the one-shot (2 per layer and the final norm, per forward); the tokens stay the same. A row-parallel
+    subclass with a forward of its own (problem set 11's) keeps its sum, and its norm does not add again."""
+    class OwnForward(RowParallelLinear):
+        def forward(self, x):
+            return all_reduce(torch.nn.functional.linear(x, self.weight, self.bias))
+
+    prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = mi.generate_cached(mi.load_model(), prompt, greedy)
+    model = mi.load_model(prepare=lambda m: shard_model(m, Shard(0, 1)))
+    layers = model.model.layers
+    layers[1].self_attn.o_proj.__class__ = OwnForward
+    sum_at_norms(model)
+    assert not model.model.embed_tokens.reduce and not layers[0].mlp.down_proj.reduce
+    assert layers[1].self_attn.o_proj.reduce and layers[1].post_attention_layernorm not in model.ops.partial
+    assert layers[0].post_attention_layernorm in model.ops.partial and model.model.norm in model.ops.partial
+    stand_in, forwards = OneShotStandIn(), []
+    layers[0].register_forward_pre_hook(lambda *_: forwards.append(1))
+    use_one_shot(stand_in)  # type: ignore[arg-type]
+    try:
+        assert mi.generate_cached(model, prompt, greedy) == want
+    finally:
+        use_one_shot(None)
+    assert len(model.ops.partial) == 2 * len(layers) and stand_in.norms == len(forwards) * 2 * len(layers)

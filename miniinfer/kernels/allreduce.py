@@ -94,11 +94,13 @@ class OneShotAllReduce:
         (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet."""
         import torch.distributed._symmetric_memory as symm_mem
         self.rank, self.dtype, self.max_bytes = dist.get_rank(group), dtype, max_bytes
-        self.buffer = symm_mem.empty(2 * max_bytes // dtype.itemsize, dtype=dtype, device=device)  # two halves
-        self.peer = symm_mem.rendezvous(self.buffer, group.group_name).get_buffer(
-            1 - self.rank, self.buffer.shape, dtype)
-        self.buffer.fill_(-0.0)  # nothing written
+        mine = symm_mem.empty(4 * max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        peer = symm_mem.rendezvous(mine, group.group_name).get_buffer(1 - self.rank, mine.shape, dtype)
+        # Two buffers of two halves each, with their counts: this one-shot's, and `add_rms_norm`'s (below).
+        (self.buffer, self.rows), (self.peer, self.peer_rows) = mine.chunk(2), peer.chunk(2)
+        mine.fill_(-0.0)  # nothing written
         self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
+        self.row_counts = torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # both buffers marked before either rank writes into the other's
 
@@ -109,3 +111,60 @@ class OneShotAllReduce:
         """x summed over both ranks, in place."""
         one_shot(x, self.buffer, self.peer, self.counts)
         return x
+
+    def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rms_norm(s) * weight, s) for s = h summed over both ranks + x, in one kernel; None where it
+        does not serve h (then the sum, and the add and norm after it, apart)."""
+        if not (self.serves(h) and x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
+            return None
+        return one_shot_add_rms_norm(h, x, weight, eps, self.rows, self.peer_rows, self.row_counts)
+
+
+ROW_PROGRAMS = 128  # at most, one a multiprocessor at worst: the H100's and H200's 132 hold them all
+MAX_ROW = 8192  # numbers a row: a program holds one whole (the RMS needs all of it)
+
+
+@triton.jit(do_not_specialize=["M", "eps"])
+def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_ptr, counts_ptr, M, H, half, eps,
+                          BLOCK_H: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_input(PDL)
+    pid = tl.program_id(0)
+    epoch = tl.load(counts_ptr + pid) + 1
+    tl.store(counts_ptr + pid, epoch)
+    base = (epoch % 2) * half
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    for row in range(pid, M, PROGRAMS):
+        h = tl.load(h_ptr + row * H + cols, mask=mask)
+        tl.store(peer_ptr + base + row * H + cols, tl.where(_unwritten(h), 0.0, h).to(h.dtype), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, M, PROGRAMS):
+        at = row * H + cols
+        other = tl.load(mine_ptr + base + at, mask=mask, other=1.0, volatile=True)
+        while tl.sum(_unwritten(other).to(tl.int32)) > 0:
+            other = tl.load(mine_ptr + base + at, mask=mask, other=1.0, volatile=True)
+        h = tl.load(h_ptr + at, mask=mask, other=0.0)
+        total = (h.to(tl.float32) + other.to(tl.float32)).to(h.dtype)  # what the one-shot stores
+        s = (total.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(sum_ptr + at, s, mask=mask)
+        sf = tl.where(mask, s.to(tl.float32), 0.0)  # past the row, `other` read 1.0
+        y = (sf * tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)).to(h.dtype)
+        tl.store(y_ptr + at, (w * y.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(mine_ptr + base + at, _negative_zeros(other), mask=mask)
+
+
+def one_shot_add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mine: torch.Tensor,
+                          peer: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s) * weight, s) for s = h + the peer's h + residual, row by row [..., H], in one kernel:
+    the buffers and counts as `one_shot`'s (rows' own: a row is always the same program's)."""
+    H = h.shape[-1]
+    h2, r2 = h.reshape(-1, H), residual.reshape(-1, H)
+    y, total = torch.empty_like(h2), torch.empty_like(h2)
+    M = h2.shape[0]
+    if M:
+        BLOCK_H = triton.next_power_of_2(H)
+        _one_shot_norm_kernel[(min(ROW_PROGRAMS, M),)](
+            h2, r2, weight, y, total, mine, peer, counts, M, H, mine.numel() // 2, eps, BLOCK_H=BLOCK_H,
+            PROGRAMS=ROW_PROGRAMS, num_warps=4 if BLOCK_H <= 4096 else 8, **pdl_args(h.device))
+    return y.view(h.shape), total.view(h.shape)

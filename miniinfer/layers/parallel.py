@@ -91,6 +91,8 @@ class OneShot(Protocol):
     """What `all_reduce` asks of a one-shot all-reduce (`kernels.allreduce`, below, made by the worker)."""
     def serves(self, x: torch.Tensor) -> bool: ...
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 _one_shot: OneShot | None = None  # this process's, once its worker made one (`use_one_shot`)
@@ -113,7 +115,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 class RowParallelLinear(Linear):
     """A projection split by input channels (o after attention, down after the MLP): this rank
     keeps `columns` of in_size. Each rank's product is a partial sum of the whole output, which the
-    ranks add up after the layer; the bias joins once, on the first rank (the others' is zero)."""
+    ranks add up after the layer; the bias joins once, on the first rank (the others' is zero).
+    reduce False: the sum is left to the norm after the layer (`sum_at_norms`, below)."""
+    reduce = True
 
     def __init__(self, columns: slice, in_size: int, out_features: int, bias: bool, first: bool):
         super().__init__(columns.stop - columns.start, out_features, bias=bias)
@@ -126,12 +130,13 @@ class RowParallelLinear(Linear):
         return _part(tensors[0], (self.out_features, self.in_size), (slice(None), self.columns))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x))
+        out = super().forward(x)
+        return all_reduce(out) if self.reduce else out
 
     def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward)."""
         out = ROW_GEMV["triton"](x, self.weight, self.bias, **fused)
-        return None if out is None else (all_reduce(out[0]), out[1])
+        return None if out is None else (all_reduce(out[0]) if self.reduce else out[0], out[1])
 
 
 def all_reduce_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -148,7 +153,9 @@ def share_lookup(ids: torch.Tensor, share: torch.Tensor, start: int) -> torch.Te
 
 class VocabParallelEmbedding(nn.Module):
     """The embedding split by vocabulary rows, rounded up to whole shares (the last padded with zeros):
-    each rank looks up the ids in its rows, zeros for the others, and an all-reduce adds them up."""
+    each rank looks up the ids in its rows, zeros for the others, and an all-reduce adds them up
+    (reduce False: the norm after it, as a row-parallel layer's)."""
+    reduce = True
 
     def __init__(self, vocab_size: int, hidden_size: int, shard: Shard):
         super().__init__()
@@ -162,7 +169,8 @@ class VocabParallelEmbedding(nn.Module):
         return F.pad(rows, (0, 0, 0, self.per_rank - rows.shape[0]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return all_reduce(share_lookup(ids, self.weight, self.start))
+        out = share_lookup(ids, self.weight, self.start)
+        return all_reduce(out) if self.reduce else out
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -268,3 +276,44 @@ def cut_row_parallel(model: Transformer, cfg: ModelConfig, shard: Shard) -> None
             cut_to_columns(proj, columns)
             # The quantized layer replaced the row-parallel one, and its forward: the sum joins as a hook.
             proj.register_forward_hook(all_reduce_output)
+
+
+class RankSums:
+    """A rank's `add_norm_linear` (`sum_at_norms`): at a norm in `partial`, what reaches it is this rank's
+    part of a sum, added up first."""
+    partial: set[nn.Module]
+
+    def add_norm_linear(self, h, x, norm, linear, gated=False):
+        if norm not in self.partial:
+            return super().add_norm_linear(h, x, norm, linear, gated)  # type: ignore[misc]
+        summed = _one_shot.add_rms_norm(h, x, norm.weight, norm.eps) if _one_shot is not None else None
+        if summed is None:
+            return super().add_norm_linear(all_reduce(h), x, norm, linear, gated)  # type: ignore[misc]
+        y, x = summed
+        return self.linear(linear, y, gated), x  # type: ignore[attr-defined]
+
+
+def leaves_its_sum(layer: nn.Module) -> bool:
+    """Whether a layer can return its rank's part (`reduce`): the package's row-parallel layer or
+    embedding, not a subclass with a forward (or GEMV) of its own, which sums as it always did."""
+    if isinstance(layer, RowParallelLinear):
+        return type(layer).forward is RowParallelLinear.forward and type(layer).gemv is RowParallelLinear.gemv
+    return isinstance(layer, VocabParallelEmbedding) and type(layer).forward is VocabParallelEmbedding.forward
+
+
+def sum_at_norms(model: Transformer) -> None:
+    """Leave each sum a norm comes right after to that norm: the embedding, o and down return their
+    rank's part (reduce False), and the model's ops (its own, with RankSums) add the parts there."""
+    backbone, layers = model.model, cast(list[DecoderLayer], list(model.model.layers))
+    norms = [layer.input_layernorm for layer in layers] + [backbone.norm]
+    feeds: list[tuple[nn.Module, nn.Module]] = [(backbone.embed_tokens, norms[0])]
+    for layer, after in zip(layers, norms[1:]):
+        if isinstance(layer.mlp, MLP):  # experts normalize with add_rms_norm: no norm module to mark
+            feeds += [(layer.self_attn.o_proj, layer.post_attention_layernorm), (layer.mlp.down_proj, after)]
+    ops = type(f"Rank{type(model.ops).__name__}", (RankSums, type(model.ops)), {})()
+    ops.partial = set()
+    for module, norm in feeds:
+        if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)) and leaves_its_sum(module):
+            module.reduce = False
+            ops.partial.add(norm)
+    model.ops = ops

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.kernels.allreduce import OneShotAllReduce
-from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model, use_one_shot
+from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model, sum_at_norms, use_one_shot
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig
 from miniinfer.worker.model_runner import Components
@@ -51,6 +51,7 @@ class Worker:
                                         processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
+        sum_at_norms(self.runner.model)  # before the graphs, which capture where the sums are
         self.launched: deque = deque()
 
     def replies(self, method: str) -> bool:
