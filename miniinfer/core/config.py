@@ -67,7 +67,7 @@ class EngineConfig:
                                         "process each (chapter 11; default: one, in this process)")
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
                                            "each rank its share of the experts (chapter 13)")
-    all_reduce: str = setting("auto", "parallel", "the ranks' sums: chapter 11's one-shot, or nccl", ("auto", "nccl"))
+    all_reduce: str = setting("auto", "parallel", "the ranks' sums (chapter 11)", ("auto", "nccl", "one_shot_norm"))
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a

@@ -88,17 +88,19 @@ class OneShotAllReduce:
     the host to do: a CUDA graph captures it."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 max_bytes: int = 4 << 20):
+                 max_bytes: int = 4 << 20, rows: bool = False):
         """Serves messages of one floating dtype (the buffer's -0.0 is that dtype's), up to max_bytes. On
         two H100s and on two H200s it beat NCCL at every size measured, 8 KB to 4 MB
-        (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet."""
+        (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet. rows: a second
+        buffer and counts, for `add_rms_norm` (below)."""
         import torch.distributed._symmetric_memory as symm_mem
         self.rank, self.dtype, self.max_bytes = dist.get_rank(group), dtype, max_bytes
-        mine = symm_mem.empty(4 * max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        peer = symm_mem.rendezvous(mine, group.group_name).get_buffer(1 - self.rank, mine.shape, dtype)
-        # Two buffers of two halves each, with their counts: this one-shot's, and `add_rms_norm`'s (below).
-        (self.buffer, self.rows), (self.peer, self.peer_rows) = mine.chunk(2), peer.chunk(2)
-        mine.fill_(-0.0)  # nothing written
+        buffers = []
+        for _ in range(1 + rows):
+            mine = symm_mem.empty(2 * max_bytes // dtype.itemsize, dtype=dtype, device=device)  # two halves
+            peer = symm_mem.rendezvous(mine, group.group_name).get_buffer(1 - self.rank, mine.shape, dtype)
+            buffers.append((mine.fill_(-0.0), peer))  # -0.0: nothing written
+        (self.buffer, self.peer), self.row_buffers = buffers[0], buffers[1] if rows else None
         self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
         self.row_counts = torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
@@ -116,9 +118,10 @@ class OneShotAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(s) * weight, s) for s = h summed over both ranks + x, in one kernel; None where it
         does not serve h (then the sum, and the add and norm after it, apart)."""
-        if not (self.serves(h) and x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
+        if self.row_buffers is None or not (self.serves(h) and x.is_contiguous() and weight.dtype == h.dtype
+                                            and h.shape[-1] <= MAX_ROW):
             return None
-        return one_shot_add_rms_norm(h, x, weight, eps, self.rows, self.peer_rows, self.row_counts)
+        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers, self.row_counts)
 
 
 ROW_PROGRAMS = 128  # at most, one a multiprocessor at worst: the H100's and H200's 132 hold them all
