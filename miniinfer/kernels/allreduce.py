@@ -41,15 +41,24 @@ def _unwritten(v):
 
 
 @triton.jit
+def _this_calls_half(counts_ptr, pid, half):
+    """This program's call count, advanced, and the offset of the half it names. Every thread reads the count
+    before any writes it (the barrier): a warp that read it after would take the other half, and wait for a
+    part the peer sends elsewhere."""
+    epoch = tl.load(counts_ptr + pid) + 1
+    tl.debug_barrier()
+    tl.store(counts_ptr + pid, epoch)
+    return (epoch & 1) * half
+
+
+@triton.jit
 def _one_shot_kernel(x_ptr, mine_ptr, peer_ptr, counts_ptr, n, half, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
                      PDL: tl.constexpr):
     wait_for_input(PDL)  # launched early (chapter 04): it waits here for the matmul whose sums it adds
     # Block b of the message is program b % PROGRAMS's in every call, whatever the size, so a program's
     # call count always speaks of the same part of the buffer. The count names the call's half.
     pid = tl.program_id(0)
-    epoch = tl.load(counts_ptr + pid) + 1
-    tl.store(counts_ptr + pid, epoch)
-    base = (epoch % 2) * half
+    base = _this_calls_half(counts_ptr, pid, half)
     for start in range(pid * BLOCK, n, PROGRAMS * BLOCK):  # stored over the link: a store waits for no answer
         offsets = start + tl.arange(0, BLOCK)
         mask = offsets < n
@@ -133,9 +142,7 @@ def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_
                           BLOCK_H: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
     wait_for_input(PDL)
     pid = tl.program_id(0)
-    epoch = tl.load(counts_ptr + pid) + 1
-    tl.store(counts_ptr + pid, epoch)
-    base = (epoch % 2) * half
+    base = _this_calls_half(counts_ptr, pid, half)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     for row in range(pid, M, PROGRAMS):
