@@ -61,14 +61,15 @@ def test_greedy_with_two_ranks_equals_transformers(hf_checkpoint):
     on_two_ranks(folder, prompts, params, oracle((kind, "shared"), hf, prompts, params))
 
 
-def test_sums_at_the_norms_give_the_same_tokens(hf_checkpoint):
-    """all_reduce="one_shot_norm": the embedding's, o's and down's sums left to the norm after each
-    (`sum_at_norms`; on CPUs the sum there is gloo's). Qwen2: q/k/v biases, the others' as above."""
+def test_sums_in_the_layers_give_the_same_tokens(hf_checkpoint):
+    """all_reduce="one_shot": each row-parallel layer and the embedding sum their own outputs (on CPUs by
+    gloo), where by default (the tests above) `sum_at_norms` leaves the sums to the norm after each.
+    Qwen2: q/k/v biases, the others' as above."""
     kind, folder, hf = hf_checkpoint
     if kind != "qwen2":
         pytest.skip("one shape: the path differs from the default only in where the sums are")
     prompts, params = shared_workload()
-    on_two_ranks(folder, prompts, params, oracle((kind, "shared"), hf, prompts, params), all_reduce="one_shot_norm")
+    on_two_ranks(folder, prompts, params, oracle((kind, "shared"), hf, prompts, params), all_reduce="one_shot")
 
 
 def on_two_ranks(folder, prompts, params, expected, **config) -> None:

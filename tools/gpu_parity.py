@@ -8,11 +8,11 @@ same request alone (the one-row GEMVs) and against chapter 04's ops (the plain m
 `moe`: the same parity on the tests' mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral; chapter 13's
 fused kernels and CUDA graphs), overlap on; `mla` on the tests' DeepSeek-V2 and -V3 (chapter 14).
 `tp` (two GPUs, chapter 11): the tests' three shapes and the course model served with
-tensor_parallel_size 1 and 2 (the one-shot all-reduce, and NCCL alone) against transformers, float32,
-prefix caching and chunked prefill on and a pool small enough that requests are preempted; then six
-requests alone.
+tensor_parallel_size 1 and 2 (the sums at the norms, in the layers by the one-shot, by NCCL alone) against
+transformers, float32, prefix caching and chunked prefill on and a pool small enough that requests are
+preempted; then six requests alone.
 
-    python tools/gpu_parity.py OUT.json [quantized | moe | mla | tp]   (that part only)
+    python tools/gpu_parity.py OUT.json [quantized | moe | mla | tp [tp2 tp2_layers tp2_nccl]]   (that part only)
 """
 
 import json
@@ -74,7 +74,11 @@ def quantized(fmt: str, dtype: torch.dtype, n: int = 12) -> dict:
     return res
 
 
-def tp_parity(kind: str, n: int = 48) -> dict:
+# the ranks' sums at the norms (the default), in the layers by the one-shot, in the layers by NCCL alone
+TP = {"tp1": (1, "auto"), "tp2": (2, "auto"), "tp2_layers": (2, "one_shot"), "tp2_nccl": (2, "nccl")}
+
+
+def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
     """Two rounds of the shared workload (the second hits the cache) through TP=1 and TP=2 engines whose
     12-block pool holds fewer than the 16 requests of a step: preemptions counted, outputs compared with
     transformers' and TP=1's."""
@@ -87,7 +91,8 @@ def tp_parity(kind: str, n: int = 48) -> dict:
             hf.save_pretrained(folder)
         hf = hf.cuda().float()
         expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
-        for name, tp, how in (("tp1", 1, "auto"), ("tp2", 2, "auto"), ("tp2_nccl", 2, "nccl")):
+        for name in ["tp1", *settings]:
+            tp, how = TP[name]
             engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16,
                                                   num_blocks=12, max_num_seqs=16, max_num_batched_tokens=64,
                                                   enable_prefix_caching=True, enable_chunked_prefill=True,
@@ -116,9 +121,9 @@ def tp_parity(kind: str, n: int = 48) -> dict:
 
 if __name__ == "__main__":
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if sys.argv[2:] == ["tp"]:
+    if sys.argv[2:3] == ["tp"]:
         for kind in ("course", *SHAPES):
-            res[kind] = tp_parity(kind)
+            res[kind] = tp_parity(kind, sys.argv[3:] or ["tp2", "tp2_layers", "tp2_nccl"])
             Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")  # kept if a later shape is cut short
         sys.exit()
     if sys.argv[2:] in (["moe"], ["mla"]):

@@ -101,7 +101,7 @@ class OneShotAllReduce:
         """Serves messages of one floating dtype (the buffer's -0.0 is that dtype's), up to max_bytes. On
         two H100s and on two H200s it beat NCCL at every size measured, 8 KB to 4 MB
         (`tools/bench_allreduce.py`); above, NCCL's bandwidth (a ring) is the better bet. rows: a second
-        buffer and counts, for `add_rms_norm` (below)."""
+        buffer and its counts, for `add_rms_norm` (below)."""
         import torch.distributed._symmetric_memory as symm_mem
         self.rank, self.dtype, self.max_bytes = dist.get_rank(group), dtype, max_bytes
         buffers = []
@@ -109,9 +109,9 @@ class OneShotAllReduce:
             mine = symm_mem.empty(2 * max_bytes // dtype.itemsize, dtype=dtype, device=device)  # two halves
             peer = symm_mem.rendezvous(mine, group.group_name).get_buffer(1 - self.rank, mine.shape, dtype)
             buffers.append((mine.fill_(-0.0), peer))  # -0.0: nothing written
-        (self.buffer, self.peer), self.row_buffers = buffers[0], buffers[1] if rows else None
+        self.buffer, self.peer = buffers[0]
         self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
-        self.row_counts = torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device)
+        self.rows = (*buffers[1], torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device)) if rows else None
         torch.cuda.synchronize(device)
         dist.barrier(group)  # both buffers marked before either rank writes into the other's
 
@@ -127,10 +127,10 @@ class OneShotAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(s) * weight, s) for s = h summed over both ranks + x, in one kernel; None where it
         does not serve h (then the sum, and the add and norm after it, apart)."""
-        if self.row_buffers is None or not (self.serves(h) and x.is_contiguous() and weight.dtype == h.dtype
-                                            and h.shape[-1] <= MAX_ROW):
+        if self.rows is None or not (self.serves(h) and x.shape == h.shape and x.dtype == h.dtype
+                                     and x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
             return None
-        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers, self.row_counts)
+        return one_shot_add_rms_norm(h, x, weight, eps, *self.rows)
 
 
 ROW_PROGRAMS = 128  # at most, one a multiprocessor at worst: the H100's and H200's 132 hold them all

@@ -42,7 +42,7 @@ class Worker:
         # Before the runner captures its graphs: they capture whichever all-reduce the layers call.
         if cuda and size == 2 and config.all_reduce != "nccl" and torch.cuda.can_device_access_peer(rank, 1 - rank):
             use_one_shot(OneShotAllReduce(cast(dist.ProcessGroup, dist.group.WORLD), torch.device(config.device),
-                                           config.dtype, rows=config.all_reduce == "one_shot_norm"))
+                                           config.dtype, rows=config.all_reduce == "auto"))
         layers = components.parallel or ParallelLayers()
         shard, whole = layers.shard(rank, size), config.quantization is not None
         prepare = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
@@ -51,7 +51,7 @@ class Worker:
                                         processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
-        if config.all_reduce == "one_shot_norm":  # before the graphs, which capture where the sums are
+        if config.all_reduce == "auto":  # the sums at the norms, before the graphs capture where they are
             sum_at_norms(self.runner.model)
         self.launched: deque = deque()
 
