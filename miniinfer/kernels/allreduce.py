@@ -151,12 +151,14 @@ def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, PROGRAMS):
         at = row * H + cols
+        # this rank's own numbers read before the wait, not after it, where each read is a round trip more
+        h = tl.load(h_ptr + at, mask=mask, other=0.0)
+        res = tl.load(res_ptr + at, mask=mask, other=0.0)
         other = tl.load(mine_ptr + base + at, mask=mask, other=1.0, volatile=True)
         while tl.sum(_unwritten(other).to(tl.int32)) > 0:
             other = tl.load(mine_ptr + base + at, mask=mask, other=1.0, volatile=True)
-        h = tl.load(h_ptr + at, mask=mask, other=0.0)
         total = (h.to(tl.float32) + other.to(tl.float32)).to(h.dtype)  # what the one-shot stores
-        s = (total.to(tl.float32) + tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+        s = (total.to(tl.float32) + res.to(tl.float32)).to(h.dtype)
         tl.store(sum_ptr + at, s, mask=mask)
         sf = tl.where(mask, s.to(tl.float32), 0.0)  # past the row, `other` read 1.0
         y = (sf * tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)).to(h.dtype)
