@@ -67,8 +67,7 @@ class EngineConfig:
                                         "process each (chapter 11; default: one, in this process)")
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
                                            "each rank its share of the experts (chapter 13)")
-    all_reduce: str = setting("auto", "parallel", "the ranks' sums (chapter 11): auto, at the norms; one_shot or nccl, "
-                              "in the layers", ("auto", "one_shot", "nccl"))
+    all_reduce: str = setting("auto", "parallel", "the ranks' sums (chapter 11)", ("auto", "one_shot", "nccl"))
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a
