@@ -24,6 +24,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from bench_tp import SETTINGS  # noqa: E402  (tools/, this file's folder: the same settings as the 8B runs)
 from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
 from test_chunked_prefill import shared_workload  # noqa: E402
 from test_engine import run_steps  # noqa: E402
@@ -74,10 +75,6 @@ def quantized(fmt: str, dtype: torch.dtype, n: int = 12) -> dict:
     return res
 
 
-# the ranks' sums at the norms (the default), in the layers by the one-shot, in the layers by NCCL alone
-TP = {"tp1": (1, "auto"), "tp2": (2, "auto"), "tp2_layers": (2, "one_shot"), "tp2_nccl": (2, "nccl")}
-
-
 def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
     """Two rounds of the shared workload (the second hits the cache) through TP=1 and TP=2 engines whose
     12-block pool holds fewer than the 16 requests of a step: preemptions counted, outputs compared with
@@ -92,7 +89,7 @@ def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
         hf = hf.cuda().float()
         expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
         for name in ["tp1", *settings]:
-            tp, how = TP[name]
+            tp, how = SETTINGS[name]
             engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16,
                                                   num_blocks=12, max_num_seqs=16, max_num_batched_tokens=64,
                                                   enable_prefix_caching=True, enable_chunked_prefill=True,

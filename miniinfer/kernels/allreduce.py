@@ -111,7 +111,7 @@ class OneShotAllReduce:
             buffers.append((mine.fill_(-0.0), peer))  # -0.0: nothing written
         self.buffer, self.peer = buffers[0]
         self.counts = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)
-        self.rows = (*buffers[1], torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device)) if rows else None
+        self.row_buffers = (*buffers[1], torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device)) if rows else None
         torch.cuda.synchronize(device)
         dist.barrier(group)  # both buffers marked before either rank writes into the other's
 
@@ -127,10 +127,10 @@ class OneShotAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(s) * weight, s) for s = h summed over both ranks + x, in one kernel; None where it
         does not serve h (then the sum, and the add and norm after it, apart)."""
-        if self.rows is None or not (self.serves(h) and x.shape == h.shape and x.dtype == h.dtype
-                                     and x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
+        if self.row_buffers is None or not (self.serves(h) and x.shape == h.shape and x.dtype == h.dtype and
+                                            x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
             return None
-        return one_shot_add_rms_norm(h, x, weight, eps, *self.rows)
+        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers)
 
 
 ROW_PROGRAMS = 128  # at most, one a multiprocessor at worst: the H100's and H200's 132 hold them all
