@@ -11,7 +11,9 @@ Per setting, in a process of its own (each loads the model and frees its GPUs wh
     host      during batch1, the engine's time per step inside the executor's launch (the step's plain
               data pickled and written to each rank) and collect (waiting for the tokens), and the
               pickled step's bytes; the same for the workload's steps
-    workload  COURSE.md's 256 requests (prompt and output lengths uniform in 100..1024), output tokens/s
+    workload  COURSE.md's 256 requests (prompt and output lengths uniform in 100..1024), output tokens/s;
+              its steps and seconds by phase (steps with prompt tokens, decode steps by rows), and a two-GPU
+              setting's speed-up over tp1 in each (`tp2_speedup_by_phase`: where a ratio is won or lost)
     timeline  20 batch-1 decode steps under torch.profiler in the engine and in every rank: each
               process's host work (launch, collect) and each GPU's kernels on one clock; per step,
               the GPU's busy time and that of its all-reduces (and of the logits' all-gather)
@@ -45,7 +47,7 @@ import miniinfer as mi  # noqa: E402
 from miniinfer.worker.model_runner import ModelRunner, build_components  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import LLAMA_3_1_8B, greedy, workload  # noqa: E402
+from bench_engine import LLAMA_3_1_8B, greedy, run_engine, workload  # noqa: E402
 from copy_bandwidth import copy_bandwidth  # noqa: E402
 
 FOLDER = Path("/dev/shm/miniinfer-llama8b")
@@ -166,6 +168,22 @@ class HostMeter:
         return res
 
 
+def phases(trace: list) -> dict:
+    """The workload's steps and seconds by kind of step, from `run_engine`'s trace (each step's end, rows,
+    tokens): steps with prompt tokens, then decode steps by rows. A step's seconds are the host's, from the
+    step before it ended: the GPU's work of a step overlaps the host's of the next."""
+    kinds: dict[str, dict] = {}
+    last = 0.0
+    for end, rows, tokens, _ in trace:
+        name = ("prefill" if tokens > rows else "decode_128_rows_up" if rows >= 128 else
+                "decode_16_127_rows" if rows >= 16 else "decode_1_15_rows")
+        kind = kinds.setdefault(name, {"steps": 0, "seconds": 0.0})
+        kind["steps"] += 1
+        kind["seconds"] += end - last
+        last = end
+    return kinds
+
+
 def ranks_trace(engine, path: str | None) -> None:
     if engine.config.tensor_parallel_size > 1:
         engine.executor._call("trace", None if path is None else f"{path}.rank{{}}")
@@ -190,17 +208,9 @@ def setting(name: str, out: str, tmp: str) -> None:
     res["host_batch1"] = meter.summary()
     print(f"{name}: batch 1 {res['batch1_itl_ms']:.2f} ms/token; host {res['host_batch1']}", flush=True)
 
-    prompts, outs = workload(256)
-    for p, o in zip(prompts, outs):
-        engine.add_request(p, greedy(o))
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    seconds = time.perf_counter() - t0
-    res["workload"] = {"seconds": seconds, "output_tokens_per_s": sum(outs) / seconds,
-                       "num_blocks": engine.block_manager.num_blocks, "host": meter.summary()}
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    run = run_engine(engine, *workload(256))  # every block back: it checks
+    res["workload"] = {**{k: run[k] for k in ("seconds", "output_tokens_per_s", "num_blocks", "steps")},
+                       "phases": phases(run["trace"]), "host": meter.summary()}
     print(f"{name}: workload {res['workload']['output_tokens_per_s']:.0f} output tok/s", flush=True)
     Path(out).write_text(json.dumps(res))
 
@@ -315,6 +325,9 @@ def run(out: str, layers: int, settings: list[str]) -> None:
         res[f"{two}_latency_of_tp1"] = s[two]["batch1_itl_ms"] / s["tp1"]["batch1_itl_ms"]
         res[f"{two}_throughput_of_tp1"] = (s[two]["workload"]["output_tokens_per_s"]
                                            / s["tp1"]["workload"]["output_tokens_per_s"])
+        base, other = s["tp1"]["workload"].get("phases", {}), s[two]["workload"].get("phases", {})
+        if all(base[k]["steps"] == other.get(k, {}).get("steps") for k in base):  # the same schedule: comparable
+            res[f"{two}_speedup_by_phase"] = {k: base[k]["seconds"] / other[k]["seconds"] for k in base}
     res["floor_itl_ms"] = {"tp1": 1e3 * res["weight_bytes"] / (res["copy_GBps"] * 1e9),
                            "tp2": 1e3 * res["weight_bytes"] / 2 / (res["copy_GBps"] * 1e9)}
     if "tp1" in s and "rank" in s:
