@@ -325,8 +325,8 @@ def run(out: str, layers: int, settings: list[str]) -> None:
         res[f"{two}_latency_of_tp1"] = s[two]["batch1_itl_ms"] / s["tp1"]["batch1_itl_ms"]
         res[f"{two}_throughput_of_tp1"] = (s[two]["workload"]["output_tokens_per_s"]
                                            / s["tp1"]["workload"]["output_tokens_per_s"])
-        base, other = s["tp1"]["workload"].get("phases", {}), s[two]["workload"].get("phases", {})
-        if all(base[k]["steps"] == other.get(k, {}).get("steps") for k in base):  # the same schedule: comparable
+        base, other = s["tp1"]["workload"]["phases"], s[two]["workload"]["phases"]
+        if {k: v["steps"] for k, v in base.items()} == {k: v["steps"] for k, v in other.items()}:  # one schedule
             res[f"{two}_speedup_by_phase"] = {k: base[k]["seconds"] / other[k]["seconds"] for k in base}
     res["floor_itl_ms"] = {"tp1": 1e3 * res["weight_bytes"] / (res["copy_GBps"] * 1e9),
                            "tp2": 1e3 * res["weight_bytes"] / 2 / (res["copy_GBps"] * 1e9)}
