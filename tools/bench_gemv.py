@@ -5,8 +5,9 @@ Every timed call reads a different copy of the weight (copies totalling more tha
 as a decode step does: a weight read twice in a row would come from L2 and flatter the kernel.
 
 Parts (any, in one run; results merge into the JSON):
-    sweep   each layer shape of three models x rows 1, 2, 4: cuBLAS (F.linear) and every config of
-            our GEMV, the best recorded as the tuning table, and gemv_config's choice (rule_us)
+    sweep   each layer shape of four models x rows 1, 2, 4 (gate/up gated, as the engine runs it): cuBLAS
+            (F.linear) and every config of our GEMV, each the median of three rounds, the best recorded as
+            the tuning table, and gemv_config's choice (rule_us); sweep:MODEL:MODEL@ROWS for some of them
     fused   the norm + qkv and norm + gate/up + SiLU pairs: two kernels (ours Triton norm or SiLU +
             cuBLAS) against one fused GEMV (its configs swept as well)
     chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
@@ -22,6 +23,7 @@ Parts (any, in one run; results merge into the JSON):
             one row the int GEMV with SiLU-and-multiply inside against it apart; formats@1,16,64: other
             row counts, without the peers
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
+    python tools/bench_gemv.py run docs/benchmarks/gemv_tiles_h200.json sweep:llama_8b:llama_8b_tp2@1
     python tools/bench_gemv.py plot docs/benchmarks/gemv_formats_h100.json docs/benchmarks/quant_decode_h100.json
         (the formats beside batch-1 decode per format from tools/bench_quant.py decode, as a PNG)
     python tools/bench_gemv.py plot_norm docs/benchmarks/gemv_norm_h200.json  (the norm inside or apart)
@@ -32,6 +34,7 @@ import datetime
 import functools
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -75,41 +78,62 @@ def graph_us(fns: list) -> float:
 
 
 CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in
-           itertools.product((2, 4, 8, 16), (256, 512, 1024), (4,)) if n * k <= 8192]
+           itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8)) if n * k <= 8192]
 
 
-def sweep(gbps: float) -> dict:
+def tiles(call, ws: list, rounds: int = 3) -> tuple[dict, float, dict]:
+    """Every config of CONFIGS timed with call(w, cfg) over every copy w, in `rounds` rounds of rotated
+    order, each config's median of its rounds: a minimum over 30-odd single timings would pick the luckiest
+    of them (an earlier sweep put gemv_config's own tile 10% behind itself) -> (the best config, its us,
+    every config's us by its JSON)."""
+    times: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for cfg in CONFIGS[r:] + CONFIGS[:r]:
+            times.setdefault(json.dumps(cfg, sort_keys=True), []).append(
+                graph_us([lambda w=w: call(w, cfg) for w in ws]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    best = min(med, key=med.__getitem__)
+    return json.loads(best), med[best], med
+
+
+def sweep(gbps: float, models: tuple[str, ...], rows: tuple[int, ...]) -> dict:
+    """Each layer as the engine runs it (gate/up gated: silu(gate) * up inside) against cuBLAS (F.linear,
+    then chapter 04's SiLU-and-multiply for gate/up), every tile of our GEMV, and gemv_config's (rule_us)."""
     res = {}
-    for model in MODELS:
+    for model in models:
         for name, (N, K) in layers(model).items():
             ws = copies(N, K)
-            for M in ROWS:
+            gated = name == "gate_up"
+            for M in rows:
                 x = torch.randn(M, K, device="cuda", dtype=DT)
-                ref = F.linear(x, ws[0])
-                row = {"model": model, "layer": name, "N": N, "K": K, "rows": M,
-                       "cublas_us": graph_us([lambda w=w: F.linear(x, w) for w in ws])}
-                best = None
+
+                def cublas(w):
+                    y = F.linear(x, w)
+                    return mi.kernels.silu_and_mul(y) if gated else y
+
+                def ours(w, cfg=None):
+                    return gemv(x, w, gated=gated, config=cfg)[0]
+
+                ref = cublas(ws[0])
                 for cfg in CONFIGS:
-                    out, _ = gemv(x, ws[0], config=cfg)
-                    if not torch.allclose(out.float(), ref.float(), atol=0.05, rtol=0.05):
+                    if not torch.allclose(ours(ws[0], cfg).float(), ref.float(), atol=0.05, rtol=0.05):
                         raise AssertionError(f"{model} {name} {M} {cfg}: wrong")
-                    t = graph_us([lambda w=w: gemv(x, w, config=cfg) for w in ws])
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                row["ours_us"], row["best_config"] = best
-                row["rule_us"] = graph_us([lambda w=w: gemv(x, w) for w in ws])  # gemv_config's choice
+                best, best_us, every = tiles(ours, ws)
+                row = {"model": model, "layer": name, "N": N, "K": K, "gated": gated, "rows": M,
+                       "cublas_us": graph_us([lambda w=w: cublas(w) for w in ws]), "ours_us": best_us,
+                       "best_config": best, "rule_us": graph_us([lambda w=w: ours(w) for w in ws]), "configs_us": every}
                 row["ours_GBps"] = N * K * 2 / (row["ours_us"] * 1e-6) / 1e9
                 row["cublas_GBps"] = N * K * 2 / (row["cublas_us"] * 1e-6) / 1e9
                 row["ours_of_copy"] = row["ours_GBps"] / gbps
                 row["cublas_of_copy"] = row["cublas_GBps"] / gbps
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "configs_us"}), flush=True)
                 res[f"{model}/{name}/{M}"] = row
             del ws
             torch.cuda.empty_cache()
     return res
 
 
-def fused(gbps: float, table: dict) -> dict:
+def fused(gbps: float) -> dict:
     """norm + matmul (+ SiLU) as two or three kernels against one, with the sweep's best configs."""
     res = {}
     for model in MODELS:
@@ -127,16 +151,13 @@ def fused(gbps: float, table: dict) -> dict:
                     y = F.linear(mi.kernels.fused_add_rms_norm(h, x, nw, EPS)[0], w)
                     return mi.kernels.silu_and_mul(y) if gated else y
                 ref = unfused(ws[0])
-                best = None
+                def call(w, cfg):
+                    return gemv(h, w, residual=x, norm=(nw, EPS), gated=gated, config=cfg)[0]
                 for cfg in CONFIGS:
-                    def call(w, cfg=cfg):
-                        return gemv(h, w, residual=x, norm=(nw, EPS), gated=gated, config=cfg)[0]
-                    assert torch.allclose(call(ws[0]).float(), ref.float(), atol=0.05, rtol=0.05), (model, name, M)
-                    t = graph_us([lambda w=w: call(w) for w in ws])
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                row = {"model": model, "layer": name, "rows": M, "config": best[1],
-                       "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]), "fused_us": best[0],
+                    assert torch.allclose(call(ws[0], cfg).float(), ref.float(), atol=0.05, rtol=0.05), (model, name, M)
+                best, best_us, _ = tiles(call, ws)
+                row = {"model": model, "layer": name, "rows": M, "config": best,
+                       "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]), "fused_us": best_us,
                        "rule_us": graph_us([lambda w=w: gemv(h, w, residual=x, norm=(nw, EPS), gated=gated)[0]
                                             for w in ws]),
                        "floor_us": N * K * 2 / gbps / 1e3}
@@ -405,12 +426,14 @@ def main(out: str, parts: list[str]) -> None:
     res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                date=datetime.date.today().isoformat(), copy_GBps=copy_bandwidth())
     for part in parts:
-        if part == "sweep":
-            res["sweep"] = sweep(res["copy_GBps"])
+        if part.startswith("sweep"):  # sweep, sweep:llama_8b:llama_8b_tp2 (those models), sweep@1 (one row)
+            part, _, rows = part.partition("@")
+            res["sweep"] = sweep(res["copy_GBps"], tuple(part.split(":")[1:]) or tuple(MODELS),
+                                 tuple(map(int, rows.split(","))) if rows else ROWS)
         elif part == "chain":
             res["chain"] = chain(res["copy_GBps"])
         elif part == "fused":
-            res["fused"] = fused(res["copy_GBps"], res.get("sweep", {}))
+            res["fused"] = fused(res["copy_GBps"])
         elif part == "int_sweep":
             res[part] = int_sweep(res["copy_GBps"])
         elif part == "fp8_sweep":
