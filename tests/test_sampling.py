@@ -7,6 +7,7 @@ from conftest import eos_is
 
 import miniinfer as mi
 from miniinfer.core.sampling_params import FieldError, sample, top_p_filter
+from miniinfer.kernels.argmax import chunked_argmax
 from miniinfer.worker.sampler import sampling_row
 
 
@@ -30,6 +31,23 @@ def test_invalid_params_raise(kwargs, message):
 def test_greedy_is_argmax():
     logits = torch.randn(5, 50)
     assert torch.equal(sample(logits, mi.SamplingParams(temperature=0)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("block", [1, 4, 16, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_argmax_is_torchs(block, dtype):
+    """The GPU's argmax (a kernel of chunks, under the interpreter here) against torch.argmax on random rows
+    of odd lengths: few distinct values, so ties fall within chunks and across them; rows of -inf only;
+    a NaN (the largest, as in torch), and a row longer than the chunk, shorter, and of one logit."""
+    gen = torch.Generator().manual_seed(block)
+    for B, V in [(1, 1), (1, 37), (3, 100), (5, 3), (2, 129)]:
+        x = torch.randint(-2, 3, (B, V), generator=gen).to(dtype)
+        if B > 2:
+            x[1] = float("-inf")
+            x[2, V // 2] = float("nan")
+        assert torch.equal(chunked_argmax(x, block), x.argmax(-1)), (B, V)
+        assert torch.equal(chunked_argmax(x[:, :V - V // 3], block), x[:, :V - V // 3].argmax(-1)), "a view's rows"
+    assert chunked_argmax(torch.empty(0, 7, dtype=dtype), block).shape == (0,)
 
 
 def test_top_k_only_draws_from_the_k_best():

@@ -24,6 +24,8 @@ Parts (any, in one run; results merge into the JSON):
             row counts, without the peers
     python tools/bench_gemv.py run docs/benchmarks/gemv_h100.json sweep fused
     python tools/bench_gemv.py run docs/benchmarks/gemv_tiles_h200.json sweep:llama_8b:llama_8b_tp2@1
+    argmax  the greedy token of logits [B, vocab] (Llama-3's 128,256 and Qwen3's 151,936; B 1, 16, 256, bf16):
+            torch.argmax against chapter 06's chunked argmax (kernels/argmax.py), checked equal
     python tools/bench_gemv.py plot docs/benchmarks/gemv_formats_h100.json docs/benchmarks/quant_decode_h100.json
         (the formats beside batch-1 decode per format from tools/bench_quant.py decode, as a PNG)
     python tools/bench_gemv.py plot_norm docs/benchmarks/gemv_norm_h200.json  (the norm inside or apart)
@@ -48,6 +50,7 @@ from copy_bandwidth import copy_bandwidth
 import miniinfer as mi
 from miniinfer.kernels import norm_rope
 from miniinfer.kernels import quant as kq
+from miniinfer.kernels.argmax import argmax
 from miniinfer.kernels.gemv import gemv
 from miniinfer.layers import quantization as quant
 
@@ -420,6 +423,20 @@ def formats(gbps: float, save, models: tuple[str, ...], res: dict,
     return res
 
 
+def argmax_part() -> dict:
+    res = {}
+    for vocab in (128256, 151936):
+        for B in (1, 16, 256):
+            xs = [torch.randn(B, vocab, device="cuda", dtype=DT) for _ in range(8)]
+            for x in xs:
+                assert torch.equal(argmax(x), x.argmax(-1))
+            row = {"torch_us": graph_us([lambda x=x: x.argmax(-1) for x in xs]),
+                   "chunked_us": graph_us([lambda x=x: argmax(x) for x in xs])}
+            print("argmax", vocab, B, json.dumps(row), flush=True)
+            res[f"{vocab}/{B}"] = row
+    return res
+
+
 def main(out: str, parts: list[str]) -> None:
     path = Path(out)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -432,6 +449,8 @@ def main(out: str, parts: list[str]) -> None:
                                  tuple(map(int, rows.split(","))) if rows else ROWS)
         elif part == "chain":
             res["chain"] = chain(res["copy_GBps"])
+        elif part == "argmax":
+            res[part] = argmax_part()
         elif part == "fused":
             res["fused"] = fused(res["copy_GBps"])
         elif part == "int_sweep":

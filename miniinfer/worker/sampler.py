@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from miniinfer.core.sampling_params import GREEDY_BELOW, SamplingParams, top_p_filter
+from miniinfer.kernels.argmax import argmax
 from miniinfer.worker.kv_cache import to_device
 
 _MASK32 = 0xFFFFFFFF
@@ -87,9 +88,9 @@ def sampling_probs(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
 
 def sample_batch(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     """One token per row of logits [B, vocab], each row by its own parameters -> [B]."""
-    greedy = logits.argmax(-1)
+    greedy = argmax(logits)  # on the GPU a kernel of many programs a row (below, after the GEMV)
     if not s.any_random:
         return greedy
     noise = exponential_noise(s.seeds, s.steps, logits.shape[-1])
-    tokens = (sampling_probs(logits, s) / noise).argmax(-1)
+    tokens = argmax(sampling_probs(logits, s) / noise)
     return torch.where(s.temperature > 0, tokens, greedy)
