@@ -8,8 +8,15 @@ import torch
 import torch.distributed as dist
 
 import miniinfer as mi
-from miniinfer.kernels.allreduce import BLOCK, PROGRAMS, ROW_PROGRAMS, one_shot, one_shot_add_rms_norm
-from miniinfer.kernels.gemv import layer_gemv
+from miniinfer.kernels.allreduce import (
+    BLOCK,
+    PROGRAMS,
+    ROW_PROGRAMS,
+    OneShotAllReduce,
+    one_shot,
+    one_shot_add_rms_norm,
+)
+from miniinfer.kernels.gemv import gemv, layer_gemv
 from miniinfer.layers import parallel
 from miniinfer.layers.parallel import (
     ParallelLMHead,
@@ -108,6 +115,64 @@ def test_the_one_shot_with_the_norm_adds_the_peers_rows_the_residual_and_normali
             assert unwritten(mine)
             programs = min(M, ROW_PROGRAMS)
             assert counts[:programs].tolist() == [call] * programs and not counts[programs:].any()
+
+
+def test_a_gemv_sends_its_row_where_the_row_kernel_looks_next_which_then_sends_nothing():
+    """Chapter 06's GEMV with `send` stores its row into the peer's buffer, in the half the row kernel's
+    next call takes (its count + 1), call after call; that call (sent=True) leaves the peer's buffer alone
+    (a marker there stays) and sums as the kernels apart."""
+    N, K, half = 37, 53, 64
+    mine, peer = torch.full((2 * half,), -0.0), torch.full((2 * half,), -0.0)
+    counts = torch.zeros(ROW_PROGRAMS, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(N, K, generator=gen), torch.randn(1, K, generator=gen)
+    send = dict(peer=peer, counts=counts, half=half, programs=ROW_PROGRAMS)
+    for call in (1, 2, 3):
+        base = (call % 2) * half
+        out, _ = gemv(x, weight, send=send)
+        torch.testing.assert_close(out, x @ weight.T)
+        assert torch.equal(peer[base:base + N], out[0]), "the row, in the half of the next call"
+        assert unwritten(peer[half - base:half - base + N]), "the other half untouched"
+        peer[base:base + N] = 7.0  # a marker: the row kernel must not send again
+        y, res, w = (torch.randn(1, N, generator=gen) for _ in range(3))
+        mine[base:base + N] = y[0]  # the peer's row
+        normed, s = one_shot_add_rms_norm(out, res, w[0], 1e-6, mine, peer, counts, sent=True)
+        want_normed, want_s = add_rms_norm(out + y, res, w[0], 1e-6)
+        assert torch.equal(s, want_s)
+        torch.testing.assert_close(normed, want_normed)
+        assert (peer[base:base + N] == 7.0).all() and unwritten(mine) and counts[0] == call
+        peer.fill_(-0.0)
+
+
+def test_a_row_parallel_layer_sends_its_row_to_the_norm_after_it_and_nothing_is_left_unsummed(group_of_one):
+    """The wiring, on the CPU (a one-shot made by hand: symmetric memory needs GPUs): a row-parallel layer
+    that leaves its sum to the norm gets `send_args`, its GEMV stores the row into the peer's buffer and
+    marks it `sent`; `add_rms_norm` of that row sums it without sending again; a row it cannot sum after
+    sending is an error, not a silent wrong sum; rows past the buffer are not sent at all."""
+    N, K, half = 40, 48, 256
+    one = object.__new__(OneShotAllReduce)
+    one.dtype, one.max_bytes = torch.float32, half * 4
+    mine, peer = torch.full((2 * half,), -0.0), torch.full((2 * half,), -0.0)
+    one.row_buffers = (mine, peer, torch.zeros(ROW_PROGRAMS, dtype=torch.int32))
+    torch.manual_seed(0)
+    layer = RowParallelLinear(slice(0, K), K, N, bias=False, first=True)
+    torch.nn.init.normal_(layer.weight)
+    layer.reduce = False
+    x, res, w, y = torch.randn(1, K), torch.randn(1, N), torch.rand(N), torch.randn(1, N)
+    use_one_shot(one)
+    try:
+        h, _ = layer_gemv(layer, x)
+        assert one.sent is h and torch.equal(peer[half:half + N], h[0])
+        mine[half:half + N] = y[0]
+        peer.fill_(-0.0)
+        normed, s = one.add_rms_norm(h, res, w, 1e-6)
+        assert one.sent is None and torch.equal(s, add_rms_norm(h + y, res, w, 1e-6)[1]) and unwritten(peer)
+        h, _ = layer_gemv(layer, x)
+        with pytest.raises(RuntimeError, match="cannot sum"):
+            one.add_rms_norm(h, res.double(), w, 1e-6)
+        assert one.send_args(torch.randn(1, K), half + 1) is None and one.send_args(x.double(), N) is None
+    finally:
+        use_one_shot(None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -123,14 +123,29 @@ class OneShotAllReduce:
         one_shot(x, self.buffer, self.peer, self.counts)
         return x
 
+    sent: torch.Tensor | None = None  # a GEMV's output stored into the peer's row buffer, its sum not yet made
+
     def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(s) * weight, s) for s = h summed over both ranks + x, in one kernel; None where it
         does not serve h (then the sum, and the add and norm after it, apart)."""
+        sent, self.sent = self.sent is not None and self.sent.data_ptr() == h.data_ptr(), None
         if self.row_buffers is None or not (self.serves(h) and x.shape == h.shape and x.dtype == h.dtype and
                                             x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
+            if sent:  # the peer's next call would read a part nobody sums: refused, not lost
+                raise RuntimeError("a GEMV sent rows to the peer that the row kernel cannot sum")
             return None
-        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers)
+        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers, sent=sent)
+
+    def send_args(self, x: torch.Tensor, n: int) -> dict | None:
+        """`gemv`'s `send` for a GEMV of rows x into n outputs whose sum `add_rms_norm` makes next (the
+        caller then sets `sent` to its output); None where that kernel would not serve them."""
+        rows = x.numel() // x.shape[-1]
+        if self.row_buffers is None or x.dtype != self.dtype or n > MAX_ROW or \
+                rows * n * x.element_size() > self.max_bytes:
+            return None
+        mine, peer, counts = self.row_buffers
+        return dict(peer=peer, counts=counts, half=mine.numel() // 2, programs=ROW_PROGRAMS)
 
 
 ROW_PROGRAMS = 128  # at most, one a multiprocessor at worst: the H100's and H200's 132 hold them all
@@ -139,15 +154,16 @@ MAX_ROW = 8192  # numbers a row: a program holds one whole (the RMS needs all of
 
 @triton.jit(do_not_specialize=["M", "eps"])
 def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_ptr, counts_ptr, M, H, half, eps,
-                          BLOCK_H: tl.constexpr, PROGRAMS: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_H: tl.constexpr, PROGRAMS: tl.constexpr, SENT: tl.constexpr, PDL: tl.constexpr):
     wait_for_input(PDL)
     pid = tl.program_id(0)
     base = _this_calls_half(counts_ptr, pid, half)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    for row in range(pid, M, PROGRAMS):
-        h = tl.load(h_ptr + row * H + cols, mask=mask)
-        tl.store(peer_ptr + base + row * H + cols, tl.where(_unwritten(h), 0.0, h).to(h.dtype), mask=mask)
+    if not SENT:  # (SENT: the GEMV before stored them already, `send_rows`)
+        for row in range(pid, M, PROGRAMS):
+            h = tl.load(h_ptr + row * H + cols, mask=mask)
+            tl.store(peer_ptr + base + row * H + cols, tl.where(_unwritten(h), 0.0, h).to(h.dtype), mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, M, PROGRAMS):
         at = row * H + cols
@@ -166,10 +182,22 @@ def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_
         tl.store(mine_ptr + base + at, _negative_zeros(other), mask=mask)
 
 
+@triton.jit
+def send_rows(y, peer_ptr, counts_ptr, half, rows, cols, H, mask, PROGRAMS: tl.constexpr):
+    """A tile y of rows `rows` x columns `cols` of [M, H] rows, stored (by the kernel that made them: chapter
+    06's GEMV) where the peer's row kernel reads them in its next call: the half each row's program names
+    next, its count + 1. That call must come next, and skip its own sending (SENT)."""
+    base = ((tl.load(counts_ptr + rows % PROGRAMS) + 1) & 1) * half
+    tl.store(peer_ptr + base[:, None] + rows[:, None] * H + cols[None, :], tl.where(_unwritten(y), 0.0, y).to(y.dtype),
+             mask=mask)
+
+
 def one_shot_add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mine: torch.Tensor,
-                          peer: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                          peer: torch.Tensor, counts: torch.Tensor,
+                          sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s) * weight, s) for s = h + the peer's h + residual, row by row [..., H], in one kernel:
-    the buffers and counts as `one_shot`'s (rows' own: a row is always the same program's)."""
+    the buffers and counts as `one_shot`'s (rows' own: a row is always the same program's). sent: h is
+    in the peer's buffer already (`send_rows`)."""
     H = h.shape[-1]
     h2, r2 = h.reshape(-1, H), residual.reshape(-1, H)
     y, total = torch.empty_like(h2), torch.empty_like(h2)
@@ -178,5 +206,5 @@ def one_shot_add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch
         BLOCK_H = triton.next_power_of_2(H)
         _one_shot_norm_kernel[(min(ROW_PROGRAMS, M),)](
             h2, r2, weight, y, total, mine, peer, counts, M, H, mine.numel() // 2, eps, BLOCK_H=BLOCK_H,
-            PROGRAMS=ROW_PROGRAMS, num_warps=4 if BLOCK_H <= 4096 else 8, **pdl_args(h.device))
+            PROGRAMS=ROW_PROGRAMS, SENT=sent, num_warps=4 if BLOCK_H <= 4096 else 8, **pdl_args(h.device))
     return y.view(h.shape), total.view(h.shape)

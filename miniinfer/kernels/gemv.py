@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from miniinfer.kernels.allreduce import send_rows
 from miniinfer.kernels.norm_rope import TritonOps, pdl_args, wait_for_input
 
 
@@ -26,7 +27,8 @@ def _input_tile(x_ptr, res_ptr, sum_ptr, rows, k, M, K, x_stride, pid, ADD: tl.c
 
 @triton.jit
 def _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
-    """Stores out [ROWS, BLOCK_N] (+ bias); GATED: silu(out) * up instead, up the channels N + rn."""
+    """Stores out [ROWS, BLOCK_N] (+ bias); GATED: silu(out) * up instead, up the channels N + rn -> what
+    it stored."""
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -36,6 +38,7 @@ def _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS: tl.constexpr, GAT
         gate, up = out.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
         out = gate / (1 + tl.exp(-gate)) * up
     tl.store(out_ptr + rows[:, None] * N + rn[None, :], out.to(dt), mask=(rows[:, None] < M) & (rn[None, :] < N))
+    return out.to(dt)
 
 
 @triton.jit
@@ -62,12 +65,14 @@ def _tiles(w_ptr, rn, k0, N, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["eps"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps,
-                 ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_ptr, nw_ptr, eps, peer_ptr,
+                 counts_ptr, half, ROWS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 GATED: tl.constexpr, SEND: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[:M, n] = norm(x + res)[:M] @ W[n]^T (+ bias) for this program's BLOCK_N outputs n, on the
     CUDA cores: a few rows against each weight tile, read once. GATED: out = silu(gate) * up, with
-    W = [gate; up] stacked along N, N the number of gate rows."""
+    W = [gate; up] stacked along N, N the number of gate rows. SEND: out stored into a peer's buffer
+    as well (chapter 11)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,7 +102,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_p
         acc += x * w.to(tl.float32)
         if GATED:
             acc_up += x * u.to(tl.float32)
-    _finish(tl.sum(acc, 2), tl.sum(acc_up, 2) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS, GATED)
+    out = _finish(tl.sum(acc, 2), tl.sum(acc_up, 2) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS,
+                  GATED)
+    if SEND:  # chapter 11: where the sum after this matmul waits for it, without a kernel between
+        send_rows(out, peer_ptr, counts_ptr, half, rows, rn, N, (rows[:, None] < M) & (rn[None, :] < N), PROGRAMS)
 
 
 # Shapes (N, K, gated) without a norm inside whose sweep at one row on an H200 (gemv_tiles_h200.json, each
@@ -142,10 +150,12 @@ def launch_gemv(kernel, weights: tuple, N: int, x: torch.Tensor, bias: torch.Ten
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None,
-         gated: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+         gated: bool = False, config: dict | None = None,
+         send: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """For a few rows x [..., K]: s = x + residual (if given), y = rms_norm(s) * norm weight (if
     given), out = y @ weight^T + bias, then silu(gate) * up of out's two halves if gated
-    -> (out [..., N or N/2], s or None)."""
+    -> (out [..., N or N/2], s or None). send: out stored into a peer's buffer as well (chapter 11's
+    `OneShotAllReduce.send_args`: the buffer `peer`, `counts`, `half`, `programs`)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -157,7 +167,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = launch_gemv(_gemv_kernel, (weight,), N, x2, bias, gated, cfg,
                       res_ptr=residual.reshape(-1, K) if residual is not None else x2,
                       sum_ptr=total if total is not None else x2, nw_ptr=nw, eps=eps, ADD=residual is not None,
-                      NORM=norm is not None)
+                      NORM=norm is not None, SEND=send is not None, peer_ptr=send["peer"] if send else x2,
+                      counts_ptr=send["counts"] if send else x2, half=send["half"] if send else 0,
+                      PROGRAMS=send["programs"] if send else 1)
     return out.view(*x.shape[:-1], N), None if total is None else total.view(x.shape)
 
 

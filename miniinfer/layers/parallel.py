@@ -89,10 +89,12 @@ class ColumnParallelLinear(Linear):
 
 class OneShot(Protocol):
     """What `all_reduce` asks of a one-shot all-reduce (`kernels.allreduce`, below, made by the worker)."""
+    sent: torch.Tensor | None
     def serves(self, x: torch.Tensor) -> bool: ...
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
     def add_rms_norm(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    def send_args(self, x: torch.Tensor, n: int) -> dict | None: ...
 
 
 _one_shot: OneShot | None = None  # this process's, once its worker made one (`use_one_shot`)
@@ -134,9 +136,16 @@ class RowParallelLinear(Linear):
         return all_reduce(out) if self.reduce else out
 
     def gemv(self, x: torch.Tensor, **fused) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward)."""
-        out = ROW_GEMV["triton"](x, self.weight, self.bias, **fused)
-        return None if out is None else (all_reduce(out[0]) if self.reduce else out[0], out[1])
+        """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward).
+        Where the norm after makes the sum in the one-shot's row kernel, the GEMV stores the row into the
+        peer's buffer itself, and that kernel only waits for the peer's."""
+        send = None if self.reduce or _one_shot is None else _one_shot.send_args(x, self.out_features)
+        out = ROW_GEMV["triton"](x, self.weight, self.bias, send=send, **fused)
+        if out is None:
+            return None
+        if send is not None:
+            cast(OneShot, _one_shot).sent = out[0]
+        return all_reduce(out[0]) if self.reduce else out[0], out[1]
 
 
 def all_reduce_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
