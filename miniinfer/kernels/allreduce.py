@@ -160,7 +160,7 @@ def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_
     base = _this_calls_half(counts_ptr, pid, half)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    if not SENT:  # (SENT: the GEMV before stored them already, `send_rows`)
+    if not SENT:  # (SENT: chapter 06's GEMV before it stored them already, given `send_args`)
         for row in range(pid, M, PROGRAMS):
             h = tl.load(h_ptr + row * H + cols, mask=mask)
             tl.store(peer_ptr + base + row * H + cols, tl.where(_unwritten(h), 0.0, h).to(h.dtype), mask=mask)
@@ -182,22 +182,12 @@ def _one_shot_norm_kernel(h_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, mine_ptr, peer_
         tl.store(mine_ptr + base + at, _negative_zeros(other), mask=mask)
 
 
-@triton.jit
-def send_rows(y, peer_ptr, counts_ptr, half, rows, cols, H, mask, PROGRAMS: tl.constexpr):
-    """A tile y of rows `rows` x columns `cols` of [M, H] rows, stored (by the kernel that made them: chapter
-    06's GEMV) where the peer's row kernel reads them in its next call: the half each row's program names
-    next, its count + 1. That call must come next, and skip its own sending (SENT)."""
-    base = ((tl.load(counts_ptr + rows % PROGRAMS) + 1) & 1) * half
-    tl.store(peer_ptr + base[:, None] + rows[:, None] * H + cols[None, :], tl.where(_unwritten(y), 0.0, y).to(y.dtype),
-             mask=mask)
-
-
 def one_shot_add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, mine: torch.Tensor,
                           peer: torch.Tensor, counts: torch.Tensor,
                           sent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(s) * weight, s) for s = h + the peer's h + residual, row by row [..., H], in one kernel:
     the buffers and counts as `one_shot`'s (rows' own: a row is always the same program's). sent: h is
-    in the peer's buffer already (`send_rows`)."""
+    in the peer's buffer already (chapter 06's GEMV stored it there, in the half of this call)."""
     H = h.shape[-1]
     h2, r2 = h.reshape(-1, H), residual.reshape(-1, H)
     y, total = torch.empty_like(h2), torch.empty_like(h2)

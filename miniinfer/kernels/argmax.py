@@ -33,8 +33,3 @@ def chunked_argmax(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     if B:
         _chunk_max_kernel[(B, chunks)](x, top, first, V, x.stride(0), BLOCK=block)
     return first.gather(1, top.argmax(1, keepdim=True)).squeeze(1)
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax of x [B, V]: chunked on the GPU, PyTorch's on the CPU."""
-    return chunked_argmax(x) if x.device.type == "cuda" else x.argmax(-1)

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from miniinfer.kernels.allreduce import send_rows
 from miniinfer.kernels.norm_rope import TritonOps, pdl_args, wait_for_input
 
 
@@ -39,6 +38,17 @@ def _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS: tl.constexpr, GAT
         out = gate / (1 + tl.exp(-gate)) * up
     tl.store(out_ptr + rows[:, None] * N + rn[None, :], out.to(dt), mask=(rows[:, None] < M) & (rn[None, :] < N))
     return out.to(dt)
+
+
+@triton.jit
+def _send(out, peer_ptr, counts_ptr, half, rows, rn, N, mask, PROGRAMS: tl.constexpr):
+    """out (rows x channels rn of [M, N]) stored into another GPU's buffer as well: chapter 11's, where that
+    GPU's one-shot sums the rows. The buffer has two halves, taken in turn: row r's is the one that the
+    one-shot's program of row r (r mod PROGRAMS) takes in its next call, its count + 1. Zeros go as +0.0:
+    there -0.0 marks a slot not yet written."""
+    base = ((tl.load(counts_ptr + rows % PROGRAMS) + 1) & 1) * half
+    tl.store(peer_ptr + base[:, None] + rows[:, None] * N + rn[None, :], tl.where(out == 0, 0.0, out).to(out.dtype),
+             mask=mask)
 
 
 @triton.jit
@@ -105,7 +115,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_p
     out = _finish(tl.sum(acc, 2), tl.sum(acc_up, 2) if GATED else acc, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS,
                   GATED)
     if SEND:  # chapter 11: where the sum after this matmul waits for it, without a kernel between
-        send_rows(out, peer_ptr, counts_ptr, half, rows, rn, N, (rows[:, None] < M) & (rn[None, :] < N), PROGRAMS)
+        _send(out, peer_ptr, counts_ptr, half, rows, rn, N, (rows[:, None] < M) & (rn[None, :] < N), PROGRAMS)
 
 
 # Shapes (N, K, gated) without a norm inside whose sweep at one row on an H200 (gemv_tiles_h200.json, each

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from miniinfer.core.sampling_params import GREEDY_BELOW, SamplingParams, top_p_filter
-from miniinfer.kernels.argmax import argmax
+from miniinfer.model.transformer import Registry
 from miniinfer.worker.kv_cache import to_device
 
 _MASK32 = 0xFFFFFFFF
@@ -17,6 +17,14 @@ _MASK32 = 0xFFFFFFFF
 # a logits processor's penalty can push one past it (chapter 12).
 MAX_LOGIT = 1e30
 F32_MAX = float(np.finfo(np.float32).max)  # a value beyond it (a temperature of 1e300) becomes inf
+# The chunked argmax of the end of this chapter (kernels): named here, imported when a GPU's step first samples.
+ARGMAX = Registry("argmax", {"triton": "miniinfer.kernels.argmax:chunked_argmax"})
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of x [B, V]: chunked on the GPU, where PyTorch's gives a row one program; PyTorch's
+    on the CPU, where the interpreter runs one program at a time."""
+    return ARGMAX["triton"](x) if x.device.type == "cuda" else x.argmax(-1)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
