@@ -148,7 +148,8 @@ def test_a_row_parallel_layer_sends_its_row_to_the_norm_after_it_and_nothing_is_
     """The wiring, on the CPU (a one-shot made by hand: symmetric memory needs GPUs): a row-parallel layer
     that leaves its sum to the norm gets `send_args`, its GEMV stores the row into the peer's buffer and
     marks it `sent`; `add_rms_norm` of that row sums it without sending again; a row it cannot sum after
-    sending is an error, not a silent wrong sum; rows past the buffer are not sent at all."""
+    sending, or another row summed first, is an error, not a silent wrong sum; rows past the buffer, or of
+    a layer that does not send (the last, whose rows may be picked before the norm), are not sent at all."""
     N, K, half = 40, 48, 256
     one = object.__new__(OneShotAllReduce)
     one.dtype, one.max_bytes = torch.float32, half * 4
@@ -170,7 +171,55 @@ def test_a_row_parallel_layer_sends_its_row_to_the_norm_after_it_and_nothing_is_
         h, _ = layer_gemv(layer, x)
         with pytest.raises(RuntimeError, match="cannot sum"):
             one.add_rms_norm(h, res.double(), w, 1e-6)
-        assert one.send_args(torch.randn(1, K), half + 1) is None and one.send_args(x.double(), N) is None
+        layer_gemv(layer, x)
+        with pytest.raises(RuntimeError, match="not the next one summed"):  # a copy of it, say: not what was sent
+            one.add_rms_norm(res.clone(), res, w, 1e-6)
+        assert one.sent is None and one.send_args(torch.randn(1, K), half + 1) is None
+        assert one.send_args(x.double(), N) is None
+        layer.sends = False  # the layer before the last norm: rows may be picked between
+        peer.fill_(-0.0)
+        layer_gemv(layer, x)
+        assert one.sent is None and unwritten(peer)
+    finally:
+        use_one_shot(None)
+
+
+def test_a_rank_its_own_peer_sends_every_row_of_a_model_and_sums_each_once(group_of_one):
+    """The sending through a whole model on the CPU: a group of one whose one-shot's peer buffer is its own,
+    so each sum is its part twice, with the embedding, o and down at half weight (exact in any float):
+    chapter 06's GEMVs and RankSums give the course model's own greedy tokens, and its own logits in a
+    step of one row with logits_at (the rows picked before the last norm) and with none picked; every sent
+    row is summed by the next norm, and the buffer ends unwritten."""
+    from miniinfer.kernels.gemv import FusedOps
+    from miniinfer.model.transformer import CausalAttention
+    prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    reference = mi.load_model()
+    reference.ops = FusedOps()
+    want = mi.generate_cached(reference, prompt, greedy)
+    model = mi.load_model(prepare=lambda m: shard_model(m, Shard(0, 1)))
+    model.ops = FusedOps()
+    sum_at_norms(model)
+    with torch.no_grad():
+        for w in [model.model.embed_tokens.weight] + [p for layer in model.model.layers for p in
+                                                       (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight)]:
+            w.mul_(0.5)
+    H = model.cfg.hidden_size
+    one = object.__new__(OneShotAllReduce)
+    one.dtype, one.max_bytes = model.dtype, 16 * H * model.dtype.itemsize
+    buffer = torch.full((32 * H,), -0.0, dtype=model.dtype)
+    one.row_buffers = (buffer, buffer, torch.zeros(ROW_PROGRAMS, dtype=torch.int32))
+    sends = []
+    send_args = one.send_args
+    one.send_args = lambda x, n: sends.append(send_args(x, n)) or sends[-1]  # type: ignore[method-assign]
+    use_one_shot(one)
+    try:
+        assert mi.generate_cached(model, prompt, greedy) == want
+        assert any(sends) and one.sent is None and unwritten(buffer)
+        ids = torch.tensor([[7]])
+        for at in (torch.tensor([0]), torch.tensor([], dtype=torch.long)):
+            got = model(ids, attn=CausalAttention(), logits_at=at)  # the LM head is the embedding (tied): half
+            torch.testing.assert_close(2 * got, reference(ids, attn=CausalAttention(), logits_at=at))
+            assert one.sent is None and unwritten(buffer)
     finally:
         use_one_shot(None)
 
@@ -231,7 +280,7 @@ class Recorder:
     """A one-shot stand-in that serves messages up to max_bytes and notes their sizes."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes, self.sizes = max_bytes, []
+        self.max_bytes, self.sizes, self.sent = max_bytes, [], None
 
     def serves(self, x):
         return x.numel() * x.element_size() <= self.max_bytes
@@ -281,6 +330,9 @@ class OneShotStandIn(Recorder):
         self.norms += 1
         return add_rms_norm(h, x, weight, eps)
 
+    def send_args(self, x, n):
+        return None  # nothing to send to
+
 
 def test_sum_at_norms_leaves_each_sum_to_the_norm_after_it(group_of_one):
     """The embedding, o and down return their part; the model's ops add the parts at the norm after each,
@@ -297,6 +349,7 @@ def test_sum_at_norms_leaves_each_sum_to_the_norm_after_it(group_of_one):
     layers[1].self_attn.o_proj.__class__ = OwnForward
     sum_at_norms(model)
     assert not model.model.embed_tokens.reduce and not layers[0].mlp.down_proj.reduce
+    assert layers[0].mlp.down_proj.sends and not layers[-1].mlp.down_proj.sends, "the last norm's rows may be picked"
     assert layers[1].self_attn.o_proj.reduce and layers[1].post_attention_layernorm not in model.ops.partial
     assert layers[0].post_attention_layernorm in model.ops.partial and model.model.norm in model.ops.partial
     stand_in, forwards = OneShotStandIn(), []

@@ -38,7 +38,8 @@ def test_greedy_is_argmax():
 def test_the_chunked_argmax_is_torchs(block, dtype):
     """The GPU's argmax (a kernel of chunks, under the interpreter here) against torch.argmax on random rows
     of odd lengths: few distinct values, so ties fall within chunks and across them; rows of -inf only;
-    a NaN (the largest, as in torch), and a row longer than the chunk, shorter, and of one logit."""
+    a NaN (the largest, as in torch), and a row longer than the chunk, shorter, and of one logit. Where
+    torch differs: a NaN beside a +inf."""
     gen = torch.Generator().manual_seed(block)
     for B, V in [(1, 1), (1, 37), (3, 100), (5, 3), (2, 129)]:
         x = torch.randint(-2, 3, (B, V), generator=gen).to(dtype)
@@ -48,6 +49,9 @@ def test_the_chunked_argmax_is_torchs(block, dtype):
         assert torch.equal(chunked_argmax(x, block), x.argmax(-1)), (B, V)
         assert torch.equal(chunked_argmax(x[:, :V - V // 3], block), x[:, :V - V // 3].argmax(-1)), "a view's rows"
     assert chunked_argmax(torch.empty(0, 7, dtype=dtype), block).shape == (0,)
+    inf, nan = float("inf"), float("nan")  # a NaN counts as +inf: the first of them (torch's takes the first NaN)
+    both = torch.tensor([[1.0, inf, 2.0, nan], [nan, 0.0, inf, 1.0]], dtype=dtype)
+    assert chunked_argmax(both, block).tolist() == [1, 0]
 
 
 def test_top_k_only_draws_from_the_k_best():

@@ -91,7 +91,8 @@ def tiles(call, ws: list, rounds: int = 3) -> tuple[dict, float, dict]:
     every config's us by its JSON)."""
     times: dict[str, list[float]] = {}
     for r in range(rounds):
-        for cfg in CONFIGS[r:] + CONFIGS[:r]:
+        shift = r * len(CONFIGS) // rounds  # each round starts a third of the way further along
+        for cfg in CONFIGS[shift:] + CONFIGS[:shift]:
             times.setdefault(json.dumps(cfg, sort_keys=True), []).append(
                 graph_us([lambda w=w: call(w, cfg) for w in ws]))
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -445,8 +446,8 @@ def main(out: str, parts: list[str]) -> None:
     for part in parts:
         if part.startswith("sweep"):  # sweep, sweep:llama_8b:llama_8b_tp2 (those models), sweep@1 (one row)
             part, _, rows = part.partition("@")
-            res["sweep"] = sweep(res["copy_GBps"], tuple(part.split(":")[1:]) or tuple(MODELS),
-                                 tuple(map(int, rows.split(","))) if rows else ROWS)
+            res.setdefault("sweep", {}).update(sweep(res["copy_GBps"], tuple(part.split(":")[1:]) or tuple(MODELS),
+                                                     tuple(map(int, rows.split(","))) if rows else ROWS))
         elif part == "chain":
             res["chain"] = chain(res["copy_GBps"])
         elif part == "argmax":

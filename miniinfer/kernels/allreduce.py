@@ -45,7 +45,7 @@ def _this_calls_half(counts_ptr, pid, half):
     """This program's call count, advanced, and the offset of the half it names. Every thread reads the count
     before any writes it (the barrier): a warp that read it after would take the other half, and wait for a
     part the peer sends elsewhere."""
-    epoch = tl.load(counts_ptr + pid) + 1
+    epoch = tl.load(counts_ptr + pid) + 1  # (chapter 06's GEMV, sending a row, names the same half: `_send`)
     tl.debug_barrier()
     tl.store(counts_ptr + pid, epoch)
     return (epoch & 1) * half
@@ -129,17 +129,21 @@ class OneShotAllReduce:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rms_norm(s) * weight, s) for s = h summed over both ranks + x, in one kernel; None where it
         does not serve h (then the sum, and the add and norm after it, apart)."""
-        sent, self.sent = self.sent is not None and self.sent.data_ptr() == h.data_ptr(), None
+        sent, self.sent = self.sent, None
+        if sent is not None and sent.data_ptr() != h.data_ptr():  # the peer would read it in a later call
+            raise RuntimeError("a row a GEMV sent to the peer was not the next one summed")
         if self.row_buffers is None or not (self.serves(h) and x.shape == h.shape and x.dtype == h.dtype and
                                             x.is_contiguous() and weight.dtype == h.dtype and h.shape[-1] <= MAX_ROW):
-            if sent:  # the peer's next call would read a part nobody sums: refused, not lost
+            if sent is not None:  # the peer's next call would read a part nobody sums: refused, not lost
                 raise RuntimeError("a GEMV sent rows to the peer that the row kernel cannot sum")
             return None
-        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers, sent=sent)
+        return one_shot_add_rms_norm(h, x, weight, eps, *self.row_buffers, sent=sent is not None)
 
     def send_args(self, x: torch.Tensor, n: int) -> dict | None:
         """`gemv`'s `send` for a GEMV of rows x into n outputs whose sum `add_rms_norm` makes next (the
-        caller then sets `sent` to its output); None where that kernel would not serve them."""
+        caller then sets `sent` to its output); None where the row kernel takes no rows of that size or
+        dtype. The norm's weight and the residual must then be as `add_rms_norm` asks (in the model they
+        are): else it raises."""
         rows = x.numel() // x.shape[-1]
         if self.row_buffers is None or x.dtype != self.dtype or n > MAX_ROW or \
                 rows * n * x.element_size() > self.max_bytes:

@@ -14,8 +14,8 @@ def _chunk_max_kernel(x_ptr, top_ptr, first_ptr, V, stride, BLOCK: tl.constexpr)
     """Chunk c of row b of x [B, V]: its largest value and the first column that holds it."""
     b, c = tl.program_id(0), tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + b * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # NaN: the largest
+    x = tl.load(x_ptr + b.to(tl.int64) * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN: the largest, as +inf (torch would take the first NaN over a +inf)
     top = tl.max(x, 0)
     chunks = tl.num_programs(1)
     tl.store(top_ptr + b * chunks + c, top)

@@ -121,7 +121,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, x_stride, res_ptr, sum_p
 # Shapes (N, K, gated) without a norm inside whose sweep at one row on an H200 (gemv_tiles_h200.json, each
 # tile the median of three rounds) put a tile 3% or more ahead of the rule below: the 8B-sized qkv on one
 # GPU (13.8 us against 15.0) and on one of two ranks (chapter 11: 7.4 against 9.7), and its gate/up on
-# both (input tiles of 2,048: 57.2 and 29.7 us against 59.3 and 31.7).
+# both (input tiles of 2,048: 57.2 and 29.7 us against 59.3 and 31.7). Measured in bf16 only; any GPU and any
+# few rows take them.
 TILES = {(6144, 4096, False): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),
          (3072, 4096, False): dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8),
          (14336, 4096, True): dict(BLOCK_N=2, BLOCK_K=2048, num_warps=4),

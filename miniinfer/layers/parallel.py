@@ -118,8 +118,9 @@ class RowParallelLinear(Linear):
     """A projection split by input channels (o after attention, down after the MLP): this rank
     keeps `columns` of in_size. Each rank's product is a partial sum of the whole output, which the
     ranks add up after the layer; the bias joins once, on the first rank (the others' is zero).
-    reduce False: the sum is left to the norm after the layer (`sum_at_norms`, below)."""
-    reduce = True
+    reduce False: the sum is left to the norm after the layer (`sum_at_norms`, below); sends: at one row
+    the GEMV then stores the row into the peer's buffer itself (not where rows may be picked before the norm)."""
+    reduce, sends = True, True
 
     def __init__(self, columns: slice, in_size: int, out_features: int, bias: bool, first: bool):
         super().__init__(columns.stop - columns.start, out_features, bias=bias)
@@ -139,12 +140,13 @@ class RowParallelLinear(Linear):
         """A step of one row: chapter 06's GEMV of this rank's columns, then the sum (None: the forward).
         Where the norm after makes the sum in the one-shot's row kernel, the GEMV stores the row into the
         peer's buffer itself, and that kernel only waits for the peer's."""
-        send = None if self.reduce or _one_shot is None else _one_shot.send_args(x, self.out_features)
+        one_shot = None if self.reduce or not self.sends else _one_shot
+        send = None if one_shot is None else one_shot.send_args(x, self.out_features)
         out = ROW_GEMV["triton"](x, self.weight, self.bias, send=send, **fused)
         if out is None:
             return None
         if send is not None:
-            cast(OneShot, _one_shot).sent = out[0]
+            cast(OneShot, one_shot).sent = out[0]
         return all_reduce(out[0]) if self.reduce else out[0], out[1]
 
 
@@ -325,4 +327,6 @@ def sum_at_norms(model: Transformer) -> None:
         if isinstance(module, (RowParallelLinear, VocabParallelEmbedding)) and leaves_its_sum(module):
             module.reduce = False
             ops.partial.add(norm)
+            if isinstance(module, RowParallelLinear):  # rows may be picked (logits_at) before the last norm
+                module.sends = norm is not backbone.norm
     model.ops = ops
