@@ -184,19 +184,21 @@ def test_a_row_parallel_layer_sends_its_row_to_the_norm_after_it_and_nothing_is_
         use_one_shot(None)
 
 
-def test_a_rank_its_own_peer_sends_every_row_of_a_model_and_sums_each_once(group_of_one):
-    """The sending through a whole model on the CPU: a group of one whose one-shot's peer buffer is its own,
-    so each sum is its part twice, with the embedding, o and down at half weight (exact in any float):
-    chapter 06's GEMVs and RankSums give the course model's own greedy tokens, and its own logits in a
-    step of one row with logits_at (the rows picked before the last norm) and with none picked; every sent
-    row is summed by the next norm, and the buffer ends unwritten."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_rank_its_own_peer_sends_every_row_of_a_model_and_sums_each_once(group_of_one, device):
+    """The sending through a whole model (compiled on a GPU, interpreted on the CPU): a group of one
+    whose one-shot's peer buffer is its own, so each sum is its part twice, with the embedding, o and down
+    at half weight (exact in any float): chapter 06's GEMVs and RankSums give the course model's own greedy
+    tokens, and its own logits in a step of one row with logits_at (the rows picked before the last norm)
+    and with none picked; every sent row is summed by the next norm, and the buffer ends unwritten."""
     from miniinfer.kernels.gemv import FusedOps
     from miniinfer.model.transformer import CausalAttention
     prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    reference = mi.load_model()
+    reference = mi.load_model(device=device)
     reference.ops = FusedOps()
     want = mi.generate_cached(reference, prompt, greedy)
-    model = mi.load_model(prepare=lambda m: shard_model(m, Shard(0, 1)))
+    model = mi.load_model(device=device, prepare=lambda m: shard_model(m, Shard(0, 1)))
     model.ops = FusedOps()
     sum_at_norms(model)
     with torch.no_grad():
@@ -206,8 +208,8 @@ def test_a_rank_its_own_peer_sends_every_row_of_a_model_and_sums_each_once(group
     H = model.cfg.hidden_size
     one = object.__new__(OneShotAllReduce)
     one.dtype, one.max_bytes = model.dtype, 16 * H * model.dtype.itemsize
-    buffer = torch.full((32 * H,), -0.0, dtype=model.dtype)
-    one.row_buffers = (buffer, buffer, torch.zeros(ROW_PROGRAMS, dtype=torch.int32))
+    buffer = torch.full((32 * H,), -0.0, dtype=model.dtype, device=device)
+    one.row_buffers = (buffer, buffer, torch.zeros(ROW_PROGRAMS, dtype=torch.int32, device=device))
     sends = []
     send_args = one.send_args
     one.send_args = lambda x, n: sends.append(send_args(x, n)) or sends[-1]  # type: ignore[method-assign]
@@ -215,8 +217,8 @@ def test_a_rank_its_own_peer_sends_every_row_of_a_model_and_sums_each_once(group
     try:
         assert mi.generate_cached(model, prompt, greedy) == want
         assert any(sends) and one.sent is None and unwritten(buffer)
-        ids = torch.tensor([[7]])
-        for at in (torch.tensor([0]), torch.tensor([], dtype=torch.long)):
+        ids = torch.tensor([[7]], device=device)
+        for at in (torch.tensor([0], device=device), torch.tensor([], dtype=torch.long, device=device)):
             got = model(ids, attn=CausalAttention(), logits_at=at)  # the LM head is the embedding (tied): half
             torch.testing.assert_close(2 * got, reference(ids, attn=CausalAttention(), logits_at=at))
             assert one.sent is None and unwritten(buffer)
