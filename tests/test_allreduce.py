@@ -215,7 +215,8 @@ def test_a_rank_its_own_peer_sends_every_row_of_a_model_and_sums_each_once(group
     one.send_args = lambda x, n: sends.append(send_args(x, n)) or sends[-1]  # type: ignore[method-assign]
     use_one_shot(one)
     try:
-        assert mi.generate_cached(model, prompt, greedy) == want
+        # eager: the LM head's gather over gloo cannot be captured in a CUDA graph
+        assert mi.generate_static_batch(model, [prompt], greedy, cuda_graph=False) == [want]
         assert any(sends) and one.sent is None and unwritten(buffer)
         ids = torch.tensor([[7]], device=device)
         for at in (torch.tensor([0], device=device), torch.tensor([], dtype=torch.long, device=device)):
