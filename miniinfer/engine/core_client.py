@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import multiprocessing
 import queue
+import signal
 import threading
 import time
 from typing import Callable, Union
@@ -90,6 +92,9 @@ class MultiprocClient(EngineClient):
                                          name="miniinfer-receiver")
         self.receiver.start()
         threading.Thread(target=self._forward, daemon=True, name="miniinfer-sender").start()
+        # The engine ignores signals (engine_process), so this process ends it, at exit too: before
+        # multiprocessing's own exit hook (registered earlier, so run later), whose SIGTERM it ignores.
+        atexit.register(self.close)
 
     def _forward(self) -> None:
         # What has queued up goes as one message: while the event loop is busy, each wake-up of this
@@ -117,14 +122,23 @@ class MultiprocClient(EngineClient):
     def is_alive(self) -> bool:
         return self.receiver.is_alive()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
+        """Shut the engine down and wait for it; killed if it has not ended within `timeout` s."""
+        atexit.unregister(self.close)
         self.send(Shutdown())
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
         self.receiver.join()
-        self.process.join()
 
 
 def engine_process(config: EngineConfig, conn, make: Callable[[EngineConfig], LLMEngine] = LLMEngine) -> None:
     """The engine's own process: build it, tell the parent what it can serve, then serve commands."""
+    # A terminal's Ctrl-C reaches the whole process group, this process too; the front end drains its
+    # requests first and then shuts the engine down, so the engine leaves every signal to it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         engine = make(config)
     except Exception as err:  # a bad checkpoint or config: the parent raises it

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import pickle
+import signal
 from collections import deque
 from typing import Any, cast
 
@@ -84,6 +85,10 @@ def failure(err: BaseException) -> str:
 def run_worker(rank: int, config: EngineConfig, components: bytes, init_file: str, conn) -> None:
     """A worker process: ("ok", value) to each call that wants it (`Worker.replies`), ("error", why) to
     one that fails. components: the engine's, pickled (by value: `MultiProcessExecutor`)."""
+    # Ended by the executor, never by a signal: a terminal's Ctrl-C reaches every rank, and the front
+    # end may still be draining its requests (chapter 08's engine process does the same).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         worker = Worker(rank, config, pickle.loads(components), init_file)
     except BaseException as err:
