@@ -261,6 +261,31 @@ def test_structured_output_always_parses_and_validates_beside_free_requests(cour
     assert all(o.token_ids == alone for o in outs[len(params):])
 
 
+def test_a_grammar_never_allows_the_ids_past_the_tokenizer(tmp_path):
+    """A model whose vocabulary pads the tokenizer's (4,096 + 200 ids, as checkpoints round theirs up),
+    its padding ids pushed up by a logit bias: a request held to a regex writes only the tokenizer's
+    ids and matches it; xgrammar is told the tokenizer's ids only (grammar_vocab: about 40 times less
+    host work a row than with the padding), the mask's padding words are zeros."""
+    import re
+
+    from conftest import make_hf_model
+
+    from miniinfer.worker.logits_processors import grammar_vocab
+    tok = mi.load_tokenizer()
+    make_hf_model("llama", vocab_size=len(tok) + 200, eos_token_id=tok.eos_token_id).save_pretrained(tmp_path)
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=mi.load_model(tmp_path), tokenizer=tok)
+    assert grammar_vocab(tok, engine.info.vocab_size) == len(tok) < engine.info.vocab_size
+    padding = {i: 50.0 for i in range(len(tok), len(tok) + 200)}
+    params = [mi.SamplingParams(temperature=t, seed=1, max_tokens=40, logit_bias=padding,
+                                structured_output=mi.StructuredOutput(regex="[a-z ]{1,30}")) for t in (0, 1.0)]
+    free = mi.SamplingParams(temperature=0, max_tokens=5, logit_bias=padding, ignore_eos=True)
+    *held, unheld = engine.generate(["def f():"] * 3, params + [free], use_tqdm=False)
+    for out in held:
+        assert max(out.token_ids) < len(tok) and re.fullmatch("[a-z ]{1,30}", tok.decode(out.token_ids[:-1])), out
+    assert min(unheld.token_ids) >= len(tok)  # the bias alone does pick them
+    assert engine.block_manager.num_free_blocks == 64
+
+
 def test_regex_and_choice_outputs_match_and_bad_grammars_are_refused(course_model):
     import re
     tok = mi.load_tokenizer()

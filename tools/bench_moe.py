@@ -22,13 +22,12 @@ import itertools
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import transformers
 import triton
-from bench_engine import engine_for, greedy, hf_generate_batch, run_engine, workload
+from bench_engine import engine_for, greedy, hf_generate_batch, run_engine, served_and_step, workload
 from bench_gemv import graph_us
 from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
@@ -161,24 +160,15 @@ def active_bytes(model) -> int:
 
 
 def batch1(model, gbps: float) -> dict:
-    """Served tokens/s (the median gap between a stream's tokens, three streams: the best) and the device's
-    step (the batch-1 CUDA graph replayed), each against the active-weight floor."""
-    engine = engine_for(model, max_num_seqs=8)
-    prompt = list(range(100, 132))
-    list(engine.stream(prompt, greedy(16)))  # warm-up: compiles, captures
-    itls = []
-    for _ in range(3):
-        times = [time.perf_counter() for _ in engine.stream(prompt, greedy(256))]
-        itls.append(sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2])
-    graph = engine.executor.runner.graphs.graphs[1]
-    step_us = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    """Served tokens/s and the device's step (bench_engine's served_and_step), each against the
+    active-weight floor."""
+    res = served_and_step(model)
     nbytes = active_bytes(model)
-    res = {"tokens_per_s": 1 / min(itls), "itl_us": [t * 1e6 for t in itls], "step_us": step_us,
-           "active_bytes": nbytes, "floor_tokens_per_s": gbps * 1e9 / nbytes}
+    res.update(active_bytes=nbytes, floor_tokens_per_s=gbps * 1e9 / nbytes)
     res["fraction_of_floor"] = res["tokens_per_s"] / res["floor_tokens_per_s"]
-    res["step_fraction_of_floor"] = 1e6 / step_us / res["floor_tokens_per_s"]
+    res["step_fraction_of_floor"] = res["step_tokens_per_s"] / res["floor_tokens_per_s"]
     print(f"batch 1: {res['tokens_per_s']:.0f} tok/s, {res['fraction_of_floor']:.0%} of the active floor; the step "
-          f"{step_us:.0f} us, {res['step_fraction_of_floor']:.0%}", flush=True)
+          f"{res['step_us']:.0f} us, {res['step_fraction_of_floor']:.0%}", flush=True)
     return res
 
 

@@ -241,7 +241,7 @@ class Server:
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 count += len(out.new_token_ids)  # (out.token_ids would copy every token so far)
-                logprobs = out.new_logprobs
+                logprobs: list | None = out.new_logprobs
                 piece = detok.add(text_token_ids(out, self.eos)) + (detok.finish() if out.finished else "")
                 piece, stopped = stop.feed(piece, out.finished)
                 if echo is not None:  # the prompt first, and its tokens' log-probabilities if asked

@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
+from miniinfer.core.sequence import TokenLogprobs
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.worker.kv_cache import to_device
 from miniinfer.worker.model_runner import ModelRunner, RunnerInfo, StepBatch, to_host
@@ -192,15 +193,6 @@ class MinP(Processor):
         return logits.float().index_copy(0, at_dev, self.mask(logits[at_dev].float(), min_p, temperature))
 
 
-class TokenLogprobs(NamedTuple):
-    """A token's log-probability under the model, its rank among all tokens (1: the most likely),
-    and the top n tokens with theirs."""
-    token: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of logits [R, V] and a token of each [R] -> the token's log-probability [R] and rank [R]
@@ -240,11 +232,12 @@ class Scores(Processor):
         return torch.cat([c.double().reshape(len(tokens), -1) for c in columns] + [ids.double(), top.double()], 1)
 
 
-def unscore(row: list[float]) -> TokenLogprobs:
-    """One row of score's tensor, on the host, its head taken off."""
+def unscore(row: list[float]) -> tuple:
+    """One row of score's tensor, on the host, its head taken off: (token, logprob, rank, top) as plain
+    tuples, which the engine keeps and a RequestOutput reads as a TokenLogprobs (chapter 06's)."""
     n, token, own, rank, *rest = row
     k, n = len(rest) // 2, int(n)
-    return TokenLogprobs(int(token), own, int(rank), [(int(t), p) for t, p in zip(rest[:n], rest[k:k + n])])
+    return int(token), own, int(rank), tuple(zip(map(int, rest[:n]), rest[k:k + n]))
 
 
 class Logprobs(Scores):
@@ -322,7 +315,7 @@ class PromptLogprobs(Scores):
     def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
         out: dict[str, list] = {}
         for b, t, *rest in data.tolist():
-            out.setdefault(step.request_ids[int(b)], []).append((int(t), unscore(rest)))
+            out.setdefault(step.request_ids[int(b)], []).append((int(t), TokenLogprobs._make(unscore(rest))))
         return out
 
 
@@ -338,12 +331,20 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 GRAMMAR_CACHE_BYTES = 256 * 2 ** 20  # compiled grammars a compiler keeps (the oldest go): clients send many
 
 
+def grammar_vocab(tokenizer, vocab_size: int) -> int:
+    """The token ids a grammar's mask covers: the tokenizer's, inside the model's vocabulary. A model's
+    rows past its tokenizer's (padding, to a round size) can never be written under a grammar; told of
+    them, xgrammar fills a mask and takes a token about 40 times slower (the course tokenizer's 4,096
+    tokens in the Llama-1B shape's 128,256: 200 us a row against 5, on this course's CPU)."""
+    return vocab_size if tokenizer is None else min(vocab_size, len(tokenizer))
+
+
 @functools.cache
 def grammar_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
     """xgrammar's compiler for a tokenizer and a model's vocabulary (it caches what it compiles). The
     end tokens are the model's (none given: the tokenizer's, enough to check that a grammar compiles)."""
     import xgrammar as xgr
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=grammar_vocab(tokenizer, vocab_size),
                                               stop_token_ids=list(eos_token_ids) or None)
     return xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
@@ -393,8 +394,8 @@ def batch_matcher():
 
 def fill_masks(live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
     """Row n of bitmask for each (n, matcher). xgrammar's matchers fill theirs in one call on several
-    threads: a row of a 128k-token vocabulary takes about 0.2 ms, so 128 rows one at a time took longer
-    than six decode steps (docs/benchmarks/structured_overlap_h100.json). Other matchers (a problem
+    threads: 128 rows one at a time took longer than six decode steps
+    (docs/benchmarks/structured_overlap_h100.json, before grammar_vocab). Other matchers (a problem
     set's) fill theirs one by one."""
     import xgrammar as xgr
     if all(isinstance(m, xgr.GrammarMatcher) for _, m in live):
@@ -446,12 +447,15 @@ class Structured(Processor):
         hits = self.held(step)
         if not hits:
             return logits
-        if self.bitmask is None:
-            self.bitmask = torch.empty(self.runner.config.max_num_seqs, -(-logits.shape[1] // 32), dtype=torch.int32)
+        words = -(-logits.shape[1] // 32)
+        if self.bitmask is None:  # the tokenizer's ids (grammar_vocab); the padding's words are added as zeros
+            self.bitmask = torch.empty(self.runner.config.max_num_seqs,
+                                       -(-grammar_vocab(self.tokenizer, logits.shape[1]) // 32), dtype=torch.int32)
         self.bitmask[:len(hits)] = -1  # a matcher that is done (its end token sampled): what it gets next is dropped
         fill_masks([(n, m) for n, (_, m) in enumerate(hits) if not m.is_terminated()], self.bitmask)
         at = to_device(np.array([i for i, _ in hits]), logits.device)
         mask = to_device(self.bitmask[:len(hits)].numpy(), logits.device)  # a pinned copy: no wait
+        mask = torch.nn.functional.pad(mask, (0, words - mask.shape[1]))  # no padding id is ever allowed
         return logits.index_copy(0, at, self.mask(logits[at], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:

@@ -1,0 +1,237 @@
+"""Every feature at the plain path's speed? The feature matrix, measured in one run (chapters 06-12).
+
+Hand-written tool. Parts (any of them, in one run, in the order given; results merge into the JSON):
+    matrix   the end-to-end workload of docs/benchmarks/README.md on the Llama-3.2-1B shape (256
+             requests, random bf16 weights), plain and with one feature on at a time: each row's output
+             tokens/s and its ratio to plain in the same run (ROWS below says what each row turns on)
+    batch1   one request on the Llama-3.2-1B shape, per weight format (bf16, int8, int4, fp8): served
+             tokens/s against the rate its step allows (1 / the batch-1 CUDA graph's replay on the device)
+    moe      the same for the mixture of experts (Qwen3-30B-A3B cut to 8 layers, tools/bench_moe.py)
+    mla      the same for latent attention (DeepSeek-V2-Lite's shape cut to 8 layers, tools/bench_mla.py)
+    lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format
+    python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
+    python tools/bench_features.py plot docs/benchmarks/features_h200.json
+"""
+
+import copy
+import datetime
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+from bench_engine import HALF_JSON, TOP5, engine_for, greedy, lanes, models, run_engine, served_and_step, workload
+from copy_bandwidth import copy_bandwidth
+
+import miniinfer as mi
+from miniinfer.layers import quantization as quant
+
+Params = Callable[[int, int], mi.SamplingParams]  # (request index, its output length) -> its sampling
+
+
+def sampled(i: int, n: int) -> mi.SamplingParams:
+    return mi.SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True, seed=i)
+
+
+def penalized(i: int, n: int) -> mi.SamplingParams:
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, presence_penalty=0.5,
+                             frequency_penalty=0.5, repetition_penalty=1.1)
+
+
+def echo(i: int, n: int) -> mi.SamplingParams:
+    """lm-evaluation-harness's loglikelihood requests: every prompt token's log-probability."""
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=1)
+
+
+def all_json(i: int, n: int) -> mi.SamplingParams:
+    return HALF_JSON(1, n)
+
+
+def half_regex(i: int, n: int) -> mi.SamplingParams:
+    """Every other request held to words of lowercase letters and spaces (free text a random model stays in)."""
+    return mi.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                             structured_output=mi.StructuredOutput(regex="[a-z ]+") if i % 2 else None)
+
+
+# name -> (what the row turns on, EngineConfig fields, its sampling, a weight format or None)
+ROWS: dict[str, tuple[str, dict, Params | None, str | None]] = {
+    "plain": ("greedy, every request its own length", {}, None, None),
+    "seeded": ("temperature 0.8, top-p 0.95, a seed per request", {}, sampled, None),
+    "n4": ("the first 64 prompts 4 times each (OpenAI's n=4), sampled and seeded", {}, sampled, None),
+    "penalties": ("presence 0.5, frequency 0.5, repetition 1.1 on every request", {}, penalized, None),
+    "logprobs_top5": ("top-5 log-probabilities of every token, every request", {}, TOP5, None),
+    "prompt_logprobs": ("every prompt token's log-probability (echo), every request", {}, echo, None),
+    "json_half": ("every other request held to a JSON schema", {}, HALF_JSON, None),
+    "json_all": ("every request held to a JSON schema", {}, all_json, None),
+    "regex_half": ("every other request held to a regex", {}, half_regex, None),
+    "ngram": ("n-gram speculation, 4 guesses a step", {"speculative_method": "ngram"}, None, None),
+    "int8": ("int8 weights", {}, None, "int8"),
+    "int4": ("int4 weights (groups of 128)", {}, None, "int4"),
+    "fp8": ("fp8 weights (W8A8)", {}, None, "fp8"),
+    "fp8_kv": ("the FP8 KV cache", {"kv_cache_dtype": "fp8"}, None, None),
+    "prefix_caching": ("prefix caching on (the random prompts share nothing)", {"enable_prefix_caching": True},
+                       None, None),
+    "chunked_prefill": ("chunked prefill on", {"enable_chunked_prefill": True}, None, None),
+}
+# Rows run again: plain last too (the reference is the better of the two: a drift of the machine shows
+# as their difference), and the top-5 row with Python's cyclic garbage collector off, to show its share.
+AGAIN = {"logprobs_top5_gc_off": "logprobs_top5", "plain_last": "plain"}
+
+
+def phases(trace: list) -> dict:
+    """Seconds in steps with prompt tokens and in decode-only steps, from run_engine's trace of
+    (seconds since the start, sequences, tokens, preempted) at each step's end."""
+    res, last = {"prefill_s": 0.0, "decode_s": 0.0}, 0.0
+    for t, seqs, tokens, _ in trace:
+        res["prefill_s" if tokens > seqs else "decode_s"] += t - last
+        last = t
+    return res
+
+
+def matrix(base, prompts, outs, save) -> dict:
+    """The workload once per row, each on a fresh engine after a warm-up of 8 requests."""
+    res: dict = {}
+    for name in [*ROWS, *AGAIN]:
+        what, config, params, fmt = ROWS[AGAIN.get(name, name)]
+        model = base
+        if fmt is not None:
+            model = copy.deepcopy(base)
+            quant.quantize_model(model, fmt)
+        p, o = (prompts[:64] * 4, outs[:64] * 4) if name == "n4" else (prompts, outs)
+        engine = engine_for(model, mi.load_tokenizer(), **config)  # the tokenizer: the grammars read it
+        warm = params or (lambda i, n: greedy(n))
+        engine.generate(p[:8], [warm(i, 8) for i in range(8)], use_tqdm=False)  # compiles, captures, grammars
+        if name == "logprobs_top5_gc_off":
+            what += ", the garbage collector off"
+            gc.disable()
+        try:
+            r = run_engine(engine, p, o, params=params)
+        finally:
+            gc.enable()
+        r.update(phases(r.pop("trace")))
+        res[name] = {"what": what, **config, **({"weights": fmt} if fmt else {}), **r}
+        print(f"matrix {name}: {r['output_tokens_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s: prompts "
+              f"{r['prefill_s']:.1f}, decode {r['decode_s']:.1f}; {r['steps']} steps)", flush=True)
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+        save(res)
+    plain = max(res[k]["output_tokens_per_s"] for k in ("plain", "plain_last"))
+    for name, r in res.items():
+        r["of_plain"] = r["output_tokens_per_s"] / plain
+        print(f"  {name}: {r['of_plain']:.2f}x plain", flush=True)
+    return res
+
+
+def batch1(base) -> dict:
+    res = {}
+    for fmt in ("bf16", "int8", "int4", "fp8"):
+        model = base
+        if fmt != "bf16":
+            model = copy.deepcopy(base)
+            quant.quantize_model(model, fmt)
+        r = res[fmt] = served_and_step(model)
+        print(f"batch1 {fmt}: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f} "
+              f"({r['step_us']:.0f} us): {r['of_step']:.2f}", flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+def moe() -> dict:
+    from bench_moe import models as moe_models
+    _, model = moe_models()
+    r = served_and_step(model)
+    print(f"batch1 moe: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f}: "
+          f"{r['of_step']:.2f}", flush=True)
+    return r
+
+
+def mla() -> dict:
+    from bench_mla import V2_LITE, checkpoint
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        hf = checkpoint("deepseek_v2", V2_LITE, folder)
+        del hf
+        model = mi.load_model(folder, device="cuda", dtype=torch.bfloat16)
+    r = served_and_step(model)
+    print(f"batch1 mla: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f}: "
+          f"{r['of_step']:.2f}", flush=True)
+    return r
+
+
+def main(out_path: str, parts: list[str]) -> None:
+    path = Path(out_path)
+    res = json.loads(path.read_text()) if path.exists() else {}
+    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+               transformers=transformers.__version__, date=datetime.date.today().isoformat(),
+               copy_GBps=copy_bandwidth())
+
+    def save(part: str):
+        def write(r: dict) -> None:
+            res[part] = r
+            path.write_text(json.dumps(res, indent=1) + "\n")
+        return write
+    base = None
+    for part in parts:
+        part, _, fmt = part.partition(":")
+        if part in ("matrix", "batch1", "lanes1") and base is None:
+            base = models("llama")[1]
+        if part == "matrix":
+            prompts, outs = workload()
+            save("matrix")(matrix(base, prompts, outs, save("matrix")))
+        elif part == "batch1":
+            save("batch1")(batch1(base))
+        elif part == "moe":
+            save("moe_batch1")(moe())
+        elif part == "mla":
+            save("mla_batch1")(mla())
+        elif part == "lanes1":
+            model = base
+            if fmt not in ("", "bf16"):
+                model = copy.deepcopy(base)
+                quant.quantize_model(model, fmt)
+            save(f"lanes1_{fmt or 'bf16'}")(lanes(model, [workload()[0][0][:32]], True))
+            del model
+        else:
+            raise SystemExit(f"unknown part {part!r}")
+
+
+def plot(out_path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    res = json.loads(Path(out_path).read_text())
+    rows = res.get("matrix", {})
+    ones = {k: res[v] for k, v in (("moe", "moe_batch1"), ("mla", "mla_batch1")) if v in res}
+    b1 = {**res.get("batch1", {}), **ones}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.32 * max(len(rows), len(b1)) + 1.6),
+                                   gridspec_kw={"width_ratios": [1.3, 1]})
+    for ax, items, title in ((ax1, {k: v["of_plain"] for k, v in rows.items()},
+                              "256 requests, Llama-3.2-1B shape: output tokens/s of plain"),
+                             (ax2, {k: v["of_step"] for k, v in b1.items()},
+                              "batch 1: served tokens/s of what its step allows")):
+        names = list(items)
+        colors = ["C2" if v >= 0.9 else "C3" for v in items.values()]
+        ax.barh(range(len(names)), list(items.values()), color=colors)
+        for j, v in enumerate(items.values()):
+            ax.text(v, j, f" {v:.2f}", va="center", fontsize=8)
+        ax.axvline(0.9, color="gray", ls="--", lw=1)
+        ax.set_yticks(range(len(names)), names)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1.25)
+        ax.set_title(title, fontsize=10)
+    fig.suptitle(f"miniinfer's features at speed, {res['gpu']} ({res['date']}; dashed: the goal, 0.9)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    if sys.argv[1] == "plot":
+        plot(sys.argv[2])
+    else:
+        main(sys.argv[2], sys.argv[3:])
