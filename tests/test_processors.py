@@ -160,6 +160,29 @@ def assert_theirs(lp, row: torch.Tensor, token: int, n: int) -> None:
     assert all(abs(v - w) < 1e-4 for (_, v), w in zip(lp.top, top.values.tolist()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_scoring_kernel_equals_top_logprobs(dtype):
+    """The one-pass kernel (chapter 12's end) against top_logprobs, under the interpreter: ragged
+    vocabularies over chunks of 1-128 (one column in the last chunk, k above a chunk's width, k = V),
+    the token the most likely, the least and in between, rows of ties (bf16 rounds many logits to
+    one value). Ties may come in another order: each reported id's log-probability must be its value."""
+    from miniinfer.kernels.logprobs import fused_top_logprobs
+    from miniinfer.worker.logits_processors import top_logprobs
+    gen = torch.Generator().manual_seed(0)
+    for R, V, block, k in [(5, 1000, 128, 5), (3, 129, 64, 1), (2, 97, 32, 20), (1, 5, 4, 5), (2, 41, 1, 3)]:
+        x = (torch.randn(R, V, generator=gen) * 3).to(dtype)
+        x[-1, : V // 2] = x[-1, 0]  # half a row one value
+        tokens = torch.randint(0, V, (R,), generator=gen)
+        tokens[0], tokens[-1] = x[0].float().argmax(), x[-1].float().argmin()
+        own, rank, top, ids = fused_top_logprobs(x, tokens, k, block=block)
+        want_own, want_rank, want_top, _ = top_logprobs(x, tokens, k)
+        logprobs = x.float().log_softmax(-1)
+        assert torch.allclose(own, want_own, atol=1e-5) and torch.equal(rank, want_rank), (R, V, block, k)
+        assert torch.allclose(top, want_top, atol=1e-5) and ids.max() < V, (R, V, block, k)
+        assert torch.allclose(logprobs.gather(1, ids), want_top, atol=1e-5), (R, V, block, k)
+        assert all(len(set(r)) == k for r in ids.tolist()), (R, V, block, k)  # k distinct tokens
+
+
 def test_logprobs_equal_the_log_softmax_of_transformers_logits(hf_checkpoint):
     """Greedy and sampled requests, some with logprobs (n = 0, 1, 5) and some without, in one batch:
     each reported token's log-probability, rank and top n are those of transformers' logits."""

@@ -8,7 +8,9 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              tokens/s against the rate its step allows (1 / the batch-1 CUDA graph's replay on the device)
     moe      the same for the mixture of experts (Qwen3-30B-A3B cut to 8 layers, tools/bench_moe.py)
     mla      the same for latent attention (DeepSeek-V2-Lite's shape cut to 8 layers, tools/bench_mla.py)
-    lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format
+    scoring  top-5 log-probabilities of 256 rows: chapter 12's fused kernel against PyTorch's ops
+    lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format,
+             or for the mixture of experts (lanes1:moe)
     python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
     python tools/bench_features.py plot docs/benchmarks/features_h200.json
 """
@@ -26,6 +28,7 @@ import torch
 import transformers
 from bench_engine import HALF_JSON, TOP5, engine_for, greedy, lanes, models, run_engine, served_and_step, workload
 from copy_bandwidth import copy_bandwidth
+from triton.testing import do_bench
 
 import miniinfer as mi
 from miniinfer.layers import quantization as quant
@@ -164,6 +167,23 @@ def mla() -> dict:
     return r
 
 
+def scoring() -> dict:
+    """The top-5 scoring of 256 rows of Llama-3's 128,256 bf16 logits: chapter 12's fused kernel against
+    top_logprobs (PyTorch's log-softmax, top-k and rank), results compared, then each timed (median)."""
+    from miniinfer.kernels.logprobs import fused_top_logprobs
+    from miniinfer.worker.logits_processors import top_logprobs
+    torch.manual_seed(0)
+    x = torch.randn(256, 128256, device="cuda").to(torch.bfloat16)
+    tokens = torch.randint(0, 128256, (256,), device="cuda")
+    same = all(torch.allclose(g.float(), w.float(), atol=1e-4)
+               for g, w in zip(fused_top_logprobs(x, tokens, 5), top_logprobs(x, tokens, 5)))
+    res = {"rows": 256, "vocab": 128256, "k": 5, "same": same,
+           **{f"{name}_us": do_bench(lambda: fn(x, tokens, 5), rep=100, return_mode="median") * 1e3
+              for name, fn in (("fused", fused_top_logprobs), ("torch", top_logprobs))}}
+    print(f"scoring: fused {res['fused_us']:.0f} us, torch {res['torch_us']:.0f} us, same {same}", flush=True)
+    return res
+
+
 def main(out_path: str, parts: list[str]) -> None:
     path = Path(out_path)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -179,17 +199,22 @@ def main(out_path: str, parts: list[str]) -> None:
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")
-        if part in ("matrix", "batch1", "lanes1") and base is None:
+        if base is None and (part in ("matrix", "batch1") or part == "lanes1" and fmt != "moe"):
             base = models("llama")[1]
         if part == "matrix":
             prompts, outs = workload()
             save("matrix")(matrix(base, prompts, outs, save("matrix")))
         elif part == "batch1":
             save("batch1")(batch1(base))
+        elif part == "scoring":
+            save("scoring")(scoring())
         elif part == "moe":
             save("moe_batch1")(moe())
         elif part == "mla":
             save("mla_batch1")(mla())
+        elif part == "lanes1" and fmt == "moe":
+            from bench_moe import models as moe_models
+            save("lanes1_moe")(lanes(moe_models()[1], [workload()[0][0][:32]], True))
         elif part == "lanes1":
             model = base
             if fmt not in ("", "bf16"):

@@ -14,6 +14,7 @@ from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
 from miniinfer.core.sequence import TokenLogprobs
 from miniinfer.model.loader import load_tokenizer
+from miniinfer.model.transformer import Registry
 from miniinfer.worker.kv_cache import to_device
 from miniinfer.worker.model_runner import ModelRunner, RunnerInfo, StepBatch, to_host
 from miniinfer.worker.sampler import F32_MAX
@@ -204,13 +205,25 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
     return own[:, 0], rank, top, ids
 
 
+# The same scoring as one kernel that reads the logits once, from the end of this chapter: named here,
+# imported when a GPU's step first scores.
+SCORERS = Registry("log-probability scorer", {"torch": top_logprobs,
+                                              "triton": "miniinfer.kernels.logprobs:fused_top_logprobs"})
+
+
+def score_logits(logits: torch.Tensor, tokens: torch.Tensor,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top_logprobs: on a GPU by the fused kernel, on the CPU (where the interpreter would crawl) as above."""
+    return SCORERS["triton" if logits.is_cuda else "torch"](logits, tokens, k)
+
+
 SCORE_ROWS = 256  # rows scored at a time
 
 
 class Scores(Processor):
     """What the two log-probability processors share: each row's n (the SamplingParams field named
     by `kind`), the scoring, and its packing for the host."""
-    scorer = staticmethod(top_logprobs)  # the scoring: any function with its arguments
+    scorer = staticmethod(score_logits)  # the scoring: any function with top_logprobs' arguments
 
     def __init__(self, runner: ModelRunner):
         self.n = np.full(runner.config.max_num_seqs, -1)  # -1: not asked
