@@ -95,15 +95,21 @@ def phases(trace: list) -> dict:
     return res
 
 
+def with_weights(base, fmt: str | None):
+    """base itself in bf16 (None, "" or "bf16"), else a copy of it with its weights quantized to fmt."""
+    if fmt in (None, "", "bf16"):
+        return base
+    model = copy.deepcopy(base)
+    quant.quantize_model(model, fmt)
+    return model
+
+
 def matrix(base, prompts, outs, save) -> dict:
     """The workload once per row, each on a fresh engine after a warm-up of 8 requests."""
     res: dict = {}
     for name in [*ROWS, *AGAIN]:
         what, config, params, fmt = ROWS[AGAIN.get(name, name)]
-        model = base
-        if fmt is not None:
-            model = copy.deepcopy(base)
-            quant.quantize_model(model, fmt)
+        model = with_weights(base, fmt)
         p, o = (prompts[:64] * 4, outs[:64] * 4) if name == "n4" else (prompts, outs)
         engine = engine_for(model, mi.load_tokenizer(), **config)  # the tokenizer: the grammars read it
         warm = params or (lambda i, n: greedy(n))
@@ -130,16 +136,18 @@ def matrix(base, prompts, outs, save) -> dict:
     return res
 
 
+def batch1_of(name: str, model) -> dict:
+    r = served_and_step(model)
+    print(f"batch1 {name}: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f} "
+          f"({r['step_us']:.0f} us): {r['of_step']:.2f}", flush=True)
+    return r
+
+
 def batch1(base) -> dict:
     res = {}
     for fmt in ("bf16", "int8", "int4", "fp8"):
-        model = base
-        if fmt != "bf16":
-            model = copy.deepcopy(base)
-            quant.quantize_model(model, fmt)
-        r = res[fmt] = served_and_step(model)
-        print(f"batch1 {fmt}: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f} "
-              f"({r['step_us']:.0f} us): {r['of_step']:.2f}", flush=True)
+        model = with_weights(base, fmt)
+        res[fmt] = batch1_of(fmt, model)
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -148,23 +156,15 @@ def batch1(base) -> dict:
 
 def moe() -> dict:
     from bench_moe import models as moe_models
-    _, model = moe_models()
-    r = served_and_step(model)
-    print(f"batch1 moe: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f}: "
-          f"{r['of_step']:.2f}", flush=True)
-    return r
+    return batch1_of("moe", moe_models()[1])
 
 
 def mla() -> dict:
     from bench_mla import V2_LITE, checkpoint
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
-        hf = checkpoint("deepseek_v2", V2_LITE, folder)
-        del hf
+        checkpoint("deepseek_v2", V2_LITE, folder)  # transformers' copy freed before ours loads
         model = mi.load_model(folder, device="cuda", dtype=torch.bfloat16)
-    r = served_and_step(model)
-    print(f"batch1 mla: served {r['tokens_per_s']:,.0f} tok/s, its step allows {r['step_tokens_per_s']:,.0f}: "
-          f"{r['of_step']:.2f}", flush=True)
-    return r
+    return batch1_of("mla", model)
 
 
 def scoring() -> dict:
@@ -216,10 +216,7 @@ def main(out_path: str, parts: list[str]) -> None:
             from bench_moe import models as moe_models
             save("lanes1_moe")(lanes(moe_models()[1], [workload()[0][0][:32]], True))
         elif part == "lanes1":
-            model = base
-            if fmt not in ("", "bf16"):
-                model = copy.deepcopy(base)
-                quant.quantize_model(model, fmt)
+            model = with_weights(base, fmt)
             save(f"lanes1_{fmt or 'bf16'}")(lanes(model, [workload()[0][0][:32]], True))
             del model
         else:

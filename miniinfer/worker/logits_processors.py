@@ -468,7 +468,8 @@ class Structured(Processor):
         fill_masks([(n, m) for n, (_, m) in enumerate(hits) if not m.is_terminated()], self.bitmask)
         at = to_device(np.array([i for i, _ in hits]), logits.device)
         mask = to_device(self.bitmask[:len(hits)].numpy(), logits.device)  # a pinned copy: no wait
-        mask = torch.nn.functional.pad(mask, (0, words - mask.shape[1]))  # no padding id is ever allowed
+        if mask.shape[1] < words:  # no padding id is ever allowed (a model without padding: no copy)
+            mask = torch.nn.functional.pad(mask, (0, words - mask.shape[1]))
         return logits.index_copy(0, at, self.mask(logits[at], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
