@@ -6,9 +6,10 @@ import torch
 from conftest import eos_is
 
 import miniinfer as mi
-from miniinfer.core.sampling_params import FieldError, sample, top_p_filter
+from miniinfer.core.sampling_params import GREEDY_BELOW, FieldError, sample, top_p_filter
 from miniinfer.kernels.argmax import chunked_argmax
-from miniinfer.worker.sampler import sampling_row
+from miniinfer.kernels.sampling import fused_sample
+from miniinfer.worker.sampler import exponential_noise, row_keys, sampling_probs, sampling_row
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -172,3 +173,27 @@ def test_seeds_fold_all_64_bits_into_the_noise_seed():
         with pytest.raises(ValueError, match="seed must be an int"):
             mi.SamplingParams(seed=bad)
     assert mi.SamplingParams(seed=2 ** 64 - 1).generator() is not None  # what torch.Generator takes
+
+
+@pytest.mark.parametrize("V, block, spread, dtype", [(1, 16, 1.0, torch.float32), (33, 16, 2.0, torch.float32),
+                                                     (97, 32, 6.0, torch.bfloat16), (250, 64, 20.0, torch.float32)])
+def test_the_fused_sampling_kernel_draws_the_sorts_tokens(V, block, spread, dtype):
+    """Chapter 06's sampling kernel (under the interpreter) against sampling_probs' sorts and the noise's
+    argmax: greedy rows get 0 (sample_batch takes their argmax), a row with no token allowed -1, and
+    every other row the same token, for random temperatures, top-p (one that rounds to 0 in float32
+    among them) and top-k, odd vocabularies and chunks of 16-64 logits."""
+    torch.manual_seed(V)
+    B = 12
+    t = torch.tensor([0.0, 1e-8, 0.3, 0.7, 1.0, 1.0, 1.5, 2.0, 0.9, 1.2, 0.6, 1.0])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 0.99, 1e-46, 1.0, 0.95, 0.8, 0.3, 1.0, 0.9])
+    top_k = torch.tensor([V, 3, V, 5, V, V, 2, 40, 1, V, 7, V]).clamp(max=V)
+    seeds, steps = torch.randint(0, 2 ** 31, (B,)), torch.randint(0, 1000, (B,))
+    logits = (torch.randn(B, V) * spread).to(dtype)
+    logits[3, max(1, V // 2):] = float("-inf")  # fewer tokens left than its top-k (a grammar's mask)
+    logits[-1] = float("-inf")  # none left
+    k_max = int(top_k[top_k < V].max()) if (top_k < V).any() else 0
+    s = mi.SamplingBatch(t, top_k, top_p, seeds, steps, True, True, k_max)
+    want = (sampling_probs(logits, s) / exponential_noise(seeds, steps, V)).argmax(-1)
+    got = fused_sample(logits, t, top_k, top_p, row_keys(seeds, steps), k_max, GREEDY_BELOW, block=block)
+    assert got[0] == 0 and got[-1] == -1
+    assert torch.equal(got[1:-1], want[1:-1])

@@ -9,6 +9,11 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     moe      the same for the mixture of experts (Qwen3-30B-A3B cut to 8 layers, tools/bench_moe.py)
     mla      the same for latent attention (DeepSeek-V2-Lite's shape cut to 8 layers, tools/bench_mla.py)
     scoring  top-5 log-probabilities of 256 rows: chapter 12's fused kernel against PyTorch's ops
+    sampling  temperature 0.8 with top-p 0.95 (and with top-k 50 as well) over 256 rows and over one row of
+             Llama-3's 128,256 bf16 logits: chapter 06's fused sampling kernel against its sorts, tokens compared
+    host:ROW,ROW  decode steps of 256 requests for rows of the matrix: the host's time per step in each
+             phase of it (schedule, prepare, forward, sample and its processors, collect, update, outputs),
+             waits for the device included, and the step's wall time
     lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format,
              or for the mixture of experts (lanes1:moe)
     python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
@@ -21,9 +26,11 @@ import gc
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import transformers
 from bench_engine import HALF_JSON, TOP5, engine_for, greedy, lanes, models, run_engine, served_and_step, workload
@@ -184,6 +191,95 @@ def scoring() -> dict:
     return res
 
 
+def sampling() -> dict:
+    """Seeded sampling of 256 rows and of one row of Llama-3's 128,256 bf16 logits: chapter 06's fused kernel
+    against sampling_probs' sorts and the noise's argmax, tokens compared, then each timed (median)."""
+    from miniinfer.worker import sampler as S
+    torch.manual_seed(0)
+    res = {}
+    for rows in (256, 1):
+        x = (torch.randn(rows, 128256, device="cuda") * 3).to(torch.bfloat16)
+        for name, top_k in (("top_p", 128256), ("top_p_top_k50", 50)):
+            values = np.array([[0.8] * rows, [0.95] * rows, [top_k] * rows, list(range(rows))], dtype=np.float64)
+            s = S.SamplingBatch.build(values, np.arange(rows), 128256, "cuda")
+            keys = S.row_keys(s.seeds, s.steps)
+            fused = lambda: S.FUSED_SAMPLE["triton"](x, s.temperature, s.top_k, s.top_p, keys, s.k_max,
+                                                     S.GREEDY_BELOW)
+            sort = lambda: S.argmax(S.sampling_probs(x, s) / S.exponential_noise(s.seeds, s.steps, 128256))
+            r = {"same": int((fused() == sort()).sum()), "rows": rows,
+                 **{f"{k}_us": do_bench(fn, rep=100, return_mode="median") * 1e3 for k, fn in
+                    (("fused", fused), ("sort", sort))}}
+            res[f"{name}_{rows}"] = r
+            print(f"sampling {name} {rows} rows: fused {r['fused_us']:.0f} us, sorts {r['sort_us']:.0f} us, "
+                  f"the same token in {r['same']} of {rows}", flush=True)
+    return res
+
+
+def host(base, names: list[str]) -> dict:
+    """The host's time in each phase of 40 decode steps of 256 requests (their prompts' first 200 tokens,
+    400 tokens each), for rows of the matrix: each phase's time per step, its waits for the device
+    included; a phase inside another (the processors inside sample) is counted in both."""
+    from miniinfer.core.scheduler import Scheduler
+    from miniinfer.worker import logits_processors as lp
+    from miniinfer.worker.model_runner import ModelRunner
+    spent: dict[str, float] = {}
+
+    def timed(owner, attr: str, name: str):
+        fn = getattr(owner, attr)
+
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+        return fn, wrapper
+    hooks = [(Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
+             (ModelRunner, "prepare", "prepare"), (ModelRunner, "forward", "forward"),
+             (ModelRunner, "sample", "sample"), (ModelRunner, "collect", "collect"),
+             (mi.LLMEngine, "step", "step"), (lp.Structured, "apply", "sample: grammar masks"),
+             (lp.Structured, "take_pending", "sample: grammar masks: wait, accept tokens"),
+             (lp, "fill_masks", "sample: grammar masks: fill"), (lp.Scores, "score", "sample: scores"),
+             (lp.Logprobs, "report", "collect: logprobs' report"), (lp.Penalties, "apply", "sample: penalties"),
+             (lp.Penalties, "accept", "sample: penalties' counts")]
+    prompts, _ = workload()
+    res = {}
+    for name in names:
+        what, config, params, fmt = ROWS[name]
+        params = params or (lambda i, n: greedy(n))
+        engine = engine_for(with_weights(base, fmt), mi.load_tokenizer(), **config)
+        engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
+        for i in range(256):
+            engine.add_request(prompts[i][:200], params(i, 400))
+        while len(engine.stats.scheduled) < 256 or engine.stats.kind != "decode":
+            engine.step()
+        for _ in range(10):
+            engine.step()
+        saved = [(owner, attr, timed(owner, attr, label)) for owner, attr, label in hooks]
+        for owner, attr, (_, wrapper) in saved:
+            setattr(owner, attr, wrapper)
+        spent.clear()
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(40):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 40
+        finally:
+            for owner, attr, (fn, _) in saved:
+                setattr(owner, attr, fn)
+        res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()}}
+        print(f"host {name}: step {wall * 1e3:.2f} ms; " + ", ".join(
+            f"{k} {v:.2f}" for k, v in res[name]["phases_ms"].items()), flush=True)
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
 def main(out_path: str, parts: list[str]) -> None:
     path = Path(out_path)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -199,7 +295,7 @@ def main(out_path: str, parts: list[str]) -> None:
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")
-        if base is None and (part in ("matrix", "batch1") or part == "lanes1" and fmt != "moe"):
+        if base is None and (part in ("matrix", "batch1", "host") or part == "lanes1" and fmt != "moe"):
             base = models("llama")[1]
         if part == "matrix":
             prompts, outs = workload()
@@ -208,6 +304,10 @@ def main(out_path: str, parts: list[str]) -> None:
             save("batch1")(batch1(base))
         elif part == "scoring":
             save("scoring")(scoring())
+        elif part == "sampling":
+            save("sampling")(sampling())
+        elif part == "host":
+            save("host")(host(base, fmt.split(",")))
         elif part == "moe":
             save("moe_batch1")(moe())
         elif part == "mla":

@@ -19,6 +19,8 @@ MAX_LOGIT = 1e30
 F32_MAX = float(np.finfo(np.float32).max)  # a value beyond it (a temperature of 1e300) becomes inf
 # The chunked argmax of the end of this chapter (kernels): named here, imported when a GPU's step first samples.
 ARGMAX = Registry("argmax", {"triton": "miniinfer.kernels.argmax:chunked_argmax"})
+# The same draw without a sort of the row, also from the end of this chapter: sample_batch takes it on a GPU.
+FUSED_SAMPLE = Registry("fused sampling", {"triton": "miniinfer.kernels.sampling:fused_sample"})
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -43,11 +45,15 @@ def seed32(seed: int) -> int:
     return (seed ^ (seed >> 32)) & _MASK32
 
 
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's key [B] below 2^32, from its (seed, step): its noise is a function of it and the token id."""
+    return hash32(hash32(seeds & _MASK32) ^ (steps & _MASK32))
+
+
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exponential(1) noise [B, vocab] that depends only on each row's (seed, step) and the token id."""
-    row = hash32(hash32(seeds & _MASK32) ^ (steps & _MASK32))[:, None]
     token = torch.arange(vocab_size, device=seeds.device)
-    bits = hash32((row + token * 0x9E3779B1) & _MASK32)
+    bits = hash32((row_keys(seeds, steps)[:, None] + token * 0x9E3779B1) & _MASK32)
     u = ((bits >> 8).float() + 0.5) * 2.0 ** -24  # 24 random bits, strictly inside (0, 1)
     return -u.log()
 
@@ -62,6 +68,7 @@ class SamplingBatch:
     steps: torch.Tensor        # [B] int64: index of the token being sampled in the request's output
     any_random: bool           # whether some row samples (else: argmax, nothing more)
     any_filter: bool           # whether some row uses top-k or top-p
+    k_max: int                 # the largest top-k below the vocabulary's size (0: no row uses top-k)
 
     @classmethod
     def build(cls, values: np.ndarray, steps: np.ndarray, vocab_size: int, device) -> SamplingBatch:
@@ -70,8 +77,9 @@ class SamplingBatch:
         temperature, top_p, top_k, _ = values
         floats = to_device(values[:2].astype(np.float32), device)
         ints = to_device(np.stack([values[2], values[3], steps]).astype(np.int64), device)
+        k_max = int(top_k[top_k < vocab_size].max(initial=0))
         return cls(floats[0], ints[0], floats[1], ints[1], ints[2], bool((temperature > 0).any()),
-                   bool((top_k < vocab_size).any() or (top_p < 1).any()))
+                   bool(k_max or (top_p < 1).any()), k_max)
 
 
 def sampling_row(params: SamplingParams, seed: int, vocab_size: int) -> tuple[float, float, int, int]:
@@ -99,6 +107,9 @@ def sample_batch(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     greedy = argmax(logits)  # on the GPU a kernel of many programs a row (below, after the GEMV)
     if not s.any_random:
         return greedy
-    noise = exponential_noise(s.seeds, s.steps, logits.shape[-1])
-    tokens = argmax(sampling_probs(logits, s) / noise)
+    if logits.is_cuda:  # the same tokens, without sorting the rows for their top-k and top-p (below)
+        tokens = FUSED_SAMPLE["triton"](logits, s.temperature, s.top_k, s.top_p, row_keys(s.seeds, s.steps),
+                                        s.k_max, GREEDY_BELOW)
+    else:
+        tokens = argmax(sampling_probs(logits, s) / exponential_noise(s.seeds, s.steps, logits.shape[-1]))
     return torch.where(s.temperature > 0, tokens, greedy)
