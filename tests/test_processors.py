@@ -5,6 +5,7 @@ transformers' (or a plain loop's) under continuous batching; bad values are refu
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import eos_is
@@ -166,7 +167,7 @@ def test_the_fused_scoring_kernel_equals_top_logprobs(dtype):
     vocabularies over chunks of 1-128 (one column in the last chunk, k above a chunk's width, k = V),
     the token the most likely, the least and in between, rows of ties (bf16 rounds many logits to
     one value). Ties may come in another order: each reported id's log-probability must be its value."""
-    from miniinfer.kernels.logprobs import fused_top_logprobs
+    from miniinfer.kernels.logprobs import fused_top_logprobs, packed_top_logprobs
     from miniinfer.worker.logits_processors import top_logprobs
     gen = torch.Generator().manual_seed(0)
     for R, V, block, k in [(5, 1000, 128, 5), (3, 129, 64, 1), (2, 97, 32, 20), (1, 5, 4, 5), (2, 41, 1, 3)]:
@@ -181,6 +182,52 @@ def test_the_fused_scoring_kernel_equals_top_logprobs(dtype):
         assert torch.allclose(top, want_top, atol=1e-5) and ids.max() < V, (R, V, block, k)
         assert torch.allclose(logprobs.gather(1, ids), want_top, atol=1e-5), (R, V, block, k)
         assert all(len(set(r)) == k for r in ids.tolist()), (R, V, block, k)  # k distinct tokens
+        n = torch.randint(0, k + 1, (R,), generator=gen).double()
+        packed = packed_top_logprobs(x, tokens, k, n, block=block)  # as the processors send it
+        assert torch.equal(packed[:, :2], torch.stack([n, tokens.double()], 1)), (R, V, block, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mask_kernel_equals_apply_bitmask(dtype):
+    """Chapter 12's one-pass mask (under the interpreter) against apply_bitmask on the held rows:
+    vocabularies that end inside a word and inside a chunk, chunks of 1-128, masks narrower than the
+    vocabulary (the padding past them never allowed), rows with no grammar left as they were, bit 31."""
+    from miniinfer.kernels.bitmask import masked_logits
+    from miniinfer.worker.logits_processors import apply_bitmask
+    gen = torch.Generator().manual_seed(0)
+    for R, V, words, block in [(6, 1000, 32, 128), (3, 97, 3, 32), (4, 64, 2, 1), (1, 33, 2, 16), (2, 5, 1, 4)]:
+        x = (torch.randn(R, V, generator=gen) * 3).to(dtype)
+        mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (R, words), generator=gen, dtype=torch.int32)
+        mask[0] = -1  # every token the grammar has
+        index = torch.randperm(R, generator=gen)
+        index[::2] = -1
+        held = index >= 0
+        want = x.clone()
+        padded = torch.nn.functional.pad(mask, (0, -(-V // 32) - words))
+        want[held] = apply_bitmask(x[held], padded[index[held]])
+        got = masked_logits(x, mask, index, block=block)
+        assert torch.equal(got, want) and got.data_ptr() != x.data_ptr(), (R, V, words, block)
+
+
+def test_scores_of_more_rows_than_a_piece_are_packed_in_order():
+    """Scores.score takes SCORE_ROWS rows at a time (a long prompt's): 600 rows come back in their
+    order, each as TokenLogprobs.of reads it, headed by its own head."""
+    from types import SimpleNamespace
+
+    from miniinfer.core.sequence import TokenLogprobs
+    from miniinfer.worker.logits_processors import SCORE_ROWS, Logprobs, top_logprobs
+    gen = torch.Generator().manual_seed(0)
+    R, V = 2 * SCORE_ROWS + 88, 50
+    logits, tokens = torch.randn(R, V, generator=gen), torch.randint(0, V, (R,), generator=gen)
+    n = np.random.default_rng(0).integers(0, 4, R)
+    scores = Logprobs(SimpleNamespace(config=SimpleNamespace(max_num_seqs=4))).score(
+        torch.arange(R)[:, None], logits, tokens, n)
+    own, rank, top, ids = top_logprobs(logits, tokens, 3)
+    for r in (0, SCORE_ROWS - 1, SCORE_ROWS, R - 1):
+        head, *row = scores[r].tolist()
+        got = TokenLogprobs.of(tuple(row))
+        assert head == r and (got.token, got.rank) == (tokens[r], rank[r]) and abs(got.logprob - own[r]) < 1e-6
+        assert [t for t, _ in got.top] == ids[r, :n[r]].tolist()
 
 
 def test_logprobs_equal_the_log_softmax_of_transformers_logits(hf_checkpoint):

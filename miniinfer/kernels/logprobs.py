@@ -34,27 +34,65 @@ def _logprob_chunk_kernel(x_ptr, tokens_ptr, stride, V, max_ptr, sum_ptr, above_
         x = tl.where(cols == first, float("-inf"), x)
 
 
-def fused_top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                       k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """top_logprobs (the package's, above) with the logits read once, in their own dtype: each chunk's
-    share of the log-sum-exp, of the rank and of the top k, then the chunks' shares merged (a few
-    hundred numbers a row). Same contract: own [R], rank [R], top [R, k], ids [R, k]."""
+@triton.jit
+def _logprob_merge_kernel(x_ptr, tokens_ptr, stride, n_ptr, max_ptr, sum_ptr, above_ptr, top_ptr, ids_ptr, out_ptr,
+                          out_stride, V, CHUNKS, K: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr):
+    """Row r's chunks merged into row r of out (float64): its n, the token, the token's log-probability
+    and rank, then the ids of the K most likely tokens and their log-probabilities."""
+    r = tl.program_id(0)
+    c = tl.arange(0, CP)
+    tops = tl.load(max_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
+    sums = tl.load(sum_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=0.0)
+    largest = tl.max(tops, 0)
+    lse = largest + tl.log(tl.sum(sums * tl.exp(tops - largest), 0))
+    rank = tl.sum(tl.load(above_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=0), 0) + 1
+    token = tl.load(tokens_ptr + r)
+    out = out_ptr + r.to(tl.int64) * out_stride
+    tl.store(out, tl.load(n_ptr + r).to(tl.float64))
+    tl.store(out + 1, token.to(tl.float64))
+    tl.store(out + 2, (tl.load(x_ptr + r.to(tl.int64) * stride + token).to(tl.float32) - lse).to(tl.float64))
+    tl.store(out + 3, rank.to(tl.float64))
+    j = tl.arange(0, KP)
+    cand = tl.load(top_ptr + r * CHUNKS * K + j, mask=j < CHUNKS * K, other=float("-inf"))
+    ids = tl.load(ids_ptr + r * CHUNKS * K + j, mask=j < CHUNKS * K, other=0)
+    free = j < CHUNKS * K
+    for i in tl.static_range(K):  # each the first candidate left holding the largest left
+        best = tl.max(tl.where(free, cand, float("-inf")), 0)
+        pick = tl.min(tl.where(free & (cand == best), j, KP), 0)
+        free = free & (j != pick)
+        # A column past V comes only from a chunk with fewer than K columns left, a -inf of its own: it
+        # is chosen only in a row with fewer than K finite logits, where any -inf column serves as well.
+        tl.store(out + 4 + i, tl.minimum(tl.sum(tl.where(j == pick, ids, 0), 0), V - 1).to(tl.float64))
+        tl.store(out + 4 + K + i, (best - lse).to(tl.float64))
+
+
+def packed_top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int, n: torch.Tensor,
+                        block: int = BLOCK) -> torch.Tensor:
+    """top_logprobs packed as the processors send it, [R, 4 + 2k] float64 (n, the token, its
+    log-probability and rank, the k top ids, their log-probabilities): the logits read once, in
+    their own dtype, by chunks, then the chunks' shares merged by a program a row. Two launches."""
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    R, V = logits.shape
+    (R, V), dev, k = logits.shape, logits.device, min(k, logits.shape[1])
     chunks = triton.cdiv(V, block)
-    k = min(k, V)
-    dev = logits.device
     tops, sums = torch.empty(R, chunks, device=dev), torch.empty(R, chunks, device=dev)
     above = torch.empty(R, chunks, device=dev, dtype=torch.int32)
     cand = torch.empty(R, chunks * k, device=dev)
     cand_ids = torch.empty(R, chunks * k, device=dev, dtype=torch.int32)
+    out = torch.empty(R, 4 + 2 * k, device=dev, dtype=torch.float64)
     if R:
-        _logprob_chunk_kernel[(R, chunks)](logits, tokens.to(torch.int64), logits.stride(0), V, tops, sums,
-                                           above, cand, cand_ids, K=k, BLOCK=block)
-    largest = tops.amax(1, keepdim=True)
-    lse = largest + (sums * (tops - largest).exp()).sum(1, keepdim=True).log()
-    own = logits.gather(1, tokens[:, None].long()).float() - lse
-    top, at = cand.topk(k, dim=1)
-    # A column past V comes only from a chunk with fewer than k columns left, a -inf of its own: it
-    # is chosen only in a row with fewer than k finite logits, where any -inf column serves as well.
-    return own[:, 0], above.sum(1).long() + 1, top - lse, cand_ids.gather(1, at).long().clamp(max=V - 1)
+        tokens = tokens.to(torch.int64)
+        _logprob_chunk_kernel[(R, chunks)](logits, tokens, logits.stride(0), V, tops, sums, above, cand, cand_ids,
+                                           K=k, BLOCK=block)
+        _logprob_merge_kernel[(R,)](logits, tokens, logits.stride(0), n, tops, sums, above, cand, cand_ids, out,
+                                    out.stride(0), V, chunks, K=k, CP=triton.next_power_of_2(chunks),
+                                    KP=triton.next_power_of_2(chunks * k))
+    return out
+
+
+def fused_top_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                       k: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top_logprobs (the package's, above) by the two kernels. Same contract: own [R], rank [R],
+    top [R, k], ids [R, k]."""
+    k = min(k, logits.shape[1])
+    p = packed_top_logprobs(logits, tokens, k, torch.zeros(len(tokens), device=logits.device), block)
+    return p[:, 2].float(), p[:, 3].long(), p[:, 4 + k:].float(), p[:, 4:4 + k].long()
