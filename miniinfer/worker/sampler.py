@@ -95,10 +95,12 @@ def sampling_probs(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     """Each row's distribution after its temperature, top-k and top-p: [B, vocab] float32 (a greedy
     row's is its softmax at temperature GREEDY_BELOW; sample_batch takes its argmax instead)."""
     logits = logits.float() / s.temperature.clamp(min=GREEDY_BELOW)[:, None]
+    if s.k_max:  # each row's k-th largest from the batch's largest k (a row without top-k keeps all)
+        kth = logits.topk(s.k_max, -1).values.gather(-1, s.top_k[:, None].clamp(max=s.k_max) - 1)
+        logits = logits.masked_fill(logits < kth.masked_fill(s.top_k[:, None] > s.k_max, float("-inf")), float("-inf"))
     if s.any_filter:
-        kth = logits.sort(-1, descending=True).values.gather(-1, s.top_k[:, None].clamp(max=logits.shape[-1]) - 1)
         top_p = s.top_p.masked_fill(s.top_p >= 1, float("inf"))  # exactly off: no rounding in cumsum
-        logits = top_p_filter(logits.masked_fill(logits < kth, float("-inf")), top_p[:, None])
+        logits = top_p_filter(logits, top_p[:, None])
     return logits.softmax(-1)
 
 
