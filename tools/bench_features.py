@@ -3,7 +3,8 @@
 Hand-written tool. Parts (any of them, in one run, in the order given; results merge into the JSON):
     matrix   the end-to-end workload of docs/benchmarks/README.md on the Llama-3.2-1B shape (256
              requests, random bf16 weights), plain and with one feature on at a time: each row's output
-             tokens/s and its ratio to plain in the same run (ROWS below says what each row turns on)
+             tokens/s and its ratio to plain in the same run (ROWS below says what each row turns on),
+             and the garbage collector's passes and time while it ran
     batch1   one request on the Llama-3.2-1B shape, per weight format (bf16, int8, int4, fp8): served
              tokens/s against the rate its step allows (1 / the batch-1 CUDA graph's replay on the device)
     moe      the same for the mixture of experts (Qwen3-30B-A3B cut to 8 layers, tools/bench_moe.py)
@@ -111,6 +112,33 @@ def with_weights(base, fmt: str | None):
     return model
 
 
+class CollectorClock:
+    """The garbage collector's passes while a row runs, by generation: their count and time (ms), and
+    how many objects it tracks when the row starts (what a full pass walks)."""
+
+    def __init__(self):
+        self.ms, self.passes, self.t0 = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.t0 = time.perf_counter()
+        else:
+            self.ms[info["generation"]] += (time.perf_counter() - self.t0) * 1e3
+            self.passes[info["generation"]] += 1
+
+    def __enter__(self):
+        self.tracked = len(gc.get_objects())
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+    def report(self) -> dict:
+        return {"gc_tracked_objects": self.tracked, "gc_ms_by_generation": self.ms,
+                "gc_passes_by_generation": self.passes}
+
+
 def matrix(base, prompts, outs, save) -> dict:
     """The workload once per row, each on a fresh engine after a warm-up of 8 requests."""
     res: dict = {}
@@ -125,13 +153,15 @@ def matrix(base, prompts, outs, save) -> dict:
             what += ", the garbage collector off"
             gc.disable()
         try:
-            r = run_engine(engine, p, o, params=params)
+            with CollectorClock() as collector:
+                r = run_engine(engine, p, o, params=params)
         finally:
             gc.enable()
-        r.update(phases(r.pop("trace")))
+        r.update(phases(r.pop("trace")), **collector.report())
         res[name] = {"what": what, **config, **({"weights": fmt} if fmt else {}), **r}
         print(f"matrix {name}: {r['output_tokens_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s: prompts "
-              f"{r['prefill_s']:.1f}, decode {r['decode_s']:.1f}; {r['steps']} steps)", flush=True)
+              f"{r['prefill_s']:.1f}, decode {r['decode_s']:.1f}; {r['steps']} steps; the collector "
+              f"{sum(collector.ms):.0f} ms in {collector.passes} passes)", flush=True)
         del engine, model
         gc.collect()
         torch.cuda.empty_cache()
