@@ -233,6 +233,23 @@ def test_cpu_pool_default_and_duplicate_ids():
         engine.add_request([1, 2], request_id="x")
 
 
+def test_a_tokenizer_given_is_the_one_used(tmp_path):
+    """A checkpoint without tokenizer files, served with the course tokenizer given: text in and out
+    goes through it (the engine loads the checkpoint's own only when none is given)."""
+    import transformers
+    tok = mi.load_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    engine = mi.LLMEngine(mi.EngineConfig(model=str(tmp_path), num_blocks=16), tokenizer=tok)
+    assert engine.tokenizer is tok
+    out = engine.generate(["def f():"], mi.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode("def f():") and out.text == tok.decode(out.token_ids)
+    with pytest.raises(ValueError, match="tokenizer"):  # none given, none in the checkpoint: ids only
+        mi.LLMEngine(mi.EngineConfig(model=str(tmp_path), num_blocks=16)).add_request("text")
+
+
 def test_priority_arrival_preempts_a_less_urgent_one(course_engine):
     engine = mi.LLMEngine(mi.EngineConfig(num_blocks=12, block_size=4, max_num_seqs=2, policy="priority"),
                           model=course_engine.model)

@@ -118,7 +118,7 @@ def sampled_tokens(target, draft, params, n: int, runner: type | None = None) ->
     """The first 3 of the 4 tokens of n seeded requests of prompt [1, 2]: [n, 3]. The first is
     sampled after the prompt; the next two are guesses verified in one step (then one token more)."""
     config = mi.EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2,
-                             max_num_seqs=256, num_blocks=512, block_size=4)
+                             max_num_seqs=256, speculative_max_batch=256, num_blocks=512, block_size=4)
     components = mi.worker.model_runner.build_components(config)
     engine = mi.LLMEngine(config, components=dataclasses.replace(components, runner=runner or components.runner))
     prompts = [[1, 2]] * n
@@ -264,3 +264,25 @@ def test_metrics_count_guesses():
     assert s.verified > 0 and 0 <= s.accepted <= s.proposed <= 4 * s.verified
     assert s.acceptance_rate == s.accepted / s.proposed and 1 <= s.tokens_per_step <= 5
 
+
+
+def test_speculation_only_in_small_batches():
+    """Above speculative_max_batch running requests a step gets no room for guesses, and the next one
+    is launched while it runs (chapter 06's overlap); once the batch is small again, guesses come
+    back and steps wait for each other. Greedy tokens are the plain engine's either way."""
+    prompts = ["for i in range(10):\n    print(i)\nfor i in range(10):\n" + "#" * i for i in range(4)]
+    params = [mi.SamplingParams(temperature=0, max_tokens=6 + 8 * i, ignore_eos=True) for i in range(4)]
+    plain = run_all(mi.LLMEngine(mi.EngineConfig()), prompts, params)
+    engine = mi.LLMEngine(mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=3,
+                                          speculative_max_batch=2))
+    schedule, log = engine.scheduler.schedule, []
+
+    def logged():
+        running, ahead = len(engine.scheduler.running), engine.in_flight is not None
+        out = schedule()
+        log.append((running, bool(out.num_spec_tokens), ahead))
+        return out
+    engine.scheduler.schedule = logged
+    assert run_all(engine, prompts, params) == plain
+    assert all(running <= 2 and not ahead for running, guesses, ahead in log if guesses), log
+    assert any(guesses for _, guesses, _ in log) and any(ahead for running, _, ahead in log if running > 2), log

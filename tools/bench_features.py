@@ -17,6 +17,8 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              waits for the device included, and the step's wall time
     lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format,
              or for the mixture of experts (lanes1:moe)
+    pyprof1:FORMAT  the host's Python functions in 256 batch-1 decode steps (cProfile), for a weight format or
+             the mixture of experts: the most costly by their own time and by time inside them, per step
     python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
     python tools/bench_features.py plot docs/benchmarks/features_h200.json
 """
@@ -89,8 +91,9 @@ ROWS: dict[str, tuple[str, dict, Params | None, str | None]] = {
     "chunked_prefill": ("chunked prefill on", {"enable_chunked_prefill": True}, None, None),
 }
 # Rows run again: plain last too (the reference is the better of the two: a drift of the machine shows
-# as their difference), and the top-5 row with Python's cyclic garbage collector off, to show its share.
-AGAIN = {"logprobs_top5_gc_off": "logprobs_top5", "plain_last": "plain"}
+# as their difference), and the top-5 row with Python's cyclic garbage collector off, to show its share,
+# and with every object alive before it frozen (gc.freeze: out of the collector's passes).
+AGAIN = {"logprobs_top5_gc_off": "logprobs_top5", "logprobs_top5_frozen": "logprobs_top5", "plain_last": "plain"}
 
 
 def phases(trace: list) -> dict:
@@ -152,11 +155,16 @@ def matrix(base, prompts, outs, save) -> dict:
         if name == "logprobs_top5_gc_off":
             what += ", the garbage collector off"
             gc.disable()
+        if name == "logprobs_top5_frozen":
+            what += ", what was alive before it frozen"
+            gc.collect()
+            gc.freeze()
         try:
             with CollectorClock() as collector:
                 r = run_engine(engine, p, o, params=params)
         finally:
             gc.enable()
+            gc.unfreeze()
         r.update(phases(r.pop("trace")), **collector.report())
         res[name] = {"what": what, **config, **({"weights": fmt} if fmt else {}), **r}
         print(f"matrix {name}: {r['output_tokens_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s: prompts "
@@ -315,6 +323,31 @@ def host(base, names: list[str]) -> dict:
     return res
 
 
+def pyprof1(model) -> dict:
+    """cProfile over one stream of 256 tokens after a warm-up: where the host's time of a batch-1 step goes."""
+    import cProfile
+    import pstats
+    engine = engine_for(model, max_num_seqs=8)
+    prompt = list(range(100, 132))
+    list(engine.stream(prompt, greedy(16)))
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    list(engine.stream(prompt, greedy(256)))
+    profiler.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = [{"fn": f"{Path(f).name}:{line}:{name}", "calls_per_step": calls / 256, "own_us": own / 256 * 1e6,
+             "cum_us": cum / 256 * 1e6} for (f, line, name), (_, calls, own, cum, _) in stats.items()]
+    res = {"step_us_profiled": wall / 256 * 1e6,
+           "by_own": sorted(rows, key=lambda r: -r["own_us"])[:40],
+           "by_cumulative": sorted(rows, key=lambda r: -r["cum_us"])[:60]}
+    print(f"pyprof1: {res['step_us_profiled']:.0f} us a step under the profiler; by own time:", flush=True)
+    for r in res["by_own"][:25]:
+        print(f"  {r['own_us']:7.1f} us {r['calls_per_step']:6.1f} calls  {r['fn']}", flush=True)
+    return res
+
+
 def main(out_path: str, parts: list[str]) -> None:
     path = Path(out_path)
     res = json.loads(path.read_text()) if path.exists() else {}
@@ -330,7 +363,7 @@ def main(out_path: str, parts: list[str]) -> None:
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")
-        if base is None and (part in ("matrix", "batch1", "host") or part == "lanes1" and fmt != "moe"):
+        if base is None and (part in ("matrix", "batch1", "host") or part in ("lanes1", "pyprof1") and fmt != "moe"):
             base = models("llama")[1]
         if part == "matrix":
             prompts, outs = workload()
@@ -350,6 +383,11 @@ def main(out_path: str, parts: list[str]) -> None:
         elif part == "lanes1" and fmt == "moe":
             from bench_moe import models as moe_models
             save("lanes1_moe")(lanes(moe_models()[1], [workload()[0][0][:32]], True))
+        elif part == "pyprof1" and fmt == "moe":
+            from bench_moe import models as moe_models
+            save("pyprof1_moe")(pyprof1(moe_models()[1]))
+        elif part == "pyprof1":
+            save(f"pyprof1_{fmt or 'bf16'}")(pyprof1(with_weights(base, fmt)))
         elif part == "lanes1":
             model = with_weights(base, fmt)
             save(f"lanes1_{fmt or 'bf16'}")(lanes(model, [workload()[0][0][:32]], True))

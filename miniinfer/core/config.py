@@ -63,6 +63,8 @@ class EngineConfig:
                                                    "model name (pycoder-draft), with the model's tokenizer "
                                                    "(default: none)")
     num_speculative_tokens: int = setting(4, "speculation", "guesses verified per step")
+    speculative_max_batch: int = setting(64, "speculation", "guesses only while at most this many requests run "
+                                         "(a larger batch is served as without speculation)")
     tensor_parallel_size: int = setting(1, "parallel", "GPUs (on a CPU: processes) that split the model, one "
                                         "process each (chapter 11; default: one, in this process)")
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
@@ -79,7 +81,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_cpu_blocks", "num_speculative_tokens", "tensor_parallel_size"):
+                     "num_cpu_blocks", "num_speculative_tokens", "speculative_max_batch", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

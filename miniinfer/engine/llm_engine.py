@@ -87,12 +87,14 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, model: Transformer | None = None, tokenizer=None,
                  components: Components | None = None):
-        """components: what runs around the model (default: `build_components(config)`)."""
+        """model: one built by the caller (default: the config's checkpoint, loaded); tokenizer: the
+        one to use (default: the checkpoint's, when the engine loads it); components: what runs around
+        the model (default: `build_components(config)`)."""
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
         executor = EXECUTORS[config.tensor_parallel_size > 1]
         self.config, self.components = config, components or build_components(config)
-        if model is None:
+        if model is None and tokenizer is None:
             try:
                 tokenizer = load_tokenizer(config.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
@@ -110,10 +112,12 @@ class LLMEngine:
                                    config.max_num_seqs, self.info.max_num_batched_tokens, POLICIES[config.policy],
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, list(self.info.eos_token_ids),
-                                   config.num_speculative_tokens if config.speculative_method else 0)
-        # Guesses follow the step before's last token, so a step cannot be scheduled before the one
-        # under way is read: speculation turns the overlap off.
-        self.overlap = config.overlap and not config.speculative_method
+                                   config.num_speculative_tokens if config.speculative_method else 0,
+                                   config.speculative_max_batch)
+        # Guesses follow the step before's last token, so a step with room for them is not scheduled
+        # before the one under way is read (Scheduler.speculates); a draft reads every token the
+        # model computes, so it turns the overlap off.
+        self.overlap = config.overlap and config.speculative_method != "draft"
         self.spec = SpecStats() if config.speculative_method else None  # chapter 09's counts so far
         self.stats = StepStats({}, [], num_blocks, 0.0)
         self._arrivals = itertools.count()
@@ -182,7 +186,8 @@ class LLMEngine:
         failed: list[Sequence] = []
         if self.in_flight is None:
             self.in_flight = self._launch(failed)
-        done, self.in_flight = self.in_flight, self._launch(failed) if self.overlap else None
+        ahead = self.overlap and not self.scheduler.speculates()
+        done, self.in_flight = self.in_flight, self._launch(failed) if ahead else None
         try:
             result = self.executor.collect(done.launched)
         except BaseException:

@@ -272,7 +272,6 @@ class DraftProposer(Proposer):
         self.computed.pop(rid, None)
 
 
-VERIFY_GRAPHS_MAX = 64
 SERVED_WITH_GUESSES = ("stop_token_ids", "logprobs", "prompt_logprobs")
 
 PROPOSERS = Registry("speculative_method", {"draft": DraftProposer, "ngram": NgramProposer})
@@ -301,23 +300,27 @@ class SpeculativeRunner(ModelRunner):
     def kv_bytes_per_block(self) -> int:
         return super().kv_bytes_per_block() + self.proposer.bytes_per_block()
 
+    def max_verified(self) -> int:
+        """The most requests a step verifies guesses for (the scheduler gives none to a larger batch)."""
+        return min(self.config.max_num_seqs, self.config.speculative_max_batch)
+
     def num_blocks_that_fit(self) -> int:
         """Chapter 06's measure, less the room verification takes that it does not see: float32
         [rows, vocab] tensors for k+1 rows a request (logits, p, q, the residual, noise in int64)."""
         blocks = super().num_blocks_that_fit()
         if self.device.type != "cuda":
             return blocks
-        rows = self.config.max_num_seqs * (self.config.num_speculative_tokens + 1)
+        rows = self.max_verified() * (self.config.num_speculative_tokens + 1)
         return max(0, blocks - 8 * rows * self.model.cfg.vocab_size * 4 // self.kv_bytes_per_block())
 
     def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         super().allocate_kv_cache(num_blocks, num_cpu_blocks)
         self.proposer.allocate(self, num_blocks)
         # Verifying steps where every request has room for k guesses, as CUDA graphs too: eager, a
-        # step of a 1B model is hundreds of kernel launches. Up to 64 requests: larger batches gain
-        # little from speculation, and their graphs' logits would take gigabytes.
+        # step of a 1B model is hundreds of kernel launches. Only as many requests as ever verify
+        # guesses together (speculative_max_batch).
         k = self.config.num_speculative_tokens
-        self.verify_graphs = (DecodeGraphs(self.model, self.cache, min(self.config.max_num_seqs, VERIFY_GRAPHS_MAX),
+        self.verify_graphs = (DecodeGraphs(self.model, self.cache, self.max_verified(),
                                            self.max_model_len, k + 1) if self.graphs is not None else None)
 
     @classmethod
