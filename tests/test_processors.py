@@ -209,6 +209,29 @@ def test_the_mask_kernel_equals_apply_bitmask(dtype):
         assert torch.equal(got, want) and got.data_ptr() != x.data_ptr(), (R, V, words, block)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_penalties_kernel_equals_penalize(dtype):
+    """Chapter 12's one-pass penalties (under the interpreter) against penalize on the penalized rows:
+    vocabularies that end inside a chunk, chunks of 1-128, penalized rows in any order among rows left
+    as they were (only converted), negative and zero penalties, a strided batch (the logits' rows)."""
+    from miniinfer.kernels.penalties import penalized_logits
+    from miniinfer.worker.logits_processors import penalize
+    gen = torch.Generator().manual_seed(0)
+    for B, V, N, block in [(6, 1000, 9, 128), (3, 97, 3, 32), (4, 64, 4, 1), (1, 33, 2, 16), (2, 5, 5, 4)]:
+        x = (torch.randn(B, V + 3, generator=gen) * 3).to(dtype)[:, :V]
+        counts = torch.randint(0, 4, (N, V), generator=gen, dtype=torch.int32)
+        counts *= torch.rand(N, V, generator=gen) < 0.3
+        in_prompt = torch.rand(N, V, generator=gen) < 0.2
+        at = torch.randperm(B, generator=gen)[:max(1, B - 1)]
+        rows = torch.randperm(N, generator=gen)[:len(at)]
+        presence, frequency = torch.randn(2, len(at), generator=gen)
+        repetition = torch.rand(len(at), generator=gen) * 2
+        want = x.float().index_copy(0, at, penalize(x[at].float(), counts[rows], in_prompt[rows], presence, frequency,
+                                                    repetition))
+        got = penalized_logits(x, at, rows, counts, in_prompt, presence, frequency, repetition, block=block)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (B, V, N, block)
+
+
 def test_scores_of_more_rows_than_a_piece_are_packed_in_order():
     """Scores.score takes SCORE_ROWS rows at a time (a long prompt's): 600 rows come back in their
     order, each as TokenLogprobs.of reads it, headed by its own head."""

@@ -78,11 +78,15 @@ class RowValues:
         return np.flatnonzero(self.on[step.rows])
 
 
+# The penalties of a whole GPU batch in one pass, from the end of this chapter: imported when first used.
+PENALTY_KERNEL = Registry("penalties", {"triton": "miniinfer.kernels.penalties:penalized_logits"})
+
+
 class Penalties(Processor):
     """presence, frequency and repetition penalties. Each row's output-token counts and the tokens
     of its prompt live on the device, made when a request takes the row and advanced by every step's
     tokens on the device: never rebuilt from token lists."""
-    penalize = staticmethod(penalize)  # the formulas: any function with its arguments
+    penalize = staticmethod(penalize)  # the formulas: any function with its arguments (a GPU: one kernel)
 
     def __init__(self, runner: ModelRunner):
         self.rows = RowValues(runner, 3)
@@ -113,6 +117,9 @@ class Penalties(Processor):
         at_dev = to_device(at, logits.device)
         rows = step.rows_on_device[at_dev]
         presence, frequency, repetition = to_device(self.rows.values[:, step.rows[at]], logits.device)
+        if logits.is_cuda and self.penalize is penalize:  # a problem set's own formula runs as written
+            return PENALTY_KERNEL["triton"](logits, at_dev, rows, self.counts, self.in_prompt, presence, frequency,
+                                            repetition)
         new = self.penalize(logits[at_dev].float(), self.counts[rows], self.in_prompt[rows], presence, frequency,
                             repetition)
         return logits.float().index_copy(0, at_dev, new)
