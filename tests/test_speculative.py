@@ -118,7 +118,7 @@ def sampled_tokens(target, draft, params, n: int, runner: type | None = None) ->
     """The first 3 of the 4 tokens of n seeded requests of prompt [1, 2]: [n, 3]. The first is
     sampled after the prompt; the next two are guesses verified in one step (then one token more)."""
     config = mi.EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2,
-                             max_num_seqs=256, speculative_max_batch=256, num_blocks=512, block_size=4)
+                             max_num_seqs=256, speculative_max_batch=n, num_blocks=512, block_size=4)
     components = mi.worker.model_runner.build_components(config)
     engine = mi.LLMEngine(config, components=dataclasses.replace(components, runner=runner or components.runner))
     prompts = [[1, 2]] * n
@@ -267,7 +267,7 @@ def test_metrics_count_guesses():
 
 
 def test_speculation_only_in_small_batches():
-    """Above speculative_max_batch running requests a step gets no room for guesses, and the next one
+    """Above speculative_max_batch unfinished requests a step gets no room for guesses, and the next one
     is launched while it runs (chapter 06's overlap); once the batch is small again, guesses come
     back and steps wait for each other. Greedy tokens are the plain engine's either way."""
     prompts = ["for i in range(10):\n    print(i)\nfor i in range(10):\n" + "#" * i for i in range(4)]

@@ -17,6 +17,9 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              waits for the device included, and the step's wall time
     lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format,
              or for the mixture of experts (lanes1:moe)
+    replay256  per weight format, the decode step of 256 requests on the device alone (its CUDA graph
+             replayed back to back, each request one token of context: the matmuls, which the format
+             changes): whether a format's row of the matrix loses on the device or on the host
     pyprof1:FORMAT  the host's Python functions in 256 batch-1 decode steps (cProfile), for a weight format or
              the mixture of experts: the most costly by their own time and by time inside them, per step
     python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
@@ -323,6 +326,23 @@ def host(base, names: list[str]) -> dict:
     return res
 
 
+def replay256(base) -> dict:
+    res = {}
+    for fmt in ("bf16", "int8", "int4", "fp8"):
+        engine = engine_for(with_weights(base, fmt))
+        graphs = engine.executor.runner.graphs
+        b = graphs.buckets[-1]
+        res[fmt] = {"batch": b, "step_us": do_bench(graphs.graphs[b].replay, warmup=25, rep=200,
+                                                    return_mode="median") * 1e3}
+        print(f"replay256 {fmt}: {res[fmt]['step_us']:.0f} us a decode step of {b}", flush=True)
+        del engine, graphs
+        gc.collect()
+        torch.cuda.empty_cache()
+    for r in res.values():
+        r["of_bf16"] = r["step_us"] / res["bf16"]["step_us"]
+    return res
+
+
 def pyprof1(model) -> dict:
     """cProfile over one stream of 256 tokens after a warm-up: where the host's time of a batch-1 step goes."""
     import cProfile
@@ -363,13 +383,16 @@ def main(out_path: str, parts: list[str]) -> None:
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")
-        if base is None and (part in ("matrix", "batch1", "host") or part in ("lanes1", "pyprof1") and fmt != "moe"):
+        dense = part in ("matrix", "batch1", "host", "replay256") or part in ("lanes1", "pyprof1") and fmt != "moe"
+        if base is None and dense:
             base = models("llama")[1]
         if part == "matrix":
             prompts, outs = workload()
             save("matrix")(matrix(base, prompts, outs, save("matrix")))
         elif part == "batch1":
             save("batch1")(batch1(base))
+        elif part == "replay256":
+            save("replay256")(replay256(base))
         elif part == "scoring":
             save("scoring")(scoring())
         elif part == "sampling":
@@ -394,6 +417,8 @@ def main(out_path: str, parts: list[str]) -> None:
             del model
         else:
             raise SystemExit(f"unknown part {part!r}")
+        gc.collect()  # a part's engines hold most of the GPU (their KV pools): gone before the next part
+        torch.cuda.empty_cache()
 
 
 def plot(out_path: str) -> None:

@@ -180,11 +180,12 @@ class Scheduler:
 
     def speculates(self) -> bool:
         """Whether the next step gives room for guesses: only while at most speculative_max_batch
-        requests run (None: any number). A larger batch keeps the device busy on its own, and
-        proposing and verifying k guesses for each costs more than the accepted ones save (256
-        requests with n-gram guesses served 0.09x of plain, chapter 09)."""
+        requests are unfinished (None: any number), waiting ones counted as the batch they will
+        make. A larger batch keeps the device busy on its own, and proposing and verifying k guesses
+        for each costs more than the accepted ones save (256 requests with n-gram guesses served
+        0.09x of plain, chapter 09)."""
         limit = self.speculative_max_batch
-        return self.num_speculative_tokens > 0 and (limit is None or len(self.running) <= limit)
+        return self.num_speculative_tokens > 0 and (limit is None or len(self.requests) <= limit)
 
     def _room(self, seq: Sequence) -> int:
         """Guesses seq has room for after its known tokens: once it has outputs (its first token is

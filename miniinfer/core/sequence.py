@@ -115,8 +115,7 @@ class RequestOutput:
         # is left to whoever reads token_ids (an engine step makes 256 outputs).
         self._outputs, self._n, self._detokenize = output_token_ids, len(output_token_ids), detokenize
         self._logprobs = logprobs  # grows like output_token_ids (chapter 12)
-        # Each prompt token's log-probabilities (the first has none), if the request asked (chapter 12).
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprob_rows = prompt_logprobs  # as the engine keeps them: what goes to a front end
 
     @property
     def token_ids(self) -> list[int]:
@@ -127,6 +126,12 @@ class RequestOutput:
     def logprobs(self) -> list[TokenLogprobs] | None:
         """Each generated token's log-probabilities (chapter 12), if the request asked for them."""
         return None if self._logprobs is None else token_logprobs(self._logprobs[:self._n])
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Each prompt token's log-probabilities (the first has none), if the request asked (chapter 12)."""
+        rows = self.prompt_logprob_rows
+        return None if rows is None else token_logprobs(rows)
 
     @property
     def new_logprobs(self) -> list[TokenLogprobs] | None:

@@ -184,6 +184,7 @@ def step(engine: LLMEngine, outputs: list[EngineOutput],
     # A request that failed on its own data (the others of its step ran): its client gets the error.
     outputs += [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason, o.num_cached_tokens,
                              o.error and f"the request failed: {o.error}", o.new_logprob_rows,
-                             o.prompt_logprobs if o.prompt_logprobs and first_output(o) else None) for o in done]
+                             o.prompt_logprob_rows if o.prompt_logprob_rows and first_output(o) else None)
+                for o in done]
     emit(outputs, EngineStats.of(engine, sum(len(o.new_token_ids) for o in done), engine.stats.seconds, 1))
     return None

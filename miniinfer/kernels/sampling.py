@@ -6,7 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # logits a program reads at once; a row is one program, which walks it a few times
+BLOCK = 4096  # logits a program: a row of Llama-3's 128,256 is 32 programs in each pass
+
+LOWEST = -3.4028234663852886e38  # a softmax's running maximum starts here: -inf - -inf would be NaN
 
 
 @triton.jit
@@ -20,50 +22,130 @@ def _hash32(x):
 
 
 @triton.jit
-def _sample_kernel(x_ptr, out_ptr, t_ptr, kth_ptr, p_ptr, key_ptr, V, stride, lowest_t, BLOCK: tl.constexpr):
-    """Row b of logits x [B, V], if it samples (temperature > 0): argmax(p / E) over its nucleus
-    inside its top k, or -1 if no token is allowed."""
-    b = tl.program_id(0)
-    t = tl.load(t_ptr + b)
-    if t > 0:
-        t = tl.maximum(t, lowest_t)
+def _logits(row, cols, V, t):
+    return tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
+
+
+@triton.jit
+def _candidate(row, cols, V, t, kth, floor, m, s, key):
+    """The largest p / E among the columns cols above floor inside the top k, and its first column
+    (-1.0 and a column of no use where there is none)."""
+    x = _logits(row, cols, V, t)
+    bits = _hash32((key + cols.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF)
+    u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # as exponential_noise's
+    score = tl.where((x >= kth) & (x > floor), (tl.exp(x - m) / s) / -tl.log(u), -1.0)
+    top = tl.max(score, 0)
+    return top, tl.min(tl.where(score == top, cols, V), 0).to(tl.int64)
+
+
+@triton.jit
+def _above(row, cols, V, t, kth, x_token, m, s):
+    """The probability the columns cols more likely than x_token hold."""
+    x = _logits(row, cols, V, t)
+    return tl.sum(tl.where((x >= kth) & (x > x_token), tl.exp(x - m) / s, 0.0), 0)
+
+
+@triton.jit
+def _row(b, t_ptr, kth_ptr, lowest_t):
+    """Row b's temperature (at least lowest_t) and k-th largest logit divided by it (-inf: no top-k)."""
+    t = tl.maximum(tl.load(t_ptr + b), lowest_t)
+    return t, tl.load(kth_ptr + b) / t
+
+
+@triton.jit
+def _merged(part, b, C, CP: tl.constexpr):
+    """Row b's softmax (its largest logit m and its sum s) from its chunks' (columns 0 and 1 of part [B, C, 4])."""
+    c = tl.arange(0, CP)
+    ms = tl.load(part + (b * C + c) * 4, mask=c < C, other=LOWEST)
+    ss = tl.load(part + (b * C + c) * 4 + 1, mask=c < C, other=0.0)
+    m = tl.max(ms, 0)
+    return m, tl.sum(ss * tl.exp(ms - m), 0)
+
+
+@triton.jit
+def _first_candidate(part, b, C, CP: tl.constexpr):
+    """Row b's candidate from its chunks' (columns 2 and 3 of part): the best score, the first chunk's on a tie."""
+    c = tl.arange(0, CP)
+    best = tl.load(part + (b * C + c) * 4 + 2, mask=c < C, other=-1.0)
+    token = tl.load(part + (b * C + c) * 4 + 3, mask=c < C, other=0.0)
+    top = tl.max(best, 0)
+    return top, tl.min(tl.where(best == top, token, 3.4e38), 0).to(tl.int64)
+
+
+@triton.jit
+def _softmax_chunk_kernel(x_ptr, stride, V, t_ptr, kth_ptr, lowest_t, part, C, BLOCK: tl.constexpr):
+    """Pass 1, chunk c of row b: the largest logit inside the top k and the sum of their exponentials."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    if tl.load(t_ptr + b) > 0:
+        t, kth = _row(b, t_ptr, kth_ptr, lowest_t)
+        x = _logits(x_ptr + b.to(tl.int64) * stride, c * BLOCK + tl.arange(0, BLOCK), V, t)
+        x = tl.where(x >= kth, x, float("-inf"))
+        m = tl.maximum(tl.max(x, 0), LOWEST)
+        tl.store(part + (b * C + c) * 4, m)
+        tl.store(part + (b * C + c) * 4 + 1, tl.sum(tl.exp(x - m), 0))
+
+
+@triton.jit
+def _candidate_chunk_kernel(x_ptr, stride, V, t_ptr, kth_ptr, lowest_t, key_ptr, part, C, CP: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Pass 2, chunk c of row b: its best p / E over the whole top k, and its column (as a float)."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    if tl.load(t_ptr + b) > 0:
+        t, kth = _row(b, t_ptr, kth_ptr, lowest_t)
+        m, s = _merged(part, b, C, CP)
+        top, token = _candidate(x_ptr + b.to(tl.int64) * stride, c * BLOCK + tl.arange(0, BLOCK), V, t, kth,
+                                float("-inf"), m, s, tl.load(key_ptr + b))
+        tl.store(part + (b * C + c) * 4 + 2, top)
+        tl.store(part + (b * C + c) * 4 + 3, token.to(tl.float32))
+
+
+@triton.jit
+def _above_chunk_kernel(x_ptr, stride, V, t_ptr, kth_ptr, lowest_t, p_ptr, part, above_ptr, C, CP: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Pass 3, chunk c of row b with a top-p: the probability its tokens more likely than the candidate hold."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    if (tl.load(t_ptr + b) > 0) & (tl.load(p_ptr + b) < 1):
+        t, kth = _row(b, t_ptr, kth_ptr, lowest_t)
+        m, s = _merged(part, b, C, CP)
         row = x_ptr + b.to(tl.int64) * stride
-        kth = tl.load(kth_ptr + b) / t  # the k-th largest logit (-inf: no top-k), scaled as the logits are
+        _, token = _first_candidate(part, b, C, CP)
+        x_token = tl.load(row + token).to(tl.float32) / t
+        tl.store(above_ptr + b * C + c, _above(row, c * BLOCK + tl.arange(0, BLOCK), V, t, kth, x_token, m, s))
+
+
+@triton.jit
+def _sample_kernel(x_ptr, stride, V, t_ptr, kth_ptr, lowest_t, p_ptr, key_ptr, part, above_ptr, out_ptr, C,
+                   CP: tl.constexpr, BLOCK: tl.constexpr):
+    """Row b, if it samples (temperature > 0): the candidate if the nucleus holds it, else the next
+    candidates above it, one program walking the row (a draw outside the nucleus: rare), or -1 if no
+    token is allowed."""
+    b = tl.program_id(0)
+    if tl.load(t_ptr + b) > 0:
+        t, kth = _row(b, t_ptr, kth_ptr, lowest_t)
+        m, s = _merged(part, b, C, CP)
+        row = x_ptr + b.to(tl.int64) * stride
         top_p = tl.load(p_ptr + b)
         key = tl.load(key_ptr + b)
-        m = -3.4028234663852886e38  # the softmax over the top k, online: its largest logit and its sum
-        s = 0.0
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
-            x = tl.where(x >= kth, x, float("-inf"))
-            new_m = tl.maximum(m, tl.max(x, 0))
-            s = s * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
-            m = new_m
-        floor = float("-inf")  # candidates are taken above it
-        token = -1
-        go = s > 0  # no token allowed at all: -1
+        _, token = _first_candidate(part, b, C, CP)
+        c = tl.arange(0, CP)
+        above = tl.sum(tl.load(above_ptr + b * C + c, mask=c < C, other=0.0), 0)
+        above = tl.where(top_p < 1, above, 0.0)  # pass 3 skipped the row: its sums were never written
+        x_token = tl.load(row + token).to(tl.float32) / t
+        go = (s > 0) & (above >= top_p) & (x_token < m)  # outside the nucleus (the top token never is)
+        token = tl.where(s > 0, token, -1)  # no token allowed at all
         while go:
+            floor = x_token  # candidates are taken above it
             best = -1.0
             for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
-                bits = _hash32((key + cols.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF)
-                u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # as exponential_noise's
-                score = tl.where((x >= kth) & (x > floor), (tl.exp(x - m) / s) / -tl.log(u), -1.0)
-                top = tl.max(score, 0)
+                top, first = _candidate(row, start + tl.arange(0, BLOCK), V, t, kth, floor, m, s, key)
                 if top > best:  # strictly: the first column wins a tie, as in argmax
                     best = top
-                    token = tl.min(tl.where(score == top, cols, V), 0)
+                    token = first
             x_token = tl.load(row + token).to(tl.float32) / t
-            above = 0.0  # the probability of the tokens more likely than the candidate
-            if top_p < 1:
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    x = tl.load(row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) / t
-                    above += tl.sum(tl.where((x >= kth) & (x > x_token), tl.exp(x - m) / s, 0.0), 0)
-            go = (above >= top_p) & (x_token < m)  # outside the nucleus (the top token never is): again
-            floor = tl.where(go, x_token, floor)
+            above = 0.0
+            for start in range(0, V, BLOCK):
+                above += _above(row, start + tl.arange(0, BLOCK), V, t, kth, x_token, m, s)
+            go = (above >= top_p) & (x_token < m)
         tl.store(out_ptr + b, token)
 
 
@@ -81,5 +163,13 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         kth = torch.where(top_k < V, top.gather(1, top_k.clamp(max=k_max)[:, None] - 1)[:, 0], kth)
     out = torch.zeros(B, dtype=torch.int64, device=logits.device)
     if B:
-        _sample_kernel[(B,)](logits, out, temperature, kth, top_p, keys, V, logits.stride(0), lowest_t, BLOCK=block)
+        C = triton.cdiv(V, block)
+        CP = triton.next_power_of_2(C)
+        part = torch.empty(B, C, 4, device=logits.device)  # each chunk's max, sum, best score, its column
+        above = torch.empty(B, C, device=logits.device)
+        row = (logits, logits.stride(0), V, temperature, kth, lowest_t)
+        _softmax_chunk_kernel[(B, C)](*row, part, C, BLOCK=block)
+        _candidate_chunk_kernel[(B, C)](*row, keys, part, C, CP=CP, BLOCK=block)
+        _above_chunk_kernel[(B, C)](*row, top_p, part, above, C, CP=CP, BLOCK=block)
+        _sample_kernel[(B,)](*row, top_p, keys, part, above, out, C, CP=CP, BLOCK=block)
     return out

@@ -12,7 +12,6 @@ import torch
 
 from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
-from miniinfer.core.sequence import TokenLogprobs
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.model.transformer import Registry
 from miniinfer.worker.kv_cache import to_device
@@ -343,7 +342,7 @@ class PromptLogprobs(Scores):
     def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]:
         out: dict[str, list] = {}
         for b, t, *rest in data.tolist():
-            out.setdefault(step.request_ids[int(b)], []).append((int(t), TokenLogprobs.of(rest)))
+            out.setdefault(step.request_ids[int(b)], []).append((int(t), tuple(rest)))
         return out
 
 

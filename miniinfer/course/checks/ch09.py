@@ -224,7 +224,9 @@ def check_speculative_engine(runner: type, law: Callable) -> None:
                 f"{theirs.proposed} ({theirs.tokens_per_step:.2f}): look at your n-gram lookup")
         each = [mi.SamplingParams(temperature=0.8, max_tokens=SAMPLED_TOKENS, ignore_eos=True, seed=i)
                 for i in range(SAMPLES)]
-        yours, plain = (_engine(model, tok, r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES) for r in (runner, None))
+        # Every request verifies guesses, however many run (the engine's default speculates in small batches only).
+        yours, plain = (_engine(model, tok, r, num_blocks=SAMPLES * 4, max_num_seqs=SAMPLES,
+                                speculative_max_batch=SAMPLES) for r in (runner, None))
         runs = [[tuple(o.token_ids) for o in e.generate([SAMPLED_PROMPT] * SAMPLES, each, use_tqdm=False)]
                 for e in (yours, plain)]
         blocks_back(yours.block_manager, "sampled")
