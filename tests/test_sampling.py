@@ -9,7 +9,7 @@ import miniinfer as mi
 from miniinfer.core.sampling_params import GREEDY_BELOW, FieldError, sample, top_p_filter
 from miniinfer.kernels.argmax import chunked_argmax
 from miniinfer.kernels.sampling import fused_sample
-from miniinfer.worker.sampler import exponential_noise, row_keys, sampling_probs, sampling_row
+from miniinfer.worker.sampler import exponential_noise, hash32, row_keys, sampling_probs, sampling_row
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -197,3 +197,20 @@ def test_the_fused_sampling_kernel_draws_the_sorts_tokens(V, block, spread, dtyp
     got = fused_sample(logits, t, top_k, top_p, row_keys(seeds, steps), k_max, GREEDY_BELOW, block=block)
     assert got[0] == 0 and got[-1] == -1
     assert torch.equal(got[1:-1], want[1:-1])
+
+
+def test_no_token_draws_noise_of_zero():
+    """The largest of the noise's 24-bit draws, 2^24 - 0.5 scaled by 2^-24, rounds to 1.0 in float32,
+    and -log(1) = 0 would give its token p / 0 = -inf: never drawn, and a kernel walking its row for
+    the next candidate would never end. Seed 3117471674 at step 0 gives token 0 that draw: its noise
+    stays above 0, and the kernel draws the token the sorts do (token 0, whose noise is the smallest)."""
+    seeds, steps = torch.tensor([3117471674]), torch.tensor([0])
+    assert int(hash32(row_keys(seeds, steps))) >> 8 == 2 ** 24 - 1  # token 0's bits: the largest
+    noise = exponential_noise(seeds, steps, 8)
+    assert (noise > 0).all() and noise[0, 0] == noise.min()
+    logits = torch.tensor([[3.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]])
+    t, top_k, top_p = torch.tensor([1.0]), torch.tensor([8]), torch.tensor([1.0])
+    s = mi.SamplingBatch(t, top_k, top_p, seeds, steps, True, False, 0)
+    want = (sampling_probs(logits, s) / noise).argmax(-1)
+    assert want.item() == 0
+    assert fused_sample(logits, t, top_k, top_p, row_keys(seeds, steps), 0, GREEDY_BELOW, block=4).item() == 0

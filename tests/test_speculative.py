@@ -286,3 +286,17 @@ def test_speculation_only_in_small_batches():
     assert run_all(engine, prompts, params) == plain
     assert all(running <= 2 and not ahead for running, guesses, ahead in log if guesses), log
     assert any(guesses for _, guesses, _ in log) and any(ahead for running, _, ahead in log if running > 2), log
+
+
+def test_speculation_in_any_batch_when_unbounded():
+    """speculative_max_batch=None: guesses in a batch of any size, and the verify graphs (on a GPU)
+    for as many requests as a step holds."""
+    config = mi.EngineConfig(speculative_method="ngram", num_speculative_tokens=2, max_num_seqs=4,
+                             speculative_max_batch=None)
+    engine = mi.LLMEngine(config)
+    assert engine.executor.runner.max_verified() == 4
+    run_all(engine, ["for i in range(10):\n    print(i)\nfor i in range(10):\n"] * 6,
+            mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert engine.stats.spec.verified > 0
+    bounded = mi.LLMEngine(dataclasses.replace(config, speculative_max_batch=3), model=engine.model)
+    assert bounded.executor.runner.max_verified() == 3

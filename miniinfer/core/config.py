@@ -63,8 +63,9 @@ class EngineConfig:
                                                    "model name (pycoder-draft), with the model's tokenizer "
                                                    "(default: none)")
     num_speculative_tokens: int = setting(4, "speculation", "guesses verified per step")
-    speculative_max_batch: int = setting(64, "speculation", "guesses only while at most this many requests "
-                                         "are unfinished (a larger batch is served as without speculation)")
+    speculative_max_batch: int | None = setting(64, "speculation", "guesses only while at most this many "
+                                                "requests are unfinished (a larger batch is served as without "
+                                                "speculation; None: any number)")
     tensor_parallel_size: int = setting(1, "parallel", "GPUs (on a CPU: processes) that split the model, one "
                                         "process each (chapter 11; default: one, in this process)")
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "

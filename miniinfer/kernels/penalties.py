@@ -41,6 +41,8 @@ def penalized_logits(logits: torch.Tensor, at: torch.Tensor, rows: torch.Tensor,
     which = torch.full((B,), -1, dtype=torch.int32, device=logits.device)
     which[at] = torch.arange(len(at), dtype=torch.int32, device=logits.device)
     if B:
+        # Unfused: a fused multiply-add would round x - n * f once where penalize rounds twice.
         _penalties_kernel[(B, triton.cdiv(V, block))](logits, logits.stride(0), out, V, which, rows, counts,
-                                                      in_prompt, presence, frequency, repetition, BLOCK=block)
+                                                      in_prompt, presence, frequency, repetition, BLOCK=block,
+                                                      enable_fp_fusion=False)
     return out

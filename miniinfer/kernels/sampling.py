@@ -32,7 +32,8 @@ def _candidate(row, cols, V, t, kth, floor, m, s, key):
     (-1.0 and a column of no use where there is none)."""
     x = _logits(row, cols, V, t)
     bits = _hash32((key + cols.to(tl.int64) * 0x9E3779B1) & 0xFFFFFFFF)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # as exponential_noise's
+    u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # as exponential_noise's, kept below 1
+    u = tl.minimum(u, 0.99999994039535522)
     score = tl.where((x >= kth) & (x > floor), (tl.exp(x - m) / s) / -tl.log(u), -1.0)
     top = tl.max(score, 0)
     return top, tl.min(tl.where(score == top, cols, V), 0).to(tl.int64)

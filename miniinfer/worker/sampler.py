@@ -54,7 +54,10 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     """Exponential(1) noise [B, vocab] that depends only on each row's (seed, step) and the token id."""
     token = torch.arange(vocab_size, device=seeds.device)
     bits = hash32((row_keys(seeds, steps)[:, None] + token * 0x9E3779B1) & _MASK32)
-    u = ((bits >> 8).float() + 0.5) * 2.0 ** -24  # 24 random bits, strictly inside (0, 1)
+    # 24 random bits, strictly inside (0, 1): the largest, 2^24 - 0.5, rounds up to 2^24 in float32, and
+    # a token with no noise at all (-log 1 = 0) could never win; a kernel walking its row for the next
+    # winner would never stop.
+    u = (((bits >> 8).float() + 0.5) * 2.0 ** -24).clamp(max=1 - 2.0 ** -24)
     return -u.log()
 
 

@@ -302,7 +302,8 @@ class SpeculativeRunner(ModelRunner):
 
     def max_verified(self) -> int:
         """The most requests a step verifies guesses for (the scheduler gives none to a larger batch)."""
-        return min(self.config.max_num_seqs, self.config.speculative_max_batch)
+        limit = self.config.speculative_max_batch
+        return self.config.max_num_seqs if limit is None else min(self.config.max_num_seqs, limit)
 
     def num_blocks_that_fit(self) -> int:
         """Chapter 06's measure, less the room verification takes that it does not see: float32
