@@ -129,8 +129,9 @@ def _sample_kernel(x_ptr, stride, V, t_ptr, kth_ptr, lowest_t, p_ptr, key_ptr, p
         key = tl.load(key_ptr + b)
         _, token = _first_candidate(part, b, C, CP)
         c = tl.arange(0, CP)
-        above = tl.sum(tl.load(above_ptr + b * C + c, mask=c < C, other=0.0), 0)
-        above = tl.where(top_p < 1, above, 0.0)  # pass 3 skipped the row: its sums were never written
+        above = 0.0
+        if top_p < 1:  # else pass 3 skipped the row: its sums were never written
+            above = tl.sum(tl.load(above_ptr + b * C + c, mask=c < C, other=0.0), 0)
         x_token = tl.load(row + token).to(tl.float32) / t
         go = (s > 0) & (above >= top_p) & (x_token < m)  # outside the nucleus (the top token never is)
         token = tl.where(s > 0, token, -1)  # no token allowed at all
