@@ -1,5 +1,5 @@
-"""The course's layering: no module of the package imports a module of a later chapter (COURSE.md:
-a later chapter extends an earlier one through a seam, never the other way round)."""
+"""The course's layering: no module of the package imports a module of a later chapter (a later
+chapter extends an earlier one through a seam, never the other way round)."""
 
 import ast
 import re

@@ -148,7 +148,7 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
 
 
 def ragged_cases() -> list[dict]:
-    """Decode attention as the engine meets it on COURSE.md's workload: the running requests' ragged
+    """Decode attention as the engine meets it on the course's workload: the running requests' ragged
     contexts (prompts of 100..1024 tokens plus the step) at three steps, for the Llama-1B and
     Qwen3-0.6B heads, each with decode_config's choice and a grid of tiles and warps."""
     lengths = mi.benchmark_lengths(256)

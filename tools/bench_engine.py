@@ -1,4 +1,4 @@
-"""Chapter 06 GPU benchmark: the continuous-batching engine on COURSE.md's end-to-end workload
+"""Chapter 06 GPU benchmark: the continuous-batching engine on the course's end-to-end workload
 (256 requests, prompt and output lengths uniform in 100..1024, random bf16 weights), against our
 chapter-02 static batching, transformers' `generate_batch` and static-batch `generate`, and the floor.
 
@@ -91,7 +91,7 @@ def llama_8b():
 
 
 def workload(n: int = 256):
-    """COURSE.md's protocol: lengths from benchmark_lengths, prompt tokens uniform in 0..10000."""
+    """The protocol of docs/benchmarks/README.md: lengths from benchmark_lengths, prompt tokens uniform in 0..10000."""
     random.seed(0)
     lengths = mi.benchmark_lengths(n)
     prompts = [[random.randint(0, 10000) for _ in range(p)] for p, _ in lengths]

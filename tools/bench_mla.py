@@ -14,7 +14,7 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
                   at decode: it reads the latents and writes and reads 16 heads' keys and values)
               GB/s: the latent cache's bytes (batch x context x 576 x 2) over the time; the copy bandwidth beside
     sweep     the kernel's tile, warps, stages and programs per multiprocessor; the best and the rule's
-    engine    DeepSeek-V2-Lite's shape cut to LAYERS layers (random bf16 weights) on COURSE.md's 256-request
+    engine    DeepSeek-V2-Lite's shape cut to LAYERS layers (random bf16 weights) on the course's 256-request
               workload against transformers' static batching (generate, the first 64 requests, left-padded),
               same model, same run
     blocks    the KV blocks of 16 tokens each engine's pool holds at its default memory share: the V2-Lite

@@ -10,7 +10,7 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
               too): the best, and moe_config's pick
     batch1    the model cut to 8 of its 48 layers: batch-1 decode tokens/s through the engine against its
               active-weight floor (what one token reads: attention, router, 8 experts a layer, LM head)
-    workload  the same model on COURSE.md's 256-request workload against transformers' generate_batch
+    workload  the same model on the course's 256-request workload against transformers' generate_batch
 
     python tools/bench_moe.py run docs/benchmarks/moe_h200.json layer sweep batch1 workload
     python tools/bench_moe.py plot docs/benchmarks/moe_h200.json     (the PNG beside it, on any machine)

@@ -223,7 +223,7 @@ def kv_check() -> dict:
 
 
 def e2e() -> dict:
-    """COURSE.md's end-to-end workload on the Llama-3.2-1B shape: bf16, the FP8 KV cache, FP8 weights
+    """The course's end-to-end workload on the Llama-3.2-1B shape: bf16, the FP8 KV cache, FP8 weights
     (and both); the pool sized from free memory each time. Greedy agreement with bf16 is the share of
     requests whose tokens are all the same (random weights make the logits nearly flat, so this is
     a harsh test of any rounding)."""

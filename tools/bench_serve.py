@@ -4,7 +4,7 @@ same requests.
 
 Hand-written tool. On the Llama-3.2-1B shape (random bf16 weights) with a word-level tokenizer of the
 full 128,256-token vocabulary (the server must turn every generated id into text):
-  1. the in-process LLMEngine on COURSE.md's 256-request workload (all at once): output tokens/s;
+  1. the in-process LLMEngine on the course's 256-request workload (all at once): output tokens/s;
   2. `python -m miniinfer serve` in its own process, the same 256 requests sent at once (saturation),
      then Poisson arrivals at rising request rates, then saturation again; the client is 4 processes.
     python tools/bench_serve.py run docs/benchmarks/serve_h200.json [rates...]
@@ -167,7 +167,7 @@ def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = Fal
            "max_model_len": MAX_MODEL_LEN}
     prompts, outs = workload()
     res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
-                       "note": "COURSE.md's 256 requests; each rate sends the first %d of them" % PER_RATE}
+                       "note": "the course's 256 requests; each rate sends the first %d of them" % PER_RATE}
     path = Path(out_path)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"

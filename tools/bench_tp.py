@@ -11,7 +11,7 @@ Per setting, in a process of its own (each loads the model and frees its GPUs wh
     host      during batch1, the engine's time per step inside the executor's launch (the step's plain
               data pickled and written to each rank) and collect (waiting for the tokens), and the
               pickled step's bytes; the same for the workload's steps
-    workload  COURSE.md's 256 requests (prompt and output lengths uniform in 100..1024), output tokens/s;
+    workload  the course's 256 requests (prompt and output lengths uniform in 100..1024), output tokens/s;
               its steps and seconds by phase (steps with prompt tokens, decode steps by rows), and a two-GPU
               setting's speed-up over tp1 in each (`tp2_speedup_by_phase`: where a ratio is won or lost)
     timeline  20 batch-1 decode steps under torch.profiler in the engine and in every rank: each

@@ -1,5 +1,5 @@
 """Where each figure in the prose comes from: every number with a unit or an "x" in the lessons'
-markdown, README.md and docs/benchmarks/LEDGER.md, traced to a stored output or a JSON key.
+markdown, README.md and docs/ (but this report), traced to a stored output or a JSON key.
 
     python tools/provenance.py [docs/provenance.md]
 
@@ -34,7 +34,8 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "notebooks").glob("*.ipynb")) + [ROOT / "README.md", ROOT / "docs/benchmarks/LEDGER.md"]
+SOURCES = sorted((ROOT / "notebooks").glob("*.ipynb")) + [ROOT / "README.md"] + sorted(
+    p for p in (ROOT / "docs").rglob("*.md") if p.name not in ("provenance.md", "mutants.md"))  # generated reports
 
 UNITS = (r"x\b|×|%|\s?(?:GB/s|TB/s|MB/s|GiB/s|tokens?/s|tok/s|requests?/s|steps?/s|ms\b|us\b|µs\b|ns\b|s\b|"
          r"seconds?\b|minutes?\b|min\b|hours?\b|GB\b|GiB\b|MB\b|MiB\b|KB\b|KiB\b|TB\b|bytes\b|TFLOP/s|GFLOP/s)")
@@ -180,9 +181,9 @@ def a_default(text: str, near: str) -> str | None:
 
 
 def passages(markdown: str) -> list[str]:
-    """Paragraphs and list items, code left out."""
+    """Paragraphs, list items and table rows (each row names its own source), code left out."""
     markdown = re.sub(r"```.*?```", "", markdown, flags=re.S)
-    return [p for block in re.split(r"\n\s*\n", markdown) for p in re.split(r"\n(?=\s*[-*] |\s*\d+\. )", block)]
+    return [p for block in re.split(r"\n\s*\n", markdown) for p in re.split(r"\n(?=\s*[-*] |\s*\d+\. |\|)", block)]
 
 
 def trace(text: str, unit: str, passage: str, around: str, notebook: Path | None) -> str:
@@ -212,7 +213,7 @@ def figures_of(path: Path) -> tuple[list[Figure], list[tuple[str, str]]]:
         notebook: Path | None = path
     else:
         text = path.read_text()
-        units = [(f"{path.name} section {i}", s, s) for i, s in enumerate(re.split(r"\n(?=#+ )", text))]
+        units = [(f"{path.relative_to(ROOT)} section {i}", s, s) for i, s in enumerate(re.split(r"\n(?=#+ )", text))]
         notebook = None
     figures, promises = [], []
     for where, unit, around in units:
