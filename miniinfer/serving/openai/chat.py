@@ -5,16 +5,14 @@ messages, streamed as deltas that open with the role. Hand-written module (chapt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from miniinfer.serving.openai.completions import Completions, Piece, TextOffsets
+from miniinfer.serving.openai.door import Door
 from miniinfer.serving.openai.params import UNSUPPORTED, APIError
 from miniinfer.serving.openai.schema import ChatCompletionRequest, ChatCompletionResponse, SamplingFields
-
-if TYPE_CHECKING:
-    from miniinfer.serving.server import Server
 
 # A chat request without max_tokens gets at most this many (and the rest of the context): OpenAI's
 # "up to the context" let one request of the course model run 40 s on a 2-core CPU; 512 tokens hold
@@ -40,7 +38,7 @@ class Chat(Completions):
     id_prefix = "chatcmpl"
     unsupported = (*UNSUPPORTED, "echo")
 
-    def prompts(self, door: Server, req: Any) -> list[list[int]]:
+    def prompts(self, door: Door, req: Any) -> list[list[int]]:
         if door.tokenizer is None:
             raise APIError("this model has no tokenizer: use /v1/completions with token ids")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -50,7 +48,7 @@ class Chat(Completions):
         except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
             raise APIError(f"the chat template failed: {err}", param="messages") from None
 
-    def max_tokens(self, door: Server, req: Any, prompts: list[list[int]]) -> int:
+    def max_tokens(self, door: Door, req: Any, prompts: list[list[int]]) -> int:
         default = max(min(door.chat_max_tokens, door.max_model_len - len(prompts[0])), 1)
         return req.max_tokens or req.max_completion_tokens or default
 

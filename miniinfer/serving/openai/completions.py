@@ -7,17 +7,15 @@ whole or streamed. `Chat` (chat.py) is this class with the differences. Hand-wri
 from __future__ import annotations
 
 import codecs
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from pydantic import BaseModel
 
+from miniinfer.serving.openai.door import Door
 from miniinfer.serving.openai.params import UNSUPPORTED
 from miniinfer.serving.openai.schema import CompletionRequest, CompletionResponse, SamplingFields
 
-if TYPE_CHECKING:
-    from miniinfer.serving.server import Server
-
-# fn(token id) -> its text as the API shows it, and its own bytes (Server.token_piece)
+# fn(token id) -> its text as the API shows it, and its own bytes (the server's token_piece)
 Piece = Callable[[int], tuple[str, bytes]]
 
 
@@ -45,12 +43,12 @@ class Completions:
     id_prefix = "cmpl"
     unsupported: tuple[str, ...] = UNSUPPORTED
 
-    def prompts(self, door: Server, req: Any) -> list[list[int]]:
+    def prompts(self, door: Door, req: Any) -> list[list[int]]:
         prompt = req.prompt
         prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else prompt
         return [door.tokenize(p) if isinstance(p, str) else p for p in prompts]
 
-    def max_tokens(self, door: Server, req: Any, prompts: list[list[int]]) -> int:
+    def max_tokens(self, door: Door, req: Any, prompts: list[list[int]]) -> int:
         return req.max_tokens or 16  # OpenAI's default for this endpoint
 
     def logprobs(self, req: Any) -> tuple[int | None, int | None]:

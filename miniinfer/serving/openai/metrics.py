@@ -4,13 +4,10 @@ Hand-written module (chapter 08)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from miniinfer.serving.server import Server
+from miniinfer.serving.openai.door import Counted
 
 
-def metrics(server: Server) -> str:
+def metrics(server: Counted) -> str:
     """Prometheus text exposition of the engine's state and the server's counts."""
     engine, s, lines = server.engine, server.engine.stats, []
     for name, kind, value, help in [

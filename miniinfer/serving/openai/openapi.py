@@ -6,17 +6,13 @@ schema.py, with the limits of the engine being served. Hand-written module (chap
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from miniinfer.serving.openai import schema
 from miniinfer.serving.openai.completions import Completions
-
-if TYPE_CHECKING:
-    from miniinfer.serving.server import Server
+from miniinfer.serving.openai.door import Limits
 
 
 def _json_schema(model: type[BaseModel] | None, event_stream: bool = False) -> dict:
@@ -41,7 +37,7 @@ def _token_ids_below(schema, vocab_size: int) -> None:
             _token_ids_below(value, vocab_size)
 
 
-def openapi_schema(app: FastAPI, server: Server, endpoints: list[Completions]) -> dict:
+def openapi_schema(app: FastAPI, limits: Limits, endpoints: list[Completions]) -> dict:
     """FastAPI's schema of the routes, with the request bodies and responses of schema.py and
     this engine's limits: the endpoints read their bodies themselves (size limit, nesting, a
     worker thread). One limit is left out, as JSON Schema cannot relate two fields: the prompt's
@@ -57,15 +53,15 @@ def openapi_schema(app: FastAPI, server: Server, endpoints: list[Completions]) -
         components[model.__name__] = s
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         fields = components[name]["properties"]
-        fields["n"]["maximum"] = server.max_seqs
+        fields["n"]["maximum"] = limits.max_seqs
         for key in ("max_tokens", "max_completion_tokens"):
             if key in fields:
-                fields[key]["anyOf"][0]["maximum"] = server.max_model_len
+                fields[key]["anyOf"][0]["maximum"] = limits.max_model_len
     prompt = components["CompletionRequest"]["properties"]["prompt"]
-    _token_ids_below(prompt, server.vocab_size)
+    _token_ids_below(prompt, limits.vocab_size)
     for form in prompt["anyOf"]:  # a list of prompts: one sequence each at least
-        if form.get("type") == "array" and form.get("maxItems", 0) > server.max_seqs:
-            form["maxItems"] = server.max_seqs
+        if form.get("type") == "array" and form.get("maxItems", 0) > limits.max_seqs:
+            form["maxItems"] = limits.max_seqs
     errors = {str(code): {"description": why, **_json_schema(schema.ErrorResponse)} for code, why in [
         (400, "a bad request"), (404, "no such model"), (413, "the body is too large"),
         (429, "too many slow grammars are compiling"), (500, "the server failed"),
