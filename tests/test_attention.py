@@ -229,6 +229,6 @@ def test_later_chapters_are_named_in_the_tables_and_imported_when_asked_for():
     assert mi.engine.llm_engine.BLOCK_MANAGERS[True] is mi.core.prefix_cache.PrefixCachingBlockManager
     assert dict(mi.engine.executor.EXECUTORS)[True] == "miniinfer.engine.multiprocess:MultiProcessExecutor"
     assert dict(mi.worker.kv_cache.ATTENTION_KERNELS)["triton"] == "miniinfer.kernels.attention:TRITON_ATTENTION"
-    broken = mi.model.transformer.Registry("thing", {"x": "miniinfer.no_such_module:X"})
+    broken = mi.model.registry.Registry("thing", {"x": "miniinfer.no_such_module:X"})
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):
         broken["x"]

@@ -6,7 +6,8 @@ from typing import Any, Protocol
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
-from miniinfer.model.transformer import Registry, Transformer
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import Transformer
 from miniinfer.worker.model_runner import Components, Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
 
 

@@ -18,7 +18,8 @@ from miniinfer.core.scheduler import POLICIES, Scheduler, SchedulerOutput
 from miniinfer.core.sequence import RequestDataError, RequestOutput, Sequence
 from miniinfer.engine.executor import EXECUTORS, Executor
 from miniinfer.model.loader import load_tokenizer
-from miniinfer.model.transformer import Registry, Transformer
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import Transformer
 from miniinfer.worker.model_runner import Components, Launched, SpecStats, build_components
 
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07's caches prefixes.

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.layers.parallel import all_reduce
-from miniinfer.model.transformer import MLP, ModelConfig, Ops, Registry, RMSNorm, silu_and_mul
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import MLP, ModelConfig, Ops, RMSNorm, silu_and_mul
 
 if TYPE_CHECKING:
     from miniinfer.layers.parallel import ParallelLayers, Shard

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.layers.quantization import SCHEMES, FP8Linear, IntLinear
-from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Registry, Transformer
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import MLP, DecoderLayer, Linear, ModelConfig, Transformer
 
 # Chapter 06's one-row GEMV, a floor up (kernels): named here, imported when a step of one row first asks.
 ROW_GEMV = Registry("one-row matmul", {"triton": "miniinfer.kernels.gemv:rows_gemv"})

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniinfer.model.loader import CheckpointError, _checkpoint_names
-from miniinfer.model.transformer import Linear, Registry, Transformer
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import Linear, Transformer
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity, and its largest finite value is 1.75 * 2^8

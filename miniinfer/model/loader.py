@@ -10,7 +10,8 @@ from safetensors import safe_open
 from torch import nn
 
 from miniinfer.model.course_model import course_model_path
-from miniinfer.model.transformer import Linear, ModelConfig, Registry, Transformer, default_ops, rope_inv_freq
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import Linear, ModelConfig, Transformer, default_ops, rope_inv_freq
 
 
 class CheckpointError(ValueError):

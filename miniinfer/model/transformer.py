@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -10,6 +9,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miniinfer.model.registry import Registry
 
 
 @dataclass
@@ -252,31 +253,6 @@ class Ops:
         """A matmul (alone: the o and down projections); gated: silu(gate) * up of its two halves."""
         y = linear(x)
         return self.silu_and_mul(y) if gated else y
-
-
-class Registry(dict):
-    """The implementations of one seam, by name. A later chapter's is named as "module:attribute"
-    and imported when first asked for, so the table is written once, here, and importing a module
-    never changes what an engine gets. Asking for one that is not there fails and says what there
-    is, instead of quietly taking another."""
-
-    def __init__(self, what: str, entries: dict, hint: str = ""):
-        super().__init__(entries)
-        self.what, self.hint = what, hint
-
-    def __getitem__(self, name):
-        entry = super().__getitem__(name)
-        if isinstance(entry, str):
-            module, _, attribute = entry.partition(":")
-            entry = getattr(importlib.import_module(module), attribute)
-        return entry
-
-    def __missing__(self, name):
-        raise ValueError(f"no {self.what} {name!r}: there are {sorted(self, key=str)}{self.hint}")
-
-    def all(self) -> list:
-        """Every entry, in the table's order."""
-        return [self[name] for name in self]
 
 
 # The model types whose layers route tokens to experts: their settings' reader, from chapter 13.

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from miniinfer.model.transformer import ModelConfig, Registry, Transformer, attention, attention_mask
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import ModelConfig, Transformer, attention, attention_mask
 from miniinfer.worker.paged_cache import PagedKVCache, gather_kv, paged_attention_ref
 
 

@@ -13,7 +13,7 @@ import torch
 from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import SamplingParams, StructuredOutput
 from miniinfer.model.loader import load_tokenizer
-from miniinfer.model.transformer import Registry
+from miniinfer.model.registry import Registry
 from miniinfer.worker.kv_cache import to_device
 from miniinfer.worker.model_runner import ModelRunner, RunnerInfo, StepBatch, to_host
 from miniinfer.worker.sampler import F32_MAX

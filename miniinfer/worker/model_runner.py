@@ -16,7 +16,8 @@ from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.core.sequence import RequestDataError
 from miniinfer.model.loader import QUANTIZATIONS, load_model
-from miniinfer.model.transformer import ModelConfig, Registry, Transformer
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import ModelConfig, Transformer
 from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache, to_device
 from miniinfer.worker.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
 

@@ -6,7 +6,8 @@ import torch
 
 from miniinfer.core.block_manager import BlockManager, OutOfBlocks, blocks_needed
 from miniinfer.core.sampling_params import SamplingParams, sample
-from miniinfer.model.transformer import ModelConfig, Registry, Transformer, attention, attention_mask
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import ModelConfig, Transformer, attention, attention_mask
 from miniinfer.worker.generate import check_prompt, is_finished
 
 

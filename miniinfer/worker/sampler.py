@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from miniinfer.core.sampling_params import GREEDY_BELOW, SamplingParams, top_p_filter
-from miniinfer.model.transformer import Registry
+from miniinfer.model.registry import Registry
 from miniinfer.worker.kv_cache import to_device
 
 _MASK32 = 0xFFFFFFFF

@@ -15,7 +15,8 @@ from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.core.sequence import RequestDataError
 from miniinfer.model.course_model import course_model_path
 from miniinfer.model.loader import checkpoint_config, load_model, load_tokenizer
-from miniinfer.model.transformer import Registry, Transformer
+from miniinfer.model.registry import Registry
+from miniinfer.model.transformer import Transformer
 from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache, to_device
 from miniinfer.worker.model_runner import (
     DecodeGraphs,
