@@ -32,7 +32,7 @@ PUBLIC = {
     **dict.fromkeys(["PAGED_BACKENDS", "PagedKVCache", "gather_kv", "generate_paged", "paged_attention_ref",
                      "paged_utilization", "slot_mapping"], "worker.paged_cache"),
     **dict.fromkeys(["VarlenBatch", "VarlenKVCache", "prefill_attention_ref", "store_kv_ref"], "worker.kv_cache"),
-    **dict.fromkeys(["SamplingBatch", "sample_batch"], "worker.sampler"),
+    **dict.fromkeys(["SamplingBatch", "sample_batch"], "worker.sample.sampler"),
     **dict.fromkeys(["DraftProposer", "NgramProposer", "Proposer", "SpeculativeRunner"], "worker.speculative"),
     **dict.fromkeys(["LLMEngine", "StepStats"], "engine.llm_engine"),
     "AsyncLLMEngine": "engine.async_engine",

@@ -236,7 +236,7 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
         return None
 
     config = mi.EngineConfig(num_blocks=64)
-    components = dataclasses.replace(mi.worker.model_runner.build_components(config), prepares=(slow,))
+    components = dataclasses.replace(mi.worker.components.build_components(config), prepares=(slow,))
     eng = mi.AsyncLLMEngine(mi.LLMEngine(config, model=course_model, components=components))
     queued, enqueue = [], eng.client.engine.enqueue
     eng.client.engine.enqueue = lambda *a, **k: queued.append(enqueue(*a, **k))

@@ -227,7 +227,7 @@ def test_later_chapters_are_named_in_the_tables_and_imported_when_asked_for():
     itself, imported when first asked for; a name that does not import fails loudly."""
     assert dict(mi.engine.llm_engine.BLOCK_MANAGERS)[True] == "miniinfer.core.prefix_cache:PrefixCachingBlockManager"
     assert mi.engine.llm_engine.BLOCK_MANAGERS[True] is mi.core.prefix_cache.PrefixCachingBlockManager
-    assert dict(mi.engine.executor.EXECUTORS)[True] == "miniinfer.engine.multiprocess:MultiProcessExecutor"
+    assert dict(mi.engine.llm_engine.EXECUTORS)["multiprocess"] == "miniinfer.engine.multiprocess:MultiProcessExecutor"
     assert dict(mi.worker.kv_cache.ATTENTION_KERNELS)["triton"] == "miniinfer.kernels.attention:TRITON_ATTENTION"
     broken = mi.model.registry.Registry("thing", {"x": "miniinfer.no_such_module:X"})
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):

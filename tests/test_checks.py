@@ -27,13 +27,15 @@ from mutants.ch12 import (  # noqa: E402
 )
 
 import miniinfer as mi
-import miniinfer.worker.logits_processors as lp
 import miniinfer.worker.speculative as spec
 from miniinfer.course import checks as testing
 from miniinfer.course.checks import ch09 as checks09
 from miniinfer.course.checks import ch12 as checks12
 from miniinfer.layers.parallel import ParallelLayers
 from miniinfer.layers.quantization import gptq_columns
+from miniinfer.worker.sample.logprobs import Logprobs, PromptLogprobs
+from miniinfer.worker.sample.processors import Penalties
+from miniinfer.worker.structured_output import Structured
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -188,17 +190,17 @@ def number_matcher(cls):
 
 
 @pytest.mark.parametrize("pieces, says", [
-    ((processor(lp.Penalties, penalize=penalize_openai_first),), "repetition_penalty"),
-    ((processor(lp.Logprobs, scorer=rank_from_zero),), "logprobs of token"),
-    ((processor(lp.PromptLogprobs, rows_for=prompt_rows_from_the_chunk_start),), "prompt_logprobs of token"),
-    ((processor(lp.Structured, mask=bitmask_most_significant_first),), "regex"),
-    ((processor(lp.Structured, matcher=number_matcher(MatcherFirstCharOnly)),), "regex"),
+    ((processor(Penalties, penalize=penalize_openai_first),), "repetition_penalty"),
+    ((processor(Logprobs, scorer=rank_from_zero),), "logprobs of token"),
+    ((processor(PromptLogprobs, rows_for=prompt_rows_from_the_chunk_start),), "prompt_logprobs of token"),
+    ((processor(Structured, mask=bitmask_most_significant_first),), "regex"),
+    ((processor(Structured, matcher=number_matcher(MatcherFirstCharOnly)),), "regex"),
 ], ids=["penalize", "top_logprobs", "prompt_rows", "apply_bitmask", "ToyMatcher"])
 def test_chapter_12_last_part_fails_on_each_broken_piece(pieces, says):
     """The last part runs the engine on the student's processors (the right matcher where the piece
     broken is not the matcher): each broken piece fails it, naming the request."""
-    right = processor(lp.Structured, matcher=number_matcher(checks12.ToyMatcher))
-    if not any(issubclass(p, lp.Structured) for p in pieces):
+    right = processor(Structured, matcher=number_matcher(checks12.ToyMatcher))
+    if not any(issubclass(p, Structured) for p in pieces):
         pieces += (right,)
     with pytest.raises(AssertionError, match=says):
         testing.check_sampling_engine(pieces)

@@ -84,6 +84,115 @@ def test_no_module_imports_a_higher_floor():
     assert not bad, "\n".join(bad)
 
 
+# A module named in a string: a seam's "module:attribute" entry (model.registry.Registry), or an
+# importlib.import_module argument.
+NAMED = re.compile(r"^(miniinfer(?:\.\w+)+)(?::(\w+))?$")
+LAZY = {PACKAGE / "__init__.py"}  # the package's lazy names: it stands above every floor
+
+
+def named_modules(path: Path) -> set[tuple[str, str]]:
+    """(module, attribute or "") of each miniinfer module that path names in a string."""
+    return {(m[1], m[2] or "") for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := NAMED.match(node.value))}
+
+
+def edges(path: Path) -> set[str]:
+    """Every module path depends on: its imports (inside functions and TYPE_CHECKING blocks too) and
+    the modules it names in strings, which it imports when an entry is asked for."""
+    return imported_modules(path) | {name for name, _ in named_modules(path)}
+
+
+def defines(path: Path, name: str) -> bool:
+    """Whether the module at path binds name at its top level (a def, a class, an assignment)."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(n, ast.Name) and n.id == name for t in targets if t for n in ast.walk(t)):
+            return True
+    return False
+
+
+def test_every_module_named_in_a_string_is_a_seam_entry_that_resolves():
+    """A later chapter is reached by a table's "module:attribute" entry, never by an importlib call
+    with a name in it (which the chapter and floor checks above, reading import statements, would
+    not see); and every entry names a module and an attribute that exist."""
+    bad = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                bad.append(f"{path.relative_to(PACKAGE)}: import_module({node.args[0].value!r})")
+        for name, attribute in named_modules(path):
+            target = module_path(name)
+            if target is None or not attribute or not defines(target, attribute):
+                bad.append(f"{path.relative_to(PACKAGE)}: {name}:{attribute} does not resolve")
+    assert not bad, "\n".join(bad)
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while (w := stack.pop()) != v:
+                component.add(w)
+            if component:
+                found.append(component | {v})
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    def name(p: Path) -> str:
+        parts = p.relative_to(PACKAGE.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    graph = {}
+    for path in set(PACKAGE.rglob("*.py")) - LAZY:
+        targets = {module_path(n) for n in edges(path)}
+        graph[name(path)] = {name(t) for t in targets if t is not None and t != path and t not in LAZY}
+    return graph
+
+
+# One circle is left: the seams of the lower floors keep their table (the ops backends, the model types,
+# the attention kernels, the quantized formats, the paged backends) in the module of the base class
+# that the entries extend, so base -> entry (a name) -> base. Issue 71 moves each table above its base;
+# until then no other module may join the circle and no other circle may appear.
+SEAM_CIRCLE = {f"miniinfer.{m}" for m in (
+    "kernels.attention", "kernels.gemv", "kernels.mla", "kernels.norm_rope", "kernels.quant", "layers.mla",
+    "layers.moe", "layers.parallel", "layers.quantization", "model.loader", "model.transformer",
+    "worker.generate", "worker.kv_cache", "worker.paged_cache")}
+
+
+def test_no_import_circle_names_and_type_checking_imports_counted():
+    found = circles(module_graph())
+    assert all(c <= SEAM_CIRCLE for c in found), [sorted(c) for c in found if not c <= SEAM_CIRCLE]
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    late = tmp_path / "late.py"
+    late.write_text('TABLE = {"x": "miniinfer.engine.llm_engine:LLMEngine"}\nimport miniinfer.core.config\n')
+    assert edges(late) == {"miniinfer.engine.llm_engine", "miniinfer.core.config"}
+
+
 def loaded_after(statement: str) -> set[str]:
     """The miniinfer modules a fresh interpreter has loaded after running statement."""
     code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m.startswith('miniinfer')))"

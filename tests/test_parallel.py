@@ -20,7 +20,8 @@ from test_engine import oracle, run_steps
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
 from miniinfer.layers.parallel import Shard, shard_model
-from miniinfer.worker.model_runner import ModelRunner, build_components
+from miniinfer.worker.components import build_components
+from miniinfer.worker.model_runner import ModelRunner
 
 # 8 query heads and 2 KV heads: 4 ranks split them (each KV head on two ranks)
 FOUR_WAY = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=10)
@@ -183,6 +184,8 @@ def test_a_rank_that_fails_to_load_says_why(tmp_path):
     (dict(tensor_parallel_size=2, device="cuda"), "needs 2 GPUs"),
     (dict(tensor_parallel_size=0), "positive int"),
     (dict(tensor_parallel_size=2, quantization="int4"), "rank's 192 of the attention output's 384 inputs"),
+    (dict(tensor_parallel_size=2, executor="in_process"), "needs a process per rank"),
+    (dict(executor="threads"), "executor"),
 ])
 def test_bad_configurations_are_refused_before_any_process_starts(config, match):
     if "cuda" in config.values() and torch.cuda.device_count() >= 2:
@@ -192,6 +195,23 @@ def test_bad_configurations_are_refused_before_any_process_starts(config, match)
     assert not multiprocessing.active_children()
     with pytest.raises(ValueError, match="not a model object"):
         mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2), model=mi.load_model())
+
+
+def test_executors_are_chosen_by_kind():
+    """Unset, the executor is a worker process per rank once there are several, else the engine's own
+    process; a config may name either (one rank in a worker process of its own)."""
+    kind = mi.engine.llm_engine.executor_kind
+    assert kind(mi.EngineConfig()) == "in_process"
+    assert kind(mi.EngineConfig(tensor_parallel_size=2)) == "multiprocess"
+    engine = mi.LLMEngine(mi.EngineConfig(executor="multiprocess"))
+    try:
+        assert type(engine.executor).__name__ == "MultiProcessExecutor" and engine.model is None
+        greedy = mi.SamplingParams(temperature=0, max_tokens=8)
+        alone = mi.LLMEngine(mi.EngineConfig()).generate(["def f(x):"], greedy)[0].token_ids
+        assert engine.generate(["def f(x):"], greedy)[0].token_ids == alone
+    finally:
+        engine.close()
+    assert not multiprocessing.active_children()
 
 
 def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():

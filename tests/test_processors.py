@@ -13,7 +13,7 @@ from test_engine import run_steps
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 import miniinfer as mi
-from miniinfer.worker.logits_processors import min_p_mask, penalize
+from miniinfer.worker.sample.processors import min_p_mask, penalize
 
 
 def random_history(gen, B, V):
@@ -168,7 +168,7 @@ def test_the_fused_scoring_kernel_equals_top_logprobs(dtype):
     the token the most likely, the least and in between, rows of ties (bf16 rounds many logits to
     one value). Ties may come in another order: each reported id's log-probability must be its value."""
     from miniinfer.kernels.logprobs import fused_top_logprobs, packed_top_logprobs
-    from miniinfer.worker.logits_processors import top_logprobs
+    from miniinfer.worker.sample.logprobs import top_logprobs
     gen = torch.Generator().manual_seed(0)
     for R, V, block, k in [(5, 1000, 128, 5), (3, 129, 64, 1), (2, 97, 32, 20), (1, 5, 4, 5), (2, 41, 1, 3)]:
         x = (torch.randn(R, V, generator=gen) * 3).to(dtype)
@@ -193,7 +193,7 @@ def test_the_mask_kernel_equals_apply_bitmask(dtype):
     vocabularies that end inside a word and inside a chunk, chunks of 1-128, masks narrower than the
     vocabulary (the padding past them never allowed), rows with no grammar left as they were, bit 31."""
     from miniinfer.kernels.bitmask import masked_logits
-    from miniinfer.worker.logits_processors import apply_bitmask
+    from miniinfer.worker.structured_output import apply_bitmask
     gen = torch.Generator().manual_seed(0)
     for R, V, words, block in [(6, 1000, 32, 128), (3, 97, 3, 32), (4, 64, 2, 1), (1, 33, 2, 16), (2, 5, 1, 4)]:
         x = (torch.randn(R, V, generator=gen) * 3).to(dtype)
@@ -215,7 +215,7 @@ def test_the_penalties_kernel_equals_penalize(dtype):
     vocabularies that end inside a chunk, chunks of 1-128, penalized rows in any order among rows left
     as they were (only converted), negative and zero penalties, a strided batch (the logits' rows)."""
     from miniinfer.kernels.penalties import penalized_logits
-    from miniinfer.worker.logits_processors import penalize
+    from miniinfer.worker.sample.processors import penalize
     gen = torch.Generator().manual_seed(0)
     for B, V, N, block in [(6, 1000, 9, 128), (3, 97, 3, 32), (4, 64, 4, 1), (1, 33, 2, 16), (2, 5, 5, 4)]:
         x = (torch.randn(B, V + 3, generator=gen) * 3).to(dtype)[:, :V]
@@ -238,7 +238,7 @@ def test_scores_of_more_rows_than_a_piece_are_packed_in_order():
     from types import SimpleNamespace
 
     from miniinfer.core.sequence import TokenLogprobs
-    from miniinfer.worker.logits_processors import SCORE_ROWS, Logprobs, top_logprobs
+    from miniinfer.worker.sample.logprobs import SCORE_ROWS, Logprobs, top_logprobs
     gen = torch.Generator().manual_seed(0)
     R, V = 2 * SCORE_ROWS + 88, 50
     logits, tokens = torch.randn(R, V, generator=gen), torch.randint(0, V, (R,), generator=gen)
@@ -363,7 +363,7 @@ def test_a_grammar_never_allows_the_ids_past_the_tokenizer(tmp_path):
 
     from conftest import make_hf_model
 
-    from miniinfer.worker.logits_processors import grammar_vocab
+    from miniinfer.worker.structured_output import grammar_vocab
     tok = mi.load_tokenizer()
     make_hf_model("llama", vocab_size=len(tok) + 200, eos_token_id=tok.eos_token_id).save_pretrained(tmp_path)
     engine = mi.LLMEngine(mi.EngineConfig(num_blocks=64), model=mi.load_model(tmp_path), tokenizer=tok)

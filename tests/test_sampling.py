@@ -9,7 +9,7 @@ import miniinfer as mi
 from miniinfer.core.sampling_params import GREEDY_BELOW, FieldError, sample, top_p_filter
 from miniinfer.kernels.argmax import chunked_argmax
 from miniinfer.kernels.sampling import fused_sample
-from miniinfer.worker.sampler import exponential_noise, hash32, row_keys, sampling_probs, sampling_row
+from miniinfer.worker.sample.sampler import exponential_noise, hash32, row_keys, sampling_probs, sampling_row
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -157,15 +157,15 @@ def test_rows_follow_their_own_parameters():
 
 def test_noise_depends_on_seed_and_step_only():
     vocab = 1000
-    a = mi.worker.sampler.exponential_noise(torch.tensor([5, 7, 5]), torch.tensor([3, 3, 4]), vocab)
-    b = mi.worker.sampler.exponential_noise(torch.tensor([1, 5]), torch.tensor([0, 3]), vocab)
+    a = mi.worker.sample.sampler.exponential_noise(torch.tensor([5, 7, 5]), torch.tensor([3, 3, 4]), vocab)
+    b = mi.worker.sample.sampler.exponential_noise(torch.tensor([1, 5]), torch.tensor([0, 3]), vocab)
     assert torch.equal(a[0], b[1]) and not torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
     assert (a > 0).all() and torch.isfinite(a).all()
     assert abs(a.mean().item() - 1) < 0.05  # Exponential(1) has mean 1
 
 
 def test_seeds_fold_all_64_bits_into_the_noise_seed():
-    from miniinfer.worker.sampler import seed32
+    from miniinfer.worker.sample.sampler import seed32
     assert [seed32(s) for s in (0, 5, 2 ** 32 - 1)] == [0, 5, 2 ** 32 - 1]  # as before, below 2^32
     assert len({seed32(s) for s in (5, 2 ** 32 + 5, 2 ** 40 + 5, 2 ** 63 + 5)}) == 4
     assert seed32(-1) == seed32(2 ** 64 - 1) and 0 <= seed32(2 ** 64 - 1) < 2 ** 32

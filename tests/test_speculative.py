@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import miniinfer as mi
 import miniinfer.worker.speculative as spec
-from miniinfer.worker.sampler import sampling_probs, sampling_row
+from miniinfer.worker.sample.sampler import sampling_probs, sampling_row
 
 
 def prompts_with_repeats(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -119,7 +119,7 @@ def sampled_tokens(target, draft, params, n: int, runner: type | None = None) ->
     sampled after the prompt; the next two are guesses verified in one step (then one token more)."""
     config = mi.EngineConfig(model=target, speculative_model=draft, num_speculative_tokens=2,
                              max_num_seqs=256, speculative_max_batch=n, num_blocks=512, block_size=4)
-    components = mi.worker.model_runner.build_components(config)
+    components = mi.worker.components.build_components(config)
     engine = mi.LLMEngine(config, components=dataclasses.replace(components, runner=runner or components.runner))
     prompts = [[1, 2]] * n
     each = [mi.SamplingParams(**{**params, "seed": i}) for i in range(n)]

@@ -155,7 +155,7 @@ def lanes(model, prompts, overlap: bool, steps: int = 40, params=None) -> dict:
     step's tokens are lanes of their own."""
     from torch.profiler import DeviceType, ProfilerActivity, record_function
 
-    from miniinfer.worker.logits_processors import Structured
+    from miniinfer.worker.structured_output import Structured
     params = params or (lambda i, n: greedy(n))
     engine = engine_for(model, mi.load_tokenizer(), overlap=overlap)
     engine.generate(prompts[:8], [params(i, 8) for i in range(len(prompts[:8]))], use_tqdm=False)
@@ -539,17 +539,17 @@ def HALF_JSON(i: int, n: int) -> mi.SamplingParams:
 @contextlib.contextmanager
 def one_by_one():
     """The grammars' masks filled a row at a time on one thread, as before xgrammar's batch call."""
-    from miniinfer.worker import logits_processors as lp
-    batched = lp.fill_masks
+    from miniinfer.worker import structured_output as so
+    batched = so.fill_masks
 
     def fill(live, bitmask):
         for n, matcher in live:
             matcher.fill_next_token_bitmask(bitmask, n)
-    lp.fill_masks = fill
+    so.fill_masks = fill
     try:
         yield
     finally:
-        lp.fill_masks = batched
+        so.fill_masks = batched
 
 
 def sampling(model, prompts, outs) -> dict:

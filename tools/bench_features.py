@@ -219,7 +219,7 @@ def scoring() -> dict:
     """The top-5 scoring of 256 rows of Llama-3's 128,256 bf16 logits: chapter 12's fused kernel against
     top_logprobs (PyTorch's log-softmax, top-k and rank), results compared, then each timed (median)."""
     from miniinfer.kernels.logprobs import fused_top_logprobs
-    from miniinfer.worker.logits_processors import top_logprobs
+    from miniinfer.worker.sample.logprobs import top_logprobs
     torch.manual_seed(0)
     x = torch.randn(256, 128256, device="cuda").to(torch.bfloat16)
     tokens = torch.randint(0, 128256, (256,), device="cuda")
@@ -266,8 +266,9 @@ def host(base, names: list[str]) -> dict:
     400 tokens each), for rows of the matrix: each phase's time per step, its waits for the device
     included; a phase inside another (the processors inside sample) is counted in both."""
     from miniinfer.core.scheduler import Scheduler
-    from miniinfer.worker import logits_processors as lp
+    from miniinfer.worker import structured_output as so
     from miniinfer.worker.model_runner import ModelRunner
+    from miniinfer.worker.sample import logprobs, processors
     spent: dict[str, float] = {}
 
     def timed(owner, attr: str, name: str):
@@ -283,11 +284,12 @@ def host(base, names: list[str]) -> dict:
     hooks = [(Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
              (ModelRunner, "prepare", "prepare"), (ModelRunner, "forward", "forward"),
              (ModelRunner, "sample", "sample"), (ModelRunner, "collect", "collect"),
-             (mi.LLMEngine, "step", "step"), (lp.Structured, "apply", "sample: grammar masks"),
-             (lp.Structured, "take_pending", "sample: grammar masks: wait, accept tokens"),
-             (lp, "fill_masks", "sample: grammar masks: fill"), (lp.Scores, "score", "sample: scores"),
-             (lp.Logprobs, "report", "collect: logprobs' report"), (lp.Penalties, "apply", "sample: penalties"),
-             (lp.Penalties, "accept", "sample: penalties' counts")]
+             (mi.LLMEngine, "step", "step"), (so.Structured, "apply", "sample: grammar masks"),
+             (so.Structured, "take_pending", "sample: grammar masks: wait, accept tokens"),
+             (so, "fill_masks", "sample: grammar masks: fill"), (logprobs.Scores, "score", "sample: scores"),
+             (logprobs.Logprobs, "report", "collect: logprobs' report"),
+             (processors.Penalties, "apply", "sample: penalties"),
+             (processors.Penalties, "accept", "sample: penalties' counts")]
     prompts, _ = workload()
     res = {}
     for name in names:

@@ -58,7 +58,7 @@ def timed(config: mi.EngineConfig, prompts, batch: int, model=None, params=None)
     engine = mi.LLMEngine(config, model=model)
     params = params or greedy()
     engine.generate(prompts[:batch], params, use_tqdm=False)  # warm-up: kernels, graphs
-    before = engine.spec and mi.worker.model_runner.SpecStats(**vars(engine.spec))
+    before = engine.spec and mi.worker.step.SpecStats(**vars(engine.spec))
     if device() == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -68,7 +68,7 @@ def timed(config: mi.EngineConfig, prompts, batch: int, model=None, params=None)
     res["tokens_per_s"] = res["tokens"] / seconds
     if engine.spec is not None:
         s, b = engine.spec, before
-        done = mi.worker.model_runner.SpecStats(s.proposed - b.proposed, s.accepted - b.accepted,
+        done = mi.worker.step.SpecStats(s.proposed - b.proposed, s.accepted - b.accepted,
                                                 s.verified - b.verified)
         res.update(acceptance_rate=done.acceptance_rate, tokens_per_step=done.tokens_per_step)
     res["outputs"] = [o.token_ids for o in outs]
@@ -160,7 +160,7 @@ def cost(batches=(1, 32), lengths=range(1, 17)) -> dict:
         cache = mi.VarlenKVCache(model.cfg, B * 34, 16, "cuda", torch.bfloat16)
         tables = [list(range(34 * b, 34 * b + 34)) for b in range(B)]
         for T in lengths:
-            graphs = mi.worker.model_runner.DecodeGraphs(model, cache, B, 2048, T)
+            graphs = mi.worker.cuda_graphs.DecodeGraphs(model, cache, B, 2048, T)
             batch = mi.VarlenBatch.build([[7] * T] * B, tables, [512] * B, 16, "cuda")
             for _ in range(5):
                 graphs(batch)

@@ -44,7 +44,8 @@ import torch
 # MINIINFER_ROOT: another copy of the package (an earlier commit's, to measure it against this one)
 sys.path.insert(0, os.environ.get("MINIINFER_ROOT", str(Path(__file__).resolve().parent.parent)))
 import miniinfer as mi  # noqa: E402
-from miniinfer.worker.model_runner import ModelRunner, build_components  # noqa: E402
+from miniinfer.worker.components import build_components
+from miniinfer.worker.model_runner import ModelRunner  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import LLAMA_3_1_8B, greedy, run_engine, workload  # noqa: E402

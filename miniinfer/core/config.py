@@ -68,6 +68,9 @@ class EngineConfig:
                                                 "speculation; None: any number)")
     tensor_parallel_size: int = setting(1, "parallel", "GPUs (on a CPU: processes) that split the model, one "
                                         "process each (chapter 11; default: one, in this process)")
+    executor: str | None = setting(None, "parallel", "what runs the ranks: one runner in the engine's process, or "
+                                   "a worker process per rank (default: in_process for one rank, else "
+                                   "multiprocess)", (None, "in_process", "multiprocess"))
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
                                            "each rank its share of the experts (chapter 13)")
     all_reduce: str = setting("auto", "parallel", "the ranks' sums (chapter 11)", ("auto", "one_shot", "nccl"))
@@ -97,6 +100,9 @@ class EngineConfig:
             raise ValueError(f"speculative_method={self.speculative_method!r} " + (
                 "needs a speculative_model (a draft checkpoint, or pycoder-draft)" if self.speculative_model is None
                 else f"uses no model, got speculative_model={str(self.speculative_model)!r}"))
+        if self.executor == "in_process" and self.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs a process per rank: "
+                             "executor='multiprocess' (or leave it unset)")
         if self.enable_expert_parallel and (self.tensor_parallel_size == 1 or self.quantization is not None):
             raise ValueError("enable_expert_parallel splits a mixture of experts over tensor_parallel_size >= 2 ranks, "
                              f"in full precision; got tensor_parallel_size={self.tensor_parallel_size}, "

@@ -19,7 +19,7 @@ from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutp
 from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient, Receive
 from miniinfer.engine.llm_engine import LLMEngine, check_request
 from miniinfer.model.loader import load_tokenizer
-from miniinfer.worker.model_runner import build_components
+from miniinfer.worker.components import build_components
 
 
 @dataclass

@@ -38,7 +38,7 @@ from miniinfer.engine.core_client import EngineClient, MultiprocClient, Receive
 from miniinfer.engine.executor import InProcessExecutor
 from miniinfer.engine.llm_engine import LLMEngine, StepStats, check_request
 from miniinfer.model.loader import load_tokenizer
-from miniinfer.worker.model_runner import build_components
+from miniinfer.worker.components import build_components
 
 # What both engines must share for one's K/V blocks to mean the same in the other's pool.
 SHARED = ("model", "dtype", "quantization", "kv_cache_dtype", "block_size")

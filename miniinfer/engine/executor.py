@@ -6,9 +6,10 @@ from typing import Any, Protocol
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
-from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Transformer
-from miniinfer.worker.model_runner import Components, Launched, ModelRunner, ModelRunnerOutput, RunnerInfo
+from miniinfer.worker.components import Components
+from miniinfer.worker.model_runner import ModelRunner
+from miniinfer.worker.step import Launched, ModelRunnerOutput, RunnerInfo
 
 
 class ExecutorDead(RuntimeError):
@@ -55,8 +56,3 @@ class InProcessExecutor:
 
     def close(self) -> None:
         self.runner.close()
-
-
-# The executor for tensor_parallel_size > 1: chapter 11's, a worker process per rank.
-EXECUTORS = Registry("executor for tensor_parallel_size > 1",
-                     {False: InProcessExecutor, True: "miniinfer.engine.multiprocess:MultiProcessExecutor"})

@@ -16,15 +16,24 @@ from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import FieldError, SamplingParams
 from miniinfer.core.scheduler import POLICIES, Scheduler, SchedulerOutput
 from miniinfer.core.sequence import RequestDataError, RequestOutput, Sequence
-from miniinfer.engine.executor import EXECUTORS, Executor
+from miniinfer.engine.executor import Executor, InProcessExecutor
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Transformer
-from miniinfer.worker.model_runner import Components, Launched, SpecStats, build_components
+from miniinfer.worker.components import Components, build_components
+from miniinfer.worker.step import Launched, SpecStats
 
 # The block manager for each value of EngineConfig.enable_prefix_caching: chapter 07's caches prefixes.
 BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching",
                           {False: BlockManager, True: "miniinfer.core.prefix_cache:PrefixCachingBlockManager"})
+# The executor of each kind (EngineConfig.executor): chapter 11's runs a worker process per rank.
+EXECUTORS = Registry("executor", {"in_process": InProcessExecutor,
+                                  "multiprocess": "miniinfer.engine.multiprocess:MultiProcessExecutor"})
+
+
+def executor_kind(config: EngineConfig) -> str:
+    """The config's executor, else a worker process per rank where there are several ranks."""
+    return config.executor or ("multiprocess" if config.tensor_parallel_size > 1 else "in_process")
 
 
 
@@ -93,7 +102,7 @@ class LLMEngine:
         the model (default: `build_components(config)`)."""
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
-        executor = EXECUTORS[config.tensor_parallel_size > 1]
+        executor = EXECUTORS[executor_kind(config)]
         self.config, self.components = config, components or build_components(config)
         if model is None and tokenizer is None:
             try:

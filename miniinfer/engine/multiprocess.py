@@ -22,7 +22,8 @@ from miniinfer.engine.executor import ExecutorDead
 from miniinfer.layers.parallel import check_parallel, check_quantized_split
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig, Transformer
-from miniinfer.worker.model_runner import Components, ModelRunnerOutput, RunnerInfo
+from miniinfer.worker.components import Components
+from miniinfer.worker.step import ModelRunnerOutput, RunnerInfo
 from miniinfer.worker.worker import run_worker
 
 

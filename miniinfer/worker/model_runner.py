@@ -2,59 +2,33 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import torch
 
 from miniinfer.core.block_manager import blocks_needed
 from miniinfer.core.config import EngineConfig
-from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.core.sequence import RequestDataError
 from miniinfer.model.loader import QUANTIZATIONS, load_model
-from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import ModelConfig, Transformer
+from miniinfer.worker.cuda_graphs import DecodeGraphs
 from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache, to_device
-from miniinfer.worker.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
+from miniinfer.worker.sample.sampler import MAX_LOGIT, SamplingBatch, sample_batch, sampling_row
+from miniinfer.worker.step import (
+    CachedRequest,
+    Launched,
+    LogitsProcessor,
+    ModelRunnerOutput,
+    RunnerInfo,
+    StepBatch,
+    gather_reports,
+    to_host,
+)
 
 CPU_KV_BYTES = 256 << 20  # the default pool on a CPU
-
-
-@dataclass
-class CachedRequest:
-    """The runner's own copy of a request, kept from step to step and advanced by the runner itself:
-    after the first step only deltas cross the boundary."""
-    token_ids: list[int]  # prompt and outputs, the runner's sampled tokens appended (-1 until read)
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    row: int  # in BatchRows: its block table and sampling values
-
-
-@dataclass
-class SpecStats:
-    """Guesses verified so far: chapter 09's speculation counts them."""
-    proposed: int = 0  # guesses made
-    accepted: int = 0  # guesses kept
-    verified: int = 0  # request-steps that verified guesses
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / max(1, self.proposed)
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens a request gains in a step that verifies guesses: those kept, and one more."""
-        return 1 + self.accepted / max(1, self.verified)
-
-    def add(self, step: SpecStats) -> None:
-        self.proposed += step.proposed
-        self.accepted += step.accepted
-        self.verified += step.verified
 
 
 def context_limits(config: EngineConfig, cfg: ModelConfig) -> tuple[int, int]:
@@ -82,64 +56,19 @@ def sampling_rows(out: SchedulerOutput, vocab: int) -> dict[str, tuple]:
     return rows
 
 
-class LogitsProcessor(Protocol):
-    """A change to the logits before sampling, by each request's own parameters, with state by batch
-    row (chapter 12's penalties, filters and log-probabilities): `add` when a request takes a row,
-    `apply` before each sampling, `accept` with the tokens sampled. What `accept` returns (a tensor
-    on the device, or None) is copied to the host with the tokens, and `report` turns it into values
-    by request id, filed under the processor's `kind`. A processor that needs the logits of other
-    tokens of the step (chapter 12's prompt log-probabilities) names them by `wants`: the forward
-    computes those rows as well, and `read` gets them; what it returns is reported like `accept`'s."""
-    kind: str
-
-    def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None: ...
-
-    def wants(self, step: StepBatch) -> np.ndarray: ...
-
-    def read(self, logits: torch.Tensor, step: StepBatch) -> torch.Tensor | None: ...
-
-    def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor: ...
-
-    def accept(self, step: StepBatch, tokens: torch.Tensor) -> torch.Tensor | None: ...
-
-    def report(self, data: torch.Tensor, step: StepBatch) -> dict[str, list]: ...
-
-
-@dataclass
-class ModelRunnerOutput:
-    """A step's answer, as plain data: the sampled token ids by request id (with speculation, the
-    guesses kept and one token more), what the logits processors report by request id, then by
-    kind (chapter 12's log-probabilities: {"logprobs": one per token}), and speculation's counts for
-    this step (chapter 09)."""
-    sampled: dict[str, list[int]]
-    reports: dict[str, dict[str, list]] = field(default_factory=dict)
-    spec: SpecStats | None = None
-
-
-@dataclass(frozen=True)
-class RunnerInfo:
-    """What the engine knows of the model, told once by the runner when its pool is made: the engine
-    does not hold the model (chapter 11's ranks do)."""
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-    max_num_batched_tokens: int  # the step's token budget
-    num_blocks: int  # the KV pool's
-
-
 class ModelRunner:
     """The device's side of the engine: the model, the KV pool and what the scheduler's steps do
     on them (block moves, one varlen forward, sampling). It sees plain data only."""
     sampler = staticmethod(sample_batch)  # the token choice: any function of (logits, SamplingBatch)
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
-                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] | None = None):
+                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] = ()):
         """model: one built by the caller, else the config's checkpoint is loaded; prepare changes
         the empty model before its tensors are read (chapter 11 keeps a rank's part of it);
-        processors: the factories of its logits processors, in the order they apply (default: the
-        config's `build_components`)."""
+        processors: the factories of its logits processors, in the order they apply (an engine's
+        `Components` name them: chapter 12's)."""
         self.config = config
-        self.processor_factories = build_components(config).processors if processors is None else processors
+        self.processor_factories = processors
         if torch.device(config.device).type == "cuda" and torch.device(config.device).index is not None:
             torch.cuda.set_device(config.device)  # Triton launches on the current device: make it the engine's
         if model is None:
@@ -384,126 +313,3 @@ class BatchRows:
                 self.widths[row] = len(table)
         widths = np.array([self.widths[r] for r in rows])
         return self.tables[rows, :widths.max()], widths
-
-
-@dataclass
-class StepBatch:
-    """A step's batch on the device, and which of its requests it samples."""
-    request_ids: list[str]
-    requests: list[CachedRequest]
-    num_new_tokens: list[int]
-    batch: VarlenBatch
-    ends: list[int]  # indices of the requests that sample
-    rows: np.ndarray  # each request's row in BatchRows
-    rows_on_device: torch.Tensor
-    # Processors that want the logits of other tokens of the step, and those tokens' indices in the batch
-    extra: list[tuple[LogitsProcessor, np.ndarray]] = field(default_factory=list)
-
-
-@dataclass
-class Launched:
-    """A step the device may still be running."""
-    step: StepBatch
-    at: list[int]  # where each request that samples keeps its token, in its token_ids
-    tokens: torch.Tensor  # [B] on the host, once `ready` has fired
-    ready: torch.cuda.Event | None  # None: the step ran on the CPU, it is done
-    reports: list[tuple[LogitsProcessor, torch.Tensor]]  # what processors report, on the host with the tokens
-
-
-def gather_reports(reports: list[tuple[LogitsProcessor, torch.Tensor, StepBatch]]) -> dict[str, dict[str, list]]:
-    """What processors report of their data (on the host) about a step's rows: by request id, then
-    by kind, in the order given."""
-    out: dict[str, dict[str, list]] = {}
-    for p, data, step in reports:
-        for rid, values in p.report(data, step).items():
-            out.setdefault(rid, {}).setdefault(p.kind, []).extend(values)
-    return out
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a device tensor in pinned host memory, queued without waiting (read it once the
-    step's event has fired)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
-
-
-def graph_buckets(max_num_seqs: int) -> list[int]:
-    """Batch sizes with a recorded decode graph: powers of two to 16, then every 16."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sizes + [max_num_seqs]
-
-
-class DecodeGraphs:
-    """Decode steps as CUDA graphs, one per bucket of batch sizes, over shared static buffers. Each
-    sequence brings query_len tokens: one for a decode; chapter 09 verifies guesses with more."""
-
-    def __init__(self, model: Transformer, cache: VarlenKVCache, max_num_seqs: int, max_model_len: int,
-                 query_len: int = 1):
-        self.model, self.cache, self.L = model, cache, query_len
-        self.buckets = graph_buckets(max_num_seqs)
-        dev, B, N = cache.k.device, self.buckets[-1], self.buckets[-1] * query_len
-        max_blocks = -(-max_model_len // cache.block_size)
-        self.ids = torch.zeros(N, dtype=torch.int32, device=dev)
-        self.positions = torch.zeros(N, dtype=torch.int32, device=dev)
-        self.slots = torch.full((N,), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.full((B,), query_len, dtype=torch.int32, device=dev)
-        self.tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev) * query_len
-        self.max_model_len = max_model_len
-        self.graphs, self.logits = {}, {}
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
-            self._use(b)
-            n = b * query_len
-            self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)  # warm-up, compiles
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)[0]
-            self.graphs[b] = graph
-
-    def _use(self, b: int) -> None:
-        # Decode kernels pick their split from max_seq_len: the longest context any replay may see.
-        n = b * self.L
-        self.cache.step(VarlenBatch(self.ids[:n], self.positions[:n], self.slots[:n], self.query_start_loc[:b + 1],
-                                    self.seq_lens[:b], self.tables[:b], self.L, self.max_model_len))
-
-    def __call__(self, batch: VarlenBatch) -> torch.Tensor:
-        """Logits [B * query_len, vocab] of a batch of B sequences of query_len tokens each."""
-        B, width = batch.seq_lens.shape[0], batch.block_tables.shape[1]
-        b, N = next(b for b in self.buckets if b >= B), B * self.L
-        self.ids[:N], self.positions[:N], self.slots[:N] = batch.input_ids, batch.positions, batch.slot_mapping
-        self.seq_lens[:B], self.tables[:B, :width] = batch.seq_lens, batch.block_tables
-        self.slots[N:b * self.L] = -1  # padding rows: write nowhere, read the tokens they are
-        self.seq_lens[B:b] = self.L
-        self.graphs[b].replay()
-        return self.logits[b][:N]
-
-
-# The runner for each EngineConfig.speculative_method: chapter 09's verifies a proposer's guesses.
-RUNNERS = Registry("speculative_method", {None: ModelRunner, "draft": "miniinfer.worker.speculative:SpeculativeRunner",
-                                          "ngram": "miniinfer.worker.speculative:SpeculativeRunner"})
-
-
-@dataclass(frozen=True)
-class Components:
-    """What an engine runs around its model, each list in the order it runs: made for each engine
-    (`build_components`, or the caller's own), never a table that an import could change."""
-    runner: type[ModelRunner]
-    checks: tuple[Callable, ...]  # at the door: fn(params, tokenizer, limits), raising ValueError
-    prepares: tuple[Callable, ...]  # before the first step: fn(params, tokenizer, info, config) -> work, or None
-    processors: tuple[Callable, ...]  # the runner's logits processors: fn(runner) -> LogitsProcessor
-    parallel: Any = None  # chapter 11's ParallelLayers, a rank's part is built of (None: the package's)
-
-
-def build_components(config: EngineConfig) -> Components:
-    """The components of an engine with this config. Chapter 12's are imported here, when an engine
-    is built."""
-    lp = importlib.import_module("miniinfer.worker.logits_processors")
-    return Components(
-        RUNNERS[config.speculative_method],
-        checks=(lp.check_structure,),  # a grammar must compile
-        prepares=(lp.prepare_structure,),  # its compile, in a thread beside the running steps (chapter 08)
-        # The log-probabilities of the model's own logits first, then the penalties, the bias, then the
-        # masks, min-p's last (its floor is the top allowed token's).
-        processors=(lp.Logprobs, lp.PromptLogprobs, lp.Penalties, lp.LogitBias, lp.MinTokens, lp.Structured, lp.MinP))

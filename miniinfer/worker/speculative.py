@@ -17,17 +17,11 @@ from miniinfer.model.course_model import course_model_path
 from miniinfer.model.loader import checkpoint_config, load_model, load_tokenizer
 from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Transformer
+from miniinfer.worker.cuda_graphs import DecodeGraphs
 from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache, to_device
-from miniinfer.worker.model_runner import (
-    DecodeGraphs,
-    Launched,
-    ModelRunner,
-    ModelRunnerOutput,
-    SpecStats,
-    StepBatch,
-    gather_reports,
-)
-from miniinfer.worker.sampler import SamplingBatch, exponential_noise, sampling_probs
+from miniinfer.worker.model_runner import ModelRunner
+from miniinfer.worker.sample.sampler import SamplingBatch, exponential_noise, sampling_probs
+from miniinfer.worker.step import Launched, ModelRunnerOutput, SpecStats, StepBatch, gather_reports
 
 # Each request's seed XOR one of these gives the noise of the draft's choice and of the acceptance
 # test: independent of the noise that samples the token itself, as the proof of exactness needs.
@@ -292,7 +286,7 @@ class SpeculativeRunner(ModelRunner):
     keep_accepted = staticmethod(keep_accepted)
 
     def __init__(self, config: EngineConfig, model: Transformer | None = None,
-                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] | None = None):
+                 prepare: Callable[[Transformer], None] | None = None, processors: tuple[Callable, ...] = ()):
         self.proposer = self.proposers[config.speculative_method](config)  # its checks before any loading
         super().__init__(config, model, prepare, processors)
         if isinstance(self.proposer, DraftProposer):

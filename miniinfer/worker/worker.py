@@ -18,7 +18,7 @@ from miniinfer.kernels.allreduce import OneShotAllReduce
 from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model, sum_at_norms, use_one_shot
 from miniinfer.model.loader import checkpoint_config
 from miniinfer.model.transformer import ModelConfig
-from miniinfer.worker.model_runner import Components
+from miniinfer.worker.components import Components
 
 # NVLink multicast stays off in every rank, set before NCCL starts: on the shared GPU hosts this course
 # was measured on, a program using it can put the host's GPUs out of service for everyone.

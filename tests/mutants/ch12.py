@@ -5,50 +5,50 @@ import numpy as np
 import torch
 
 import miniinfer as mi
-import miniinfer.worker.logits_processors as lp
 from miniinfer.course import checks as testing
 from miniinfer.course.checks import ch12 as checks12
+from miniinfer.worker.sample import logprobs, processors
 
 
 def penalize_openai_first(logits, counts, in_prompt, presence, frequency, repetition):  # the order swapped
     logits = logits - counts * frequency[:, None] - (counts > 0) * presence[:, None]
-    return lp.penalize(logits, counts, in_prompt, presence * 0, frequency * 0, repetition)
+    return processors.penalize(logits, counts, in_prompt, presence * 0, frequency * 0, repetition)
 
 
 def penalize_swapping_presence_and_frequency(logits, counts, in_prompt, presence, frequency, repetition):
     """Passes presence as frequency and frequency as presence."""
-    return lp.penalize(logits, counts, in_prompt, frequency, presence, repetition)
+    return processors.penalize(logits, counts, in_prompt, frequency, presence, repetition)
 
 
 def penalize_always_dividing(logits, counts, in_prompt, presence, frequency, repetition):
     """Divides a seen token's negative logit by the penalty too: raises it toward 0 instead of lowering it."""
     seen = in_prompt | (counts > 0)
     logits = torch.where(seen, logits / repetition[:, None], logits)
-    return lp.penalize(logits, counts, in_prompt, presence, frequency, torch.ones_like(repetition))
+    return processors.penalize(logits, counts, in_prompt, presence, frequency, torch.ones_like(repetition))
 
 
 def penalize_output_only(logits, counts, in_prompt, presence, frequency, repetition):
     """Ignores in_prompt: a token seen only in the prompt escapes the repetition penalty."""
-    return lp.penalize(logits, counts, torch.zeros_like(in_prompt), presence, frequency, repetition)
+    return processors.penalize(logits, counts, torch.zeros_like(in_prompt), presence, frequency, repetition)
 
 
 def prompt_rows_from_the_chunk_start(num_computed, num_new, num_prompt):  # scores token c, not c + 1 first
-    b, t, rows = lp.prompt_rows(num_computed, num_new, num_prompt)
+    b, t, rows = logprobs.prompt_rows(num_computed, num_new, num_prompt)
     return b, t - 1, rows
 
 
 def prompt_rows_past_the_prompt(num_computed, num_new, num_prompt):  # the first generated token as well
-    return lp.prompt_rows(num_computed, num_new, [p + 1 for p in num_prompt])
+    return logprobs.prompt_rows(num_computed, num_new, [p + 1 for p in num_prompt])
 
 
 def prompt_rows_each_request_from_row_0(num_computed, num_new, num_prompt):
     """Counts each request's rows from 0, not after the rows of the requests before it: right for the first only."""
-    b, t, rows = lp.prompt_rows(num_computed, num_new, num_prompt)
+    b, t, rows = logprobs.prompt_rows(num_computed, num_new, num_prompt)
     return b, t, t - 1 - np.asarray(num_computed, np.int64)[b]
 
 
 def prompt_rows_by_position(num_computed, num_new, num_prompt):  # as if every chunk started the prompt
-    b, t, rows = lp.prompt_rows(num_computed, num_new, num_prompt)
+    b, t, rows = logprobs.prompt_rows(num_computed, num_new, num_prompt)
     return b, t, rows + np.asarray(num_computed, np.int64)[b]
 
 
@@ -86,14 +86,14 @@ def logprobs_of_the_raw_logits(logits, tokens, k):  # no log-softmax
 
 def rank_counting_ties_as_ahead(logits, tokens, k):
     """`>=` counts the token itself and every token tied with it: logits [1, 1, 0, -1], token 1 -> 2."""
-    own, _, top, ids = mi.worker.logits_processors.top_logprobs(logits, tokens, k)
+    own, _, top, ids = mi.worker.sample.logprobs.top_logprobs(logits, tokens, k)
     logprobs = logits.float().log_softmax(-1)
     return own, (logprobs >= own[:, None]).sum(-1), top, ids
 
 
 def rank_from_zero(logits, tokens, k):
     """Ranks from 0, not 1: the most likely token gets rank 0."""
-    own, rank, top, ids = mi.worker.logits_processors.top_logprobs(logits, tokens, k)
+    own, rank, top, ids = mi.worker.sample.logprobs.top_logprobs(logits, tokens, k)
     return own, rank - 1, top, ids
 
 

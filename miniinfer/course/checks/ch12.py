@@ -26,7 +26,7 @@ def check_penalize(fn: Callable) -> None:
     repetition [B]) -> logits after transformers' repetition penalty (a token seen in the prompt or the
     output: its logit divided by the row's repetition if positive, multiplied if not), then OpenAI's
     frequency and presence penalties (l - frequency x count - presence x (count > 0))."""
-    from miniinfer.worker.logits_processors import penalize
+    from miniinfer.worker.sample.processors import penalize
 
     def inputs(gen, case):
         logits, counts, in_prompt = _histories(gen, case)
@@ -46,7 +46,7 @@ def check_top_logprobs(fn: Callable) -> None:
     (1: the most likely), the k best log-probabilities [R, k] float32 and their token ids [R, k] int64).
     From case 9 on, each row's token shares its logit with another token below the k best: its rank
     counts only the tokens strictly more likely than it (logits [1, 1, 0, -1], token 1: rank 1)."""
-    from miniinfer.worker.logits_processors import top_logprobs
+    from miniinfer.worker.sample.logprobs import top_logprobs
 
     def inputs(gen, case):
         logits = torch.randn(randint(gen, 1, 6), randint(gen, 8, 40), generator=gen) * 3
@@ -66,7 +66,7 @@ def check_prompt_rows(fn: Callable) -> None:
     """fn(num_computed, num_new, num_prompt) (lists, one entry per request of a step's batch) ->
     (request index, token position, batch row) of every prompt token the step scores, in batch order:
     the logits at position p score the token at p + 1, prompt tokens only, the first never."""
-    from miniinfer.worker.logits_processors import prompt_rows
+    from miniinfer.worker.sample.logprobs import prompt_rows
 
     def inputs(gen, case):
         B = randint(gen, 1, 6)
@@ -85,7 +85,7 @@ def check_prompt_rows(fn: Callable) -> None:
 @exercise("12", 4, "apply_bitmask")
 def check_apply_bitmask(fn: Callable) -> None:
     """fn(logits [R, V], bitmask [R, ceil(V / 32)] int32) -> logits with -inf where a token's bit is 0."""
-    from miniinfer.worker.logits_processors import apply_bitmask
+    from miniinfer.worker.structured_output import apply_bitmask
 
     def inputs(gen, case):
         V = (33, 64, 95)[case] if case < 3 else randint(gen, 1, 200)  # a last word part used; all 32 bits
@@ -213,7 +213,7 @@ def check_sampling_engine(processors: tuple) -> None:
     import dataclasses
 
     import miniinfer as mi
-    from miniinfer.worker.model_runner import build_components
+    from miniinfer.worker.components import build_components
     params = [mi.SamplingParams(max_tokens=24, **s) for s in SETTINGS]
     number = mi.StructuredOutput(regex=NUMBER_REGEX)
     params += [mi.SamplingParams(temperature=t, seed=i, max_tokens=12, structured_output=number)

@@ -204,7 +204,7 @@ def engine_with(config, model=None, tok=None, **pieces):
     import dataclasses
 
     from miniinfer.engine.llm_engine import LLMEngine
-    from miniinfer.worker.model_runner import build_components
+    from miniinfer.worker.components import build_components
     components = dataclasses.replace(build_components(config), **pieces)
     return LLMEngine(config, model=model, tokenizer=tok, components=components)
 
