@@ -78,7 +78,6 @@ class Scheduler:
         self.chunked, self.eos_token_ids = enable_chunked_prefill, list(eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_batch = speculative_max_batch
-        self.guessing = False  # whether this step's requests get room for guesses (speculates())
         # Admissions leave this many blocks free for the running sequences' next blocks (1%, as
         # vLLM): without it, a full pool preempts a newly admitted sequence at the next step.
         self.watermark = block_manager.num_blocks // 100
@@ -119,7 +118,6 @@ class Scheduler:
         a prompt, a piece of one and a decode are the same rule. Running requests go first; the pool
         running short preempts the least urgent; requests join only in a step without preemption."""
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
-        self.guessing = self.speculates()
         self.running.sort(key=self.policy.key)
         self._preempt_for_urgent(out)
         todo, self.running, urgent = self.running, [], len(out.preempted_ids)
@@ -191,7 +189,7 @@ class Scheduler:
         """Guesses seq has room for after its known tokens: once it has outputs (its first token is
         sampled from the prompt alone) and no step is under way, as many as max_tokens and the
         budget leave."""
-        if seq.num_pending or not seq.output_token_ids or not self.guessing:
+        if seq.num_pending or not seq.output_token_ids or not self.speculates():
             return 0
         left = seq.params.max_tokens - len(seq.output_token_ids) - 1
         return max(0, min(self.num_speculative_tokens, left, self.max_num_batched_tokens - 1))
