@@ -3,6 +3,7 @@
 # make test         set up .venv and run every check CI runs
 # make grade SUBMISSIONS=folder   grade students' problem sets into grades.csv (see docs/instructor.md)
 # make demo         complete a prompt with the embedded course model
+# make coverage     the tests' line coverage of miniinfer/ (a table, and coverage.json)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,7 +18,7 @@ GRADES ?= grades.csv
 JOBS ?= 1
 TIMEOUT ?= 600
 
-.PHONY: install lab reset test grade demo export exercises clean
+.PHONY: install lab reset test coverage grade demo export exercises clean
 
 install: $(STAMP)
 
@@ -44,6 +45,16 @@ test: $(STAMP)
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest --nbval -n 2 --dist loadfile --durations=25
+
+# The unit tests alone (the notebooks run the same code through the package). Lines run in the tests'
+# own processes count; those run only in the engine's or the ranks' processes (the server's engine,
+# tensor parallelism's workers) do not. docs/coverage.json keeps the totals and each module's share.
+coverage: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --cov=miniinfer --cov-report=term:skip-covered \
+		--cov-report=json:coverage.json tests/
+	$(PY) -c 'import json; c = json.load(open("coverage.json")); json.dump({"totals": c["totals"], "files": \
+		{f: round(v["summary"]["percent_covered"], 1) for f, v in c["files"].items()}}, \
+		open("docs/coverage.json", "w"), indent=1)'
 
 grade: $(STAMP)
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS='folder or notebooks' [JOBS=2] [TIMEOUT=600] [GRADES=grades.csv]"; exit 2; }

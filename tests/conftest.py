@@ -21,32 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
-# Odd sizes and grouped-query attention everywhere: shapes that powers of two would hide.
-COMMON = dict(vocab_size=301, hidden_size=72, intermediate_size=100, num_hidden_layers=2,
-              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-              tie_word_embeddings=False, rms_norm_eps=1e-5)
-SHAPES = {
-    "llama": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
-                                   "rope_theta": 500000.0}),
-    "qwen2": dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
-    "qwen3": dict(head_dim=20, tie_word_embeddings=True),  # head_dim != hidden / heads, q/k norm
-}
-
-
-def make_hf_model(kind: str, **overrides):
-    """A random-init transformers model of the given architecture (float32, eval mode)."""
-    import transformers
-
-    cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
-    config = getattr(transformers, f"{cls}Config")(**{**COMMON, **SHAPES[kind], **overrides})
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{cls}ForCausalLM")(config).eval()
-    with torch.no_grad():  # random biases and norm weights, so that a missed one shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-    return model
+from miniinfer.course.parity import SHAPES, make_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=list(SHAPES))
@@ -60,12 +35,6 @@ def saved(kind: str, model, tmp_path_factory):
     folder = tmp_path_factory.mktemp(kind)
     model.save_pretrained(folder)
     return kind, folder, model
-
-
-def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:
-    """The oracle: n greedy tokens from transformers' generate, EOS ignored."""
-    return hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False)[0, len(prompt):].tolist()
 
 
 @contextlib.contextmanager

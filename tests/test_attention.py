@@ -1,82 +1,19 @@
 """Chapter 05: the varlen batch, the attention backend and the Triton paged-attention kernels against
 the PyTorch references (the interpreter on CPU; `tools/bench_attention.py check` runs the same
-cases on a GPU in bf16)."""
+cases on a GPU in bf16: miniinfer.course.parity holds them)."""
 
 import functools
 import random
 
 import pytest
 import torch
-from conftest import hf_greedy
 
 import miniinfer as mi
+from miniinfer.course.parity import decode_errors, hf_greedy, prefill_errors, random_paged
 
 # Relative error (Frobenius norm) allowed against the reference, by dtype. float32 products run in
 # full precision; 16-bit kernels round the softmax weights before p.V, as the reference does.
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def random_paged(rng: random.Random, lens: list[int], Hk: int, D: int, block_size: int, device, dtype):
-    """Pools with spare blocks and disjoint, shuffled block tables for sequences of these lengths."""
-    need = [-(-n // block_size) for n in lens]
-    num_blocks = sum(need) + rng.randint(1, 5)
-    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
-    pools = [torch.randn(num_blocks, block_size, Hk, D, generator=gen).to(device, dtype) for _ in range(2)]
-    perm = torch.randperm(num_blocks, generator=gen)[:sum(need)].split(need)
-    tables = torch.full((len(lens), max(need) + rng.randint(0, 2)), num_blocks - 1, dtype=torch.int32)
-    for b, blocks in enumerate(perm):
-        tables[b, :len(blocks)] = blocks
-    return pools, tables.to(device), gen
-
-
-def random_heads(rng: random.Random):
-    """(Hq, Hk, D): head dims 64, 128 and odd ones, GQA groups of 1 to 5."""
-    Hk, group = rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 5])
-    return Hk * group, Hk, rng.choice([64, 128, 20, 40, 96])
-
-
-def decode_errors(device="cpu", dtype=torch.float32, cases: int = 10, max_len: int = 5000) -> list[float]:
-    rng = random.Random(0)
-    errs = []
-    for case in range(cases):
-        Hq, Hk, D = random_heads(rng)
-        bs = [1, 3, 16, 32][case % 4]
-        lens = [rng.choice([1, rng.randint(1, 100), rng.randint(1, max_len)]) for _ in range(rng.randint(1, 4))]
-        (k_cache, v_cache), tables, gen = random_paged(rng, lens, Hk, D, bs, device, dtype)
-        # q as the model passes it: a strided view into the fused qkv output
-        q = torch.randn(len(lens), (Hq + 2 * Hk) * D, generator=gen).to(device, dtype)[:, :Hq * D].view(-1, Hq, D)
-        ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-        splits = rng.choice([None, 1, rng.randint(2, 9)])
-        out = mi.kernels.paged_attention(q, k_cache, v_cache, tables, ctx, D ** -0.5, num_splits=splits)
-        ref = mi.paged_attention_ref(q.double(), k_cache.double(), v_cache.double(), tables, ctx, D ** -0.5)
-        errs.append(rel_err(out, ref))
-    return errs
-
-
-def prefill_errors(device="cpu", dtype=torch.float32, cases: int = 10, max_len: int = 600) -> list[float]:
-    rng = random.Random(1)
-    errs = []
-    for case in range(cases):
-        Hq, Hk, D = random_heads(rng)
-        bs = [1, 3, 16, 32][case % 4]
-        # Decodes, whole prompts, and chunks after a cached prefix that may end mid-block.
-        seqs = [(rng.choice([0, 0, rng.randint(1, max_len)]), rng.choice([1, rng.randint(1, max_len // 3)]))
-                for _ in range(rng.randint(1, 4))]
-        lens = [c + n for c, n in seqs]
-        (k_cache, v_cache), tables, gen = random_paged(rng, lens, Hk, D, bs, device, dtype)
-        q_lens = torch.tensor([n for _, n in seqs])
-        qsl = torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(device, torch.int32)
-        N = int(q_lens.sum())
-        q = torch.randn(N, (Hq + 2 * Hk) * D, generator=gen).to(device, dtype)[:, :Hq * D].view(N, Hq, D)
-        ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-        out = mi.kernels.prefill_attention(q, k_cache, v_cache, qsl, ctx, tables, D ** -0.5, int(q_lens.max()))
-        ref = mi.prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), qsl, ctx, tables, D ** -0.5)
-        errs.append(rel_err(out, ref))
-    return errs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -267,7 +267,7 @@ def test_an_unanswered_exercise_says_which():
 
 
 def test_the_kill_report_lists_every_mutant():
-    """docs/mutants.md (tools/kill_report.py) names every mutant of tests/mutants/ and no other."""
+    """docs/mutants.md (tests/mutants/report.py) names every mutant of tests/mutants/ and no other."""
     from pathlib import Path
     text = (Path(__file__).resolve().parent.parent / "docs" / "mutants.md").read_text()
     listed = {line.split("`")[3] for line in text.splitlines() if line.startswith("| `")}

@@ -4,25 +4,13 @@ first) before a new prompt; blocks
 come back (the block manager's and the scheduler's state machines are in test_prefix_cache.py
 and test_scheduler.py)."""
 
-import random
 
 import pytest
-from test_engine import oracle, run_steps
+from test_engine import oracle
 
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
-
-
-def shared_workload(n: int = 14, seed: int = 0, vocab: int = 301):
-    """Requests over three shared prefixes of 17-33 tokens (some requests are a bare prefix, so
-    they are cached whole the second time), with random outputs (greedy, EOS ignored)."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(17, 33))] for _ in range(3)]
-    prompts = [prefixes[i % 3] + [rng.randrange(vocab) for _ in range(rng.randint(0, 12) * (i > 2))]
-               for i in range(n)]
-    params = [mi.SamplingParams(temperature=0, max_tokens=rng.randint(1, 16), ignore_eos=True) for _ in range(n)]
-    return prompts, params
-
+from miniinfer.course.parity import run_steps, shared_workload
 
 # (block size, preemption mode, prefix caching, chunked, token budget, max_num_seqs): budgets below
 # the block size where a block holds more than one token.

@@ -4,9 +4,10 @@ accounting (the scheduler's state machine is in test_scheduler.py)."""
 import random
 
 import pytest
-from conftest import eos_is, hf_greedy
+from conftest import eos_is
 
 import miniinfer as mi
+from miniinfer.course.parity import hf_greedy, run_steps
 
 ORACLE: dict = {}
 
@@ -24,19 +25,6 @@ def oracle(key, hf, prompts, params) -> list[list[int]]:
     if key not in ORACLE:
         ORACLE[key] = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
     return ORACLE[key]
-
-
-def run_steps(engine) -> tuple[dict, int]:
-    """Step until idle; final outputs by request id and how many preemptions happened."""
-    final, preempted = {}, 0
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            assert o.request_id not in final
-            if o.finished:
-                final[o.request_id] = o
-        preempted += len(engine.stats.preempted)
-        assert len(engine.scheduler.running) <= engine.config.max_num_seqs
-    return final, preempted
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

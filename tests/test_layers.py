@@ -206,3 +206,19 @@ def test_the_package_and_the_engine_load_only_what_they_use():
     assert "miniinfer.engine.llm_engine" in engine
     assert not {m for m in engine if m.startswith(("miniinfer.serving", "miniinfer.course", "miniinfer.kernels"))}
     assert "miniinfer.course.checks" not in loaded_after("import miniinfer as mi; mi.LLMEngine; mi.AsyncLLMEngine")
+
+
+def test_tools_stand_on_the_package_not_on_the_tests():
+    """A tool reaches what it shares with the tests through the package (miniinfer.course.parity),
+    never by importing tests/ or by changing sys.path."""
+    tools = PACKAGE.parent / "tools"
+    tests = {p.stem for p in (PACKAGE.parent / "tests").glob("*.py")} | {"mutants"}
+    bad = []
+    for path in sorted(tools.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        bad += [f"{path.name} imports {m}" for m in sorted(names & tests)]
+        bad += [f"{path.name} changes sys.path" for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and n.attr == "path" and getattr(n.value, "id", "") == "sys"]
+    assert not bad, bad

@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_hf_model
 from safetensors.torch import load_file, save_file
 
 import miniinfer as mi
+from miniinfer.course.parity import make_hf_model
 
 
 @pytest.fixture

@@ -10,40 +10,13 @@ from conftest import saved
 from test_moe import serve_under_preemption
 
 import miniinfer as mi
+from miniinfer.course.parity import MLA_COMMON, MLA_SHAPES, make_mla_model
 from miniinfer.kernels.mla import LatentAttentionKernels, latent_decode
 from miniinfer.layers.mla import DeepseekMoE, LatentAttention, model_config
 from miniinfer.worker.paged_cache import paged_attention_ref
 
-# Odd sizes; a dense first layer; V2 without the query bottleneck, routed by groups, YaRN with the
-# attention factor 1 (as V2-Lite); V3 with the bottleneck, sigmoid routing with a random bias, YaRN
-# with an attention factor; no EOS id (the oracle's min_new_tokens would suppress it).
-COMMON = dict(vocab_size=301, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
-              num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
-              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_group=4, topk_group=2,
-              initializer_range=0.2, eos_token_id=None, max_position_embeddings=256)
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)
-SHAPES = {
-    "deepseek_v2": ("DeepseekV2", dict(q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
-                                       rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707))),
-    "deepseek_v3": ("DeepseekV3", dict(q_lora_rank=24, n_shared_experts=1, routed_scaling_factor=2.5,
-                                       rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
-}
 
-
-def make_mla_model(kind: str):
-    import transformers
-
-    cls, shape = SHAPES[kind]
-    torch.manual_seed(0)
-    hf = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**COMMON, **shape)).eval()
-    if kind == "deepseek_v3":  # a bias that changes the choice (a new model's is zeros)
-        with torch.no_grad():
-            for layer in hf.model.layers[1:]:
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    return hf
-
-
-@pytest.fixture(scope="module", params=list(SHAPES))
+@pytest.fixture(scope="module", params=list(MLA_SHAPES))
 def mla_checkpoint(request, tmp_path_factory):
     return saved(request.param, make_mla_model(request.param), tmp_path_factory)
 
@@ -54,7 +27,7 @@ def test_layers_and_logits_match_transformers(mla_checkpoint):
     assert [type(layer.mlp) for layer in model.model.layers] == [mi.model.transformer.MLP, DeepseekMoE, DeepseekMoE]
     assert all(isinstance(layer.self_attn, LatentAttention) for layer in model.model.layers)
     assert (model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.rotary_dim) == (1, 32 + 8, 8)  # the latent's cache
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, MLA_COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # 40 positions: past YaRN's original 64 / 4 in the ramp's pairs
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
 
@@ -81,7 +54,7 @@ def test_rebuilt_prefill_through_the_kernels(mla_checkpoint, block_size):
     _, folder, _ = mla_checkpoint
     model = mi.load_model(folder)
     g = torch.Generator().manual_seed(block_size)
-    prompts = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (9, 14, 5)]
+    prompts = [torch.randint(0, MLA_COMMON["vocab_size"], (n,), generator=g).tolist() for n in (9, 14, 5)]
     cached = [4, 13, 1]
     widths = [-(-len(p) // block_size) for p in prompts]
     order = torch.randperm(sum(widths) + 3, generator=g)[:sum(widths)].tolist()

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import hf_greedy
 
 import miniinfer as mi
+from miniinfer.course.parity import hf_greedy
 
 
 def test_logits_match_transformers(hf_checkpoint):

@@ -6,40 +6,22 @@ import re
 
 import pytest
 import torch
-from conftest import COMMON, hf_greedy, saved
+from conftest import saved
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_chunked_prefill import shared_workload
 from test_engine import oracle
 from test_parallel import on_two_ranks, serve_twice
 
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
+from miniinfer.course.parity import COMMON, MOE_SHAPES, hf_greedy, make_moe_model, shared_workload
 from miniinfer.kernels.moe import align, fused_experts, fused_route, row_piece
 from miniinfer.layers.moe import EXPERT_IMPLS, ROUTERS, MoEConfig, SparseMoE, experts_reference, route
+
 
 # Odd sizes; a dense layer among the sparse ones (mlp_only_layers); weights large enough that the
 # experts' outputs move the logits (the default initializer's make them ~1e-3); no EOS id, which the
 # oracle's min_new_tokens would suppress (Mixtral's default, 2, is a greedy token of the workload).
-MOE_SHAPES = {
-    "qwen3_moe": ("Qwen3Moe", dict(num_experts=7, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=20,
-                                   norm_topk_prob=True, mlp_only_layers=[1])),
-    "qwen2_moe": ("Qwen2Moe", dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=40,
-                                   shared_expert_intermediate_size=56, mlp_only_layers=[1])),
-    "mixtral": ("Mixtral", dict(num_local_experts=5, num_experts_per_tok=2)),
-}
-
-
-def make_moe_model(kind: str):
-    import transformers
-
-    cls, shape = MOE_SHAPES[kind]
-    config = getattr(transformers, f"{cls}Config")(**{**COMMON, "num_hidden_layers": 3, "initializer_range": 0.2,
-                                                      "eos_token_id": None, **shape})
-    torch.manual_seed(0)
-    return getattr(transformers, f"{cls}ForCausalLM")(config).eval()
-
-
 @pytest.fixture(scope="module", params=list(MOE_SHAPES))
 def moe_checkpoint(request, tmp_path_factory):
     return saved(request.param, make_moe_model(request.param), tmp_path_factory)

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from conftest import eos_is, hf_greedy
+from conftest import eos_is
 
 import miniinfer as mi
+from miniinfer.course.parity import hf_greedy
 
 GREEDY = mi.SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [11], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17], [77, 78]]

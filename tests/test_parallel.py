@@ -13,12 +13,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_hf_model
-from test_chunked_prefill import shared_workload
-from test_engine import oracle, run_steps
+from test_engine import oracle
 
 import miniinfer as mi
 from miniinfer.core.block_manager import blocks_needed
+from miniinfer.course.parity import make_hf_model, run_steps, shared_workload
 from miniinfer.layers.parallel import Shard, shard_model
 from miniinfer.worker.components import build_components
 from miniinfer.worker.model_runner import ModelRunner

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import eos_is
-from test_engine import run_steps
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 import miniinfer as mi
+from miniinfer.course.parity import run_steps
 from miniinfer.worker.sample.processors import min_p_mask, penalize
 
 
@@ -361,8 +361,7 @@ def test_a_grammar_never_allows_the_ids_past_the_tokenizer(tmp_path):
     host work a row than with the padding), the mask's padding words are zeros."""
     import re
 
-    from conftest import make_hf_model
-
+    from miniinfer.course.parity import make_hf_model
     from miniinfer.worker.structured_output import grammar_vocab
     tok = mi.load_tokenizer()
     make_hf_model("llama", vocab_size=len(tok) + 200, eos_token_id=tok.eos_token_id).save_pretrained(tmp_path)

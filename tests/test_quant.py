@@ -10,11 +10,11 @@ import torch
 import transformers
 import triton
 import triton.language as tl
-from conftest import hf_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import miniinfer as mi
+from miniinfer.course.parity import hf_greedy
 from miniinfer.kernels.quant import _e4m3, _e4m3_bits, int_matmul
 from miniinfer.layers import quantization as quant
 

@@ -20,9 +20,9 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import hf_greedy
 
 import miniinfer as mi
+from miniinfer.course.parity import hf_greedy
 from miniinfer.engine.executor import ExecutorDead
 from miniinfer.serving.bench import one_request, read_metrics, sse_data
 from miniinfer.serving.openai.chat import chat_prompt

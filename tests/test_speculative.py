@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy, make_hf_model
 from hypothesis import given
 from hypothesis import strategies as st
 
 import miniinfer as mi
 import miniinfer.worker.speculative as spec
+from miniinfer.course.parity import hf_greedy, make_hf_model
 from miniinfer.worker.sample.sampler import sampling_probs, sampling_row
 
 

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from miniinfer.kernels.allreduce import OneShotAllReduce  # noqa: E402
 from miniinfer.kernels.gemv import gemv  # noqa: E402
 
@@ -171,7 +170,6 @@ def _torch_one_shot(size: int) -> float | None:
 
 
 def main(path: str) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from copy_bandwidth import copy_bandwidth
     world = 2
     assert torch.cuda.device_count() >= world, "needs two GPUs"

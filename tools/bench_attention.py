@@ -26,6 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 from triton.testing import do_bench
 
 import miniinfer as mi
+from miniinfer.course.parity import rel_err
 
 DT = torch.bfloat16
 HQ, HK, BLOCK = 32, 8, 16
@@ -34,10 +35,6 @@ HQ, HK, BLOCK = 32, 8, 16
 def ms(fn) -> float:
     """Median milliseconds; do_bench clears the L2 cache before each call, so data comes from memory."""
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def paged_pool(lens: list[int], D: int, seed: int = 0):
@@ -458,8 +455,7 @@ def tune(which: str) -> None:
 
 def check() -> None:
     """The kernels against the PyTorch references on random odd shapes, on the GPU, per dtype."""
-    sys.path.insert(0, "tests")
-    from test_attention import decode_errors, prefill_errors
+    from miniinfer.course.parity import decode_errors, prefill_errors  # the tests' cases, compiled
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         print(f"{str(dtype):>15}: decode max rel err {max(decode_errors('cuda', dtype)):.1e}, "

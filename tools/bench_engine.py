@@ -685,7 +685,6 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     if sys.argv[1] == "plot":
         plot(sys.argv[2])
     elif sys.argv[1] == "plot_layers":

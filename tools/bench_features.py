@@ -452,7 +452,6 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     if sys.argv[1] == "plot":
         plot(sys.argv[2])
     else:

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
 from miniinfer.course import checks  # noqa: E402

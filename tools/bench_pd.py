@@ -39,12 +39,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from bench_static_decode import LLAMA_3_2_1B  # noqa: E402
-from conftest import make_hf_model  # noqa: E402
 
 import miniinfer as mi  # noqa: E402
+from miniinfer.course.parity import make_hf_model  # noqa: E402
 from miniinfer.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from miniinfer.engine.disaggregated import (  # noqa: E402
     DisaggregatedConfig,

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -126,7 +125,6 @@ def forced_verify(logits, s, guesses, q):
 
 def forced(rates=(0.5, 0.8, 0.9), ks=(1, 2, 3, 4, 6, 8)) -> dict:
     """Batch-1 decode on the Llama-3.2-1B shape with acceptance forced to each rate."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from bench_engine import models
     _, model = models("llama")
     prompts = [list(range(100 + i, 132 + i)) for i in range(4)]
@@ -151,9 +149,8 @@ def forced(rates=(0.5, 0.8, 0.9), ks=(1, 2, 3, 4, 6, 8)) -> dict:
 
 def cost(batches=(1, 32), lengths=range(1, 17)) -> dict:
     """Replay time of a forward over T tokens per request (the verifying forward of k = T-1)."""
-    from torch.profiler import ProfilerActivity, profile
-    sys.path.insert(0, str(Path(__file__).parent))
     from bench_engine import models
+    from torch.profiler import ProfilerActivity, profile
     _, model = models("llama")
     res: dict = {}
     for B in batches:

@@ -30,7 +30,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import os
 import pickle
 import statistics
 import subprocess
@@ -41,15 +40,14 @@ from pathlib import Path
 
 import torch
 
-# MINIINFER_ROOT: another copy of the package (an earlier commit's, to measure it against this one)
-sys.path.insert(0, os.environ.get("MINIINFER_ROOT", str(Path(__file__).resolve().parent.parent)))
-import miniinfer as mi  # noqa: E402
-from miniinfer.worker.components import build_components
-from miniinfer.worker.model_runner import ModelRunner  # noqa: E402
+# Another copy of the package (an earlier commit's, to measure it against this one) comes first on
+# PYTHONPATH: PYTHONPATH=/path/to/that/copy python tools/bench_tp.py ...
+from bench_engine import LLAMA_3_1_8B, greedy, run_engine, workload
+from copy_bandwidth import copy_bandwidth
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import LLAMA_3_1_8B, greedy, run_engine, workload  # noqa: E402
-from copy_bandwidth import copy_bandwidth  # noqa: E402
+import miniinfer as mi
+from miniinfer.worker.components import build_components
+from miniinfer.worker.model_runner import ModelRunner
 
 FOLDER = Path("/dev/shm/miniinfer-llama8b")
 SETTINGS = {"tp1": (1, "auto"), "tp2_nccl": (2, "nccl"), "tp2": (2, "auto"), "tp2_layers": (2, "one_shot"),

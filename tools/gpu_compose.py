@@ -13,10 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from conftest import make_hf_model  # noqa: E402
-
-import miniinfer as mi  # noqa: E402
+import miniinfer as mi
+from miniinfer.course.parity import make_hf_model
 
 PROMPTS = [[1, 5, 9, 5, 9, 5, 9, 2, 7], [3, 4, 3, 4, 3, 4, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 

@@ -22,17 +22,20 @@ from pathlib import Path
 
 import torch
 import transformers
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from bench_tp import SETTINGS  # noqa: E402  (tools/, this file's folder: the same settings as the 8B runs)
-from conftest import SHAPES, hf_greedy, make_hf_model  # noqa: E402
-from test_chunked_prefill import shared_workload  # noqa: E402
-from test_engine import run_steps  # noqa: E402
-from test_mla import SHAPES as MLA_SHAPES  # noqa: E402
-from test_mla import make_mla_model  # noqa: E402
-from test_moe import MOE_SHAPES, make_moe_model  # noqa: E402
+from bench_tp import SETTINGS  # tools/, this file's folder: the same settings as the 8B runs
 
 import miniinfer as mi  # noqa: E402
+from miniinfer.course.parity import (
+    MLA_SHAPES,
+    MOE_SHAPES,
+    SHAPES,
+    hf_greedy,
+    make_hf_model,
+    make_mla_model,
+    make_moe_model,
+    run_steps,
+    shared_workload,
+)
 
 
 def parity(kind: str, overlap: bool, n: int = 48) -> dict:

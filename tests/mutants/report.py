@@ -1,6 +1,6 @@
 """The kill report: every wrong answer of tests/mutants/ run against its check, and the case that rejects it.
 
-    python tools/kill_report.py [docs/mutants.md]
+    python tests/mutants/report.py [docs/mutants.md]
 
 Writes a table per chapter: the exercise, the wrong answer (its name, and its docstring's first line or
 the comment on its first line: why it is wrong), and the first line of the check's message (which case
@@ -14,8 +14,8 @@ import inspect
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the mutants, as the test suite imports them
 
 from miniinfer.course import checks  # noqa: E402
 
@@ -49,7 +49,7 @@ def rows() -> list[tuple[str, str, str, str]]:
 
 def report(table: list[tuple[str, str, str, str]]) -> str:
     lines = ["# Mutants: the wrong answers each check rejects", "",
-             "Written by `python tools/kill_report.py` from `tests/mutants/` (the test suite runs them too). Each "
+             "Written by `python tests/mutants/report.py` from `tests/mutants/` (the test suite runs them too). Each "
              "row: a plausible wrong answer, why it is wrong, and the first line of the check's message "
              "on it: the case that rejected it.", ""]
     for chapter in dict.fromkeys(i.split(".")[0] for i, *_ in table):
