@@ -241,7 +241,8 @@ def test_chapter_14_last_part_fails_on_each_broken_piece(broken):
 def test_chapter_15_last_part_fails_on_each_broken_piece(gather, scatter):
     """The last part runs two engines on the student's gather and scatter (blocks handed out in no order):
     a broken one fails it, naming the request."""
-    from miniinfer.engine.disaggregated import after_prefill, gather_blocks, scatter_blocks
+    from miniinfer.distributed.kv_transfer import gather_blocks, scatter_blocks
+    from miniinfer.engine.disaggregated import after_prefill
     with pytest.raises(AssertionError, match="through your pair"):
         testing.check_your_pair(gather or gather_blocks, scatter or scatter_blocks, after_prefill)
 

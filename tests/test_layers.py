@@ -63,7 +63,8 @@ def test_the_check_sees_a_violation(tmp_path):
 
 
 # The package's floors, bottom up: a module may import its own floor and those below, never above.
-FLOORS = {"model": 0, "core": 1, "layers": 1, "worker": 2, "kernels": 2, "engine": 3, "serving": 4, "course": 5}
+FLOORS = {"model": 0, "core": 1, "layers": 1, "distributed": 1, "worker": 2, "kernels": 2, "engine": 3, "serving": 4,
+          "course": 5}
 
 
 def floor(path: Path) -> int | None:

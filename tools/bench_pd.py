@@ -43,15 +43,9 @@ from bench_static_decode import LLAMA_3_2_1B  # noqa: E402
 
 import miniinfer as mi  # noqa: E402
 from miniinfer.course.parity import make_hf_model  # noqa: E402
+from miniinfer.distributed.kv_transfer import KVLink, empty_blocks, gather_blocks, scatter_blocks  # noqa: E402
 from miniinfer.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from miniinfer.engine.disaggregated import (  # noqa: E402
-    DisaggregatedConfig,
-    DisaggregatedEngine,
-    KVLink,
-    empty_blocks,
-    gather_blocks,
-    scatter_blocks,
-)
+from miniinfer.engine.disaggregated import DisaggregatedConfig, DisaggregatedEngine  # noqa: E402
 
 LLAMA_3_2_3B = dict(LLAMA_3_2_1B, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                     num_attention_heads=24, num_key_value_heads=8, head_dim=128)

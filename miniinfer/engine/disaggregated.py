@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import datetime
 import functools
 import itertools
 import os
@@ -17,13 +16,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from miniinfer.core.block_manager import blocks_needed
 from miniinfer.core.config import EngineConfig, Limits
 from miniinfer.core.sampling_params import SamplingParams
 from miniinfer.core.scheduler import Scheduler
 from miniinfer.core.sequence import RequestOutput, Sequence, Status
+from miniinfer.distributed.kv_transfer import KVLink, LocalLink, empty_blocks, gather_blocks, scatter_blocks
 from miniinfer.engine.async_engine import Tokens, advance
 from miniinfer.engine.core import (
     AbortRequest,
@@ -97,115 +96,6 @@ def kv_pools(engine: LLMEngine) -> tuple[torch.Tensor, ...]:
         raise ValueError("a disaggregated engine keeps its pool in its own process: tensor_parallel_size must be 1")
     cache = executor.runner.cache
     return (cache.k,) if cache.v is cache.k else (cache.k, cache.v)
-
-
-def empty_blocks(pools: tuple[torch.Tensor, ...], num_blocks: int) -> torch.Tensor:
-    """Room for gather_blocks' tensor of num_blocks blocks."""
-    pool = pools[0]
-    return torch.empty((len(pools), pool.shape[0], num_blocks) + tuple(pool.shape[2:]), dtype=pool.dtype,
-                       device=pool.device)
-
-
-def gather_blocks(pools: tuple[torch.Tensor, ...], block_ids: list[int]) -> torch.Tensor:
-    """A request's blocks out of the pools, in table order, as one contiguous tensor
-    [pools, layers, blocks, block_size, ...]: one message, whatever the blocks' places."""
-    ids = torch.tensor(block_ids, device=pools[0].device)
-    kv = empty_blocks(pools, len(block_ids))
-    for pool, part in zip(pools, kv):
-        torch.index_select(pool, 1, ids, out=part)  # straight into the message: one copy
-    return kv
-
-
-def scatter_blocks(pools: tuple[torch.Tensor, ...], block_ids: list[int], kv: torch.Tensor) -> None:
-    """The inverse: kv's blocks into the pools' blocks block_ids (another engine's, other places)."""
-    ids = torch.tensor(block_ids, device=pools[0].device)
-    for pool, part in zip(pools, kv):
-        pool.index_copy_(1, ids, part)
-
-
-class Waited:
-    """A gloo transfer, waited for by its link's thread (gloo tells that a transfer is over only to
-    whoever waits for it): over once that wait has returned."""
-
-    def __init__(self, future: concurrent.futures.Future):
-        self.future = future
-
-    def is_completed(self) -> bool:
-        return self.future.done()
-
-    def wait(self) -> None:
-        self.future.result()
-
-
-@dataclass
-class KVLink:
-    """One end of the link between the prefill engine (rank 0) and the decode engine (rank 1):
-    torch.distributed point-to-point, NCCL between GPUs, gloo between CPU processes. Messages are
-    matched in the order they are sent: the router keeps the decode engine's receives in that order."""
-    rank: int
-    init_file: str
-    timeout_s: float = 600.0
-    waiter: concurrent.futures.ThreadPoolExecutor | None = None  # gloo's transfers are waited for here, in order
-
-    def connect(self, device: str) -> None:
-        device_ = torch.device(device)
-        if device_.type == "cuda":
-            torch.cuda.set_device(device_)
-        else:  # NCCL's transfers tell the device's progress (`is_completed`) to anyone who asks
-            self.waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-kv")
-        dist.init_process_group("nccl" if device_.type == "cuda" else "gloo", init_method=f"file://{self.init_file}",
-                                rank=self.rank, world_size=2, timeout=datetime.timedelta(seconds=self.timeout_s))
-        # NCCL makes a pair's communicator at its first send and receive, and the first send would wait
-        # for it there, inside a step, while the receiver waits for that step's output: make it now.
-        hello = torch.zeros(1, device=device_)
-        (self.send if self.rank == 0 else self.recv)(hello).wait()
-
-    def send(self, kv: torch.Tensor) -> Any:
-        return self._watched(dist.isend(kv.view(torch.uint8), dst=1 - self.rank))  # as bytes: fp8 and bf16 alike
-
-    def recv(self, kv: torch.Tensor) -> Any:
-        return self._watched(dist.irecv(kv.view(torch.uint8), src=1 - self.rank))
-
-    def _watched(self, work: Any) -> Any:
-        return work if self.waiter is None else Waited(self.waiter.submit(work.wait))
-
-    def close(self) -> None:
-        if self.waiter is not None:
-            self.waiter.shutdown(wait=False, cancel_futures=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-class Sent:
-    """A transfer that is over before its call returns."""
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self) -> bool:
-        return True
-
-
-class LocalLink:
-    """KVLink's interface for two engines in one process, stepped by one loop (the lesson's first
-    run, the problem set's pair): a message is a copy, kept until it is received."""
-
-    def __init__(self):
-        self.messages: collections.deque[torch.Tensor] = collections.deque()
-
-    def connect(self, device: str) -> None:
-        pass
-
-    def send(self, kv: torch.Tensor) -> Sent:
-        self.messages.append(kv.clone())
-        return Sent()
-
-    def recv(self, kv: torch.Tensor) -> Sent:
-        kv.copy_(self.messages.popleft())
-        return Sent()
-
-    def close(self) -> None:
-        pass
 
 
 class HandoffScheduler(Scheduler):

@@ -131,7 +131,8 @@ def check_your_pair(gather: Callable, scatter: Callable, after: Callable) -> Non
     engine's tokens; every block back on both sides, every message received."""
     __tracebackhide__ = True
     import miniinfer as mi
-    from miniinfer.engine.disaggregated import DecodeEngine, LocalLink, PrefillEngine, serve_in_process
+    from miniinfer.distributed.kv_transfer import LocalLink
+    from miniinfer.engine.disaggregated import DecodeEngine, PrefillEngine, serve_in_process
     base = mi.EngineConfig(block_size=4, num_blocks=24)
     prompts = LAST_PART_PROMPTS + [[7, 8, 9]]
     params = [mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + \
