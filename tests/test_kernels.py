@@ -152,3 +152,26 @@ def test_ops_selection():
     assert mi.model.transformer.default_ops("cuda") is mi.model.transformer.OPS_BACKENDS["fused"]
     with pytest.raises(ValueError, match=r"no ops backend 'cuda': there are \['fused', 'torch', 'triton'\]"):
         mi.load_model().use_ops("cuda")
+
+
+def test_kernels_read_no_module_global_but_constexprs():
+    """A compiled kernel may read a module's global only when it is a `tl.constexpr(...)`: the
+    interpreter, which the CPU tests run, lets any global through, and a GPU then fails to compile
+    (chapter 06's sampling kernel did, reading a plain float). Every global a @triton.jit function
+    names must be a function, a module, or a constexpr."""
+    import ast
+    from pathlib import Path
+
+    bad = []
+    for path in sorted((Path(mi.__file__).parent / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        plain = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                 if isinstance(t, ast.Name) and not (isinstance(node.value, ast.Call)
+                                                     and getattr(node.value.func, "attr", "") == "constexpr")}
+        for fn in tree.body:
+            if isinstance(fn, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in fn.decorator_list):
+                local = {a.arg for a in fn.args.args} | {n.id for n in ast.walk(fn)
+                                                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                bad += [f"{path.name}: {fn.name} reads {n.id}" for n in ast.walk(fn)
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in plain - local]
+    assert not bad, bad

@@ -8,7 +8,7 @@ import triton.language as tl
 
 BLOCK = 4096  # logits a program: a row of Llama-3's 128,256 is 32 programs in each pass
 
-LOWEST = -3.4028234663852886e38  # a softmax's running maximum starts here: -inf - -inf would be NaN
+LOWEST = tl.constexpr(-3.4028234663852886e38)  # a softmax's running maximum starts here: -inf - -inf would be NaN
 
 
 @triton.jit
