@@ -19,9 +19,6 @@ from miniinfer.kernels.moe import align, fused_experts, fused_route, row_piece
 from miniinfer.layers.moe import EXPERT_IMPLS, ROUTERS, MoEConfig, SparseMoE, experts_reference, route
 
 
-# Odd sizes; a dense layer among the sparse ones (mlp_only_layers); weights large enough that the
-# experts' outputs move the logits (the default initializer's make them ~1e-3); no EOS id, which the
-# oracle's min_new_tokens would suppress (Mixtral's default, 2, is a greedy token of the workload).
 @pytest.fixture(scope="module", params=list(MOE_SHAPES))
 def moe_checkpoint(request, tmp_path_factory):
     return saved(request.param, make_moe_model(request.param), tmp_path_factory)

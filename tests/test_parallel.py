@@ -199,18 +199,32 @@ def test_bad_configurations_are_refused_before_any_process_starts(config, match)
 def test_executors_are_chosen_by_kind():
     """Unset, the executor is a worker process per rank once there are several, else the engine's own
     process; a config may name either (one rank in a worker process of its own)."""
-    kind = mi.engine.llm_engine.executor_kind
-    assert kind(mi.EngineConfig()) == "in_process"
-    assert kind(mi.EngineConfig(tensor_parallel_size=2)) == "multiprocess"
+    assert mi.EngineConfig().executor_kind() == "in_process"
+    assert mi.EngineConfig(tensor_parallel_size=2).executor_kind() == "multiprocess"
+    greedy = mi.SamplingParams(temperature=0, max_tokens=8)
+    alone = mi.LLMEngine(mi.EngineConfig()).generate(["def f(x):"], greedy)[0].token_ids
     engine = mi.LLMEngine(mi.EngineConfig(executor="multiprocess"))
     try:
         assert type(engine.executor).__name__ == "MultiProcessExecutor" and engine.model is None
-        greedy = mi.SamplingParams(temperature=0, max_tokens=8)
-        alone = mi.LLMEngine(mi.EngineConfig()).generate(["def f(x):"], greedy)[0].token_ids
         assert engine.generate(["def f(x):"], greedy)[0].token_ids == alone
     finally:
         engine.close()
+    # The server's setup: the engine in a process of its own, its one rank that process's child.
+    import asyncio
+
+    import psutil
+    eng = mi.AsyncLLMEngine(mi.EngineConfig(executor="multiprocess"))
+    try:
+        assert len(psutil.Process(eng.client.process.pid).children()) == 1
+
+        async def one():
+            return [t async for out in eng.generate("def f(x):", greedy) for t in out.new_token_ids]
+        assert asyncio.run(asyncio.wait_for(one(), 120)) == alone
+    finally:
+        eng.close()
     assert not multiprocessing.active_children()
+    with pytest.raises(ValueError, match="worker processes"):
+        mi.DisaggregatedConfig(prefill=mi.EngineConfig(executor="multiprocess"), decode=mi.EngineConfig())
 
 
 def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():

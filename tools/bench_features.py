@@ -240,7 +240,7 @@ def scoring() -> dict:
 def sampling() -> dict:
     """Seeded sampling of 256 rows and of one row of Llama-3's 128,256 bf16 logits: chapter 06's fused kernel
     against sampling_probs' sorts and the noise's argmax, tokens compared, then each timed (median)."""
-    from miniinfer.worker import sampler as S
+    from miniinfer.worker.sample import sampler as S
     torch.manual_seed(0)
     res = {}
     for rows in (256, 1):

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-# Another copy of the package (an earlier commit's, to measure it against this one) comes first on
-# PYTHONPATH: PYTHONPATH=/path/to/that/copy python tools/bench_tp.py ...
+# Another copy of the package (an earlier commit's, from d017ff0 on, to measure it against this one)
+# comes first on PYTHONPATH: PYTHONPATH=/path/to/that/copy python tools/bench_tp.py ...
 from bench_engine import LLAMA_3_1_8B, greedy, run_engine, workload
 from copy_bandwidth import copy_bandwidth
 

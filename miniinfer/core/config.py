@@ -115,3 +115,7 @@ class EngineConfig:
                 raise ValueError(f"tensor_parallel_size > 1 does not split checkpoints stored quantized (this one is "
                                  f"{stored.get('quant_method')!r}): load the full-precision checkpoint with "
                                  "quantization='int8', 'int4' or 'fp8', which every rank quantizes as one GPU would")
+
+    def executor_kind(self) -> str:
+        """What runs the ranks: the executor named, else a worker process per rank where there are several."""
+        return self.executor or ("multiprocess" if self.tensor_parallel_size > 1 else "in_process")

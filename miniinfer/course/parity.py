@@ -39,6 +39,9 @@ def make_hf_model(kind: str, **overrides):
     return model
 
 
+# Odd sizes; a dense layer among the sparse ones (mlp_only_layers); weights large enough that the
+# experts' outputs move the logits (the default initializer's make them ~1e-3); no EOS id, which the
+# oracle's min_new_tokens would suppress (Mixtral's default, 2, is a greedy token of the workload).
 MOE_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3Moe", dict(num_experts=7, num_experts_per_tok=2, moe_intermediate_size=40, head_dim=20,
                                    norm_topk_prob=True, mlp_only_layers=[1])),

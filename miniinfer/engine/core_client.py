@@ -80,7 +80,7 @@ class MultiprocClient(EngineClient):
         self.conn, child = ctx.Pipe()
         # A daemon dies with this process, but may not start processes: chapter 11's workers need that.
         self.process = ctx.Process(target=engine_process, args=(config, child, make), name=f"miniinfer-{name}",
-                                   daemon=config.tensor_parallel_size == 1)
+                                   daemon=config.executor_kind() == "in_process")
         self.process.start()
         child.close()
         info = self.conn.recv()

@@ -55,9 +55,10 @@ class DisaggregatedConfig:
             config = getattr(self, role)
             if not isinstance(config, EngineConfig):
                 raise ValueError(f"{role} must be an EngineConfig, got {type(config).__name__}")
-            if config.tensor_parallel_size > 1 or config.speculative_method is not None:
-                raise ValueError(f"the {role} engine: a disaggregated pair moves one pool's blocks: "
-                                 "tensor parallelism and speculation are not supported in it")
+            if config.executor_kind() != "in_process" or config.speculative_method is not None:
+                raise ValueError(f"the {role} engine: a disaggregated pair moves one pool's blocks, in the engine's "
+                                 "own process: tensor parallelism, worker processes and speculation are not "
+                                 "supported in it")
         for name in SHARED:
             p, d = getattr(self.prefill, name), getattr(self.decode, name)
             if name == "model":
@@ -93,7 +94,7 @@ def kv_pools(engine: LLMEngine) -> tuple[torch.Tensor, ...]:
     alone where they are also the values (chapter 14's latents)."""
     executor = engine.executor
     if not isinstance(executor, InProcessExecutor):  # DisaggregatedConfig refuses it first
-        raise ValueError("a disaggregated engine keeps its pool in its own process: tensor_parallel_size must be 1")
+        raise ValueError("a disaggregated engine keeps its pool in its own process: its executor must be in_process")
     cache = executor.runner.cache
     return (cache.k,) if cache.v is cache.k else (cache.k, cache.v)
 

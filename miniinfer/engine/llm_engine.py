@@ -31,11 +31,6 @@ EXECUTORS = Registry("executor", {"in_process": InProcessExecutor,
                                   "multiprocess": "miniinfer.engine.multiprocess:MultiProcessExecutor"})
 
 
-def executor_kind(config: EngineConfig) -> str:
-    """The config's executor, else a worker process per rank where there are several ranks."""
-    return config.executor or ("multiprocess" if config.tensor_parallel_size > 1 else "in_process")
-
-
 
 def check_request(prompt: str | list[int], params: SamplingParams, tokenizer, limits: Limits,
                   checks: tuple[Callable, ...] = ()) -> list[int]:
@@ -102,7 +97,7 @@ class LLMEngine:
         the model (default: `build_components(config)`)."""
         config = config or EngineConfig()
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
-        executor = EXECUTORS[executor_kind(config)]
+        executor = EXECUTORS[config.executor_kind()]
         self.config, self.components = config, components or build_components(config)
         if model is None and tokenizer is None:
             try:

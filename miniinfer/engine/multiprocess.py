@@ -39,7 +39,7 @@ class MultiProcessExecutor:
         """components: the engine's, sent to every rank by cloudpickle: the package's by name, what a
         notebook defined by value (a spawned process has no such module to find it in)."""
         if model is not None:
-            raise ValueError("tensor_parallel_size > 1 loads the model in each worker process: give the "
+            raise ValueError("a worker process per rank loads the model in each: give the "
                              "checkpoint (EngineConfig.model), not a model object")
         cfg = ModelConfig.from_hf(checkpoint_config(config.model)[1])
         size = config.tensor_parallel_size

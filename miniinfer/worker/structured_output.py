@@ -73,7 +73,7 @@ def prepare_structure(params: SamplingParams, tokenizer, info: RunnerInfo,
     """The grammar's compile, to run before the request's first step (beside the engine's loop in a
     server), with the compiler its runner uses: the runner then finds it compiled."""
     structure = params.structured_output
-    if structure is None or config.tensor_parallel_size > 1:  # ranks compile their own
+    if structure is None or config.executor_kind() != "in_process":  # ranks compile their own
         return None
     return lambda: compile_structure(structure, grammar_compiler(tokenizer, info.vocab_size, info.eos_token_ids))
 
