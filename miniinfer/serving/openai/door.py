@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 
-class Limits(Protocol):
+class Bounds(Protocol):
     """The engine's bounds a request is checked against, and that /openapi.json states."""
     max_model_len: int
     vocab_size: int
     max_seqs: int  # sequences (prompts x n) one request may ask for
 
 
-class Door(Limits, Protocol):
+class Door(Bounds, Protocol):
     """What an endpoint reads to turn a body into prompts and a token budget."""
     tokenizer: Any  # a transformers tokenizer, or None where the server was given token ids only
     chat_max_tokens: int

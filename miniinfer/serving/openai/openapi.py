@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from miniinfer.serving.openai import schema
 from miniinfer.serving.openai.completions import Completions
-from miniinfer.serving.openai.door import Limits
+from miniinfer.serving.openai.door import Bounds
 
 
 def _json_schema(model: type[BaseModel] | None, event_stream: bool = False) -> dict:
@@ -37,7 +37,7 @@ def _token_ids_below(schema, vocab_size: int) -> None:
             _token_ids_below(value, vocab_size)
 
 
-def openapi_schema(app: FastAPI, limits: Limits, endpoints: list[Completions]) -> dict:
+def openapi_schema(app: FastAPI, limits: Bounds, endpoints: list[Completions]) -> dict:
     """FastAPI's schema of the routes, with the request bodies and responses of schema.py and
     this engine's limits: the endpoints read their bodies themselves (size limit, nesting, a
     worker thread). One limit is left out, as JSON Schema cannot relate two fields: the prompt's
