@@ -378,6 +378,37 @@ def test_a_grammar_never_allows_the_ids_past_the_tokenizer(tmp_path):
     assert engine.block_manager.num_free_blocks == 64
 
 
+def test_the_mask_filler_takes_threads_only_when_rows_cost_more_than_their_start():
+    """xgrammar's threads cost about THREAD_US each a call: cheap rows (the course tokenizer's) fill on
+    one, costly ones (a 128k vocabulary's) on about sqrt(rows * cost / THREAD_US), never past the cap;
+    the cost is learned from a call; masks filled on several threads are those filled on one."""
+    import xgrammar as xgr
+
+    from miniinfer.worker.structured_output import THREAD_US, MaskFiller, compile_structure, grammar_compiler
+    filler = MaskFiller(most=8)
+    assert filler.threads(128) == 1  # nothing measured yet
+    filler.row_us = 0.3
+    assert filler.threads(128) == filler.threads(1) == 1
+    filler.row_us = 40.0
+    assert filler.threads(128) == 8 and filler.threads(16) == round((16 * 40 / THREAD_US) ** 0.5) == 3
+    assert MaskFiller(most=2).threads(1) == 1
+    tok = mi.load_tokenizer()
+    grammar = compile_structure(mi.StructuredOutput(json='{"type": "object"}'), grammar_compiler(tok, len(tok)))
+    matchers = [xgr.GrammarMatcher(grammar) for _ in range(6)]
+    for n, m in enumerate(matchers):  # each somewhere else in the grammar
+        for t in tok.encode('{"a": 1' + ", " * (n % 2), add_special_tokens=False)[:n]:
+            m.accept_token(t)
+    masks = {}
+    for most in (1, 3):
+        bitmask = torch.zeros(6, -(-len(tok) // 32), dtype=torch.int32)
+        filler = MaskFiller(most=most)
+        filler.row_us = 1e6  # as many threads as allowed
+        filler(matchers, bitmask, list(range(6)))
+        masks[most] = bitmask
+    assert filler.row_us < 1e6  # learned: a thread's start taken off, what is left per row
+    assert torch.equal(masks[1], masks[3]) and len({tuple(r.tolist()) for r in masks[1]}) > 1
+
+
 def test_regex_and_choice_outputs_match_and_bad_grammars_are_refused(course_model):
     import re
     tok = mi.load_tokenizer()

@@ -1,7 +1,7 @@
 """Every feature at the plain path's speed? The feature matrix, measured in one run (chapters 06-12).
 
 Hand-written tool. Parts (any of them, in one run, in the order given; results merge into the JSON):
-    matrix   the end-to-end workload of docs/benchmarks/README.md on the Llama-3.2-1B shape (256
+    matrix[:ROW,ROW]  the end-to-end workload of docs/benchmarks/README.md on the Llama-3.2-1B shape (256
              requests, random bf16 weights), plain and with one feature on at a time: each row's output
              tokens/s and its ratio to plain in the same run (ROWS below says what each row turns on),
              and the garbage collector's passes and time while it ran
@@ -9,6 +9,7 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              tokens/s against the rate its step allows (1 / the batch-1 CUDA graph's replay on the device)
     moe      the same for the mixture of experts (Qwen3-30B-A3B cut to 8 layers, tools/bench_moe.py)
     mla      the same for latent attention (DeepSeek-V2-Lite's shape cut to 8 layers, tools/bench_mla.py)
+    grammar  128 masks of the JSON row filled at once, by thread count; the processors this machine gives
     scoring  top-5 log-probabilities of 256 rows: chapter 12's fused kernel against PyTorch's ops
     sampling  temperature 0.8 with top-p 0.95 (and with top-k 50 as well) over 256 rows and over one row of
              Llama-3's 128,256 bf16 logits: chapter 06's fused sampling kernel against its sorts, tokens compared
@@ -20,6 +21,7 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     replay256  per weight format, the decode step of 256 requests on the device alone (its CUDA graph
              replayed back to back, each request one token of context: the matmuls, which the format
              changes): whether a format's row of the matrix loses on the device or on the host
+    pyprof256:ROW  the same for 40 decode steps of 256 requests (as `host` runs them) for a row of the matrix
     pyprof1:FORMAT  the host's Python functions in 256 batch-1 decode steps (cProfile), for a weight format or
              the mixture of experts: the most costly by their own time and by time inside them, per step
     python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
@@ -145,20 +147,22 @@ class CollectorClock:
                 "gc_passes_by_generation": self.passes}
 
 
-def matrix(base, prompts, outs, save) -> dict:
-    """The workload once per row, each on a fresh engine after a warm-up of 8 requests."""
+def matrix(base, prompts, outs, save, names: list[str]) -> dict:
+    """The workload once per row (names: every row, or those given, in that order; a row named again is
+    run again as NAME#2, ...), each on a fresh engine after a warm-up of 8 requests."""
     res: dict = {}
-    for name in [*ROWS, *AGAIN]:
-        what, config, params, fmt = ROWS[AGAIN.get(name, name)]
+    for row in names or [*ROWS, *AGAIN]:
+        name = row if row not in res else f"{row}#{sum(k.split('#')[0] == row for k in res) + 1}"
+        what, config, params, fmt = ROWS[AGAIN.get(row, row)]
         model = with_weights(base, fmt)
         p, o = (prompts[:64] * 4, outs[:64] * 4) if name == "n4" else (prompts, outs)
         engine = engine_for(model, mi.load_tokenizer(), **config)  # the tokenizer: the grammars read it
         warm = params or (lambda i, n: greedy(n))
         engine.generate(p[:8], [warm(i, 8) for i in range(8)], use_tqdm=False)  # compiles, captures, grammars
-        if name == "logprobs_top5_gc_off":
+        if row == "logprobs_top5_gc_off":
             what += ", the garbage collector off"
             gc.disable()
-        if name == "logprobs_top5_frozen":
+        if row == "logprobs_top5_frozen":
             what += ", what was alive before it frozen"
             gc.collect()
             gc.freeze()
@@ -177,7 +181,7 @@ def matrix(base, prompts, outs, save) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         save(res)
-    plain = max(res[k]["output_tokens_per_s"] for k in ("plain", "plain_last"))
+    plain = max(r["output_tokens_per_s"] for k, r in res.items() if k.split("#")[0] in ("plain", "plain_last"))
     for name, r in res.items():
         r["of_plain"] = r["output_tokens_per_s"] / plain
         print(f"  {name}: {r['of_plain']:.2f}x plain", flush=True)
@@ -213,6 +217,36 @@ def mla() -> dict:
         checkpoint("deepseek_v2", V2_LITE, folder)  # transformers' copy freed before ours loads
         model = mi.load_model(folder, device="cuda", dtype=torch.bfloat16)
     return batch1_of("mla", model)
+
+
+def grammar() -> dict:
+    """The JSON row's masks alone: 128 matchers of its schema (the course tokenizer) filled in one batch,
+    by xgrammar's thread count, and the processors this machine gives the engine (a container may get
+    fewer than the host has)."""
+    import os
+
+    import xgrammar as xgr
+    from bench_engine import SCHEMA
+
+    from miniinfer.worker import structured_output as so
+    tok = mi.load_tokenizer()
+    compiled = so.compile_structure(mi.StructuredOutput(json=SCHEMA), so.grammar_compiler(tok, 128256))
+    matchers = [xgr.GrammarMatcher(compiled) for _ in range(128)]
+    for m in matchers:
+        m.accept_token(tok.encode('{"', add_special_tokens=False)[0])
+    bitmask = torch.empty(128, -(-so.grammar_vocab(tok, 128256) // 32), dtype=torch.int32)
+    res = {"os_cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "fill_128_us": {}}
+    for threads in (1, 2, 4, 8, 16, "auto"):
+        batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        fill = lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask, list(range(128)))
+        for _ in range(20):
+            fill()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fill()
+        res["fill_128_us"][str(threads)] = (time.perf_counter() - t0) / 200 * 1e6
+    print(f"grammar: {res}", flush=True)
+    return res
 
 
 def scoring() -> dict:
@@ -290,19 +324,9 @@ def host(base, names: list[str]) -> dict:
              (logprobs.Logprobs, "report", "collect: logprobs' report"),
              (processors.Penalties, "apply", "sample: penalties"),
              (processors.Penalties, "accept", "sample: penalties' counts")]
-    prompts, _ = workload()
     res = {}
     for name in names:
-        what, config, params, fmt = ROWS[name]
-        params = params or (lambda i, n: greedy(n))
-        engine = engine_for(with_weights(base, fmt), mi.load_tokenizer(), **config)
-        engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
-        for i in range(256):
-            engine.add_request(prompts[i][:200], params(i, 400))
-        while len(engine.stats.scheduled) < 256 or engine.stats.kind != "decode":
-            engine.step()
-        for _ in range(10):
-            engine.step()
+        what, engine = decoding256(base, name)
         saved = [(owner, attr, timed(owner, attr, label)) for owner, attr, label in hooks]
         for owner, attr, (_, wrapper) in saved:
             setattr(owner, attr, wrapper)
@@ -320,12 +344,31 @@ def host(base, names: list[str]) -> dict:
         res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()}}
         print(f"host {name}: step {wall * 1e3:.2f} ms; " + ", ".join(
             f"{k} {v:.2f}" for k, v in res[name]["phases_ms"].items()), flush=True)
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        done256(engine)
+        del engine  # before the next row's engine sizes its pool
     return res
+
+
+def decoding256(base, name: str) -> tuple[str, mi.LLMEngine]:
+    """A fresh engine for a row of the matrix, 256 requests (their prompts' first 200 tokens, 400 tokens
+    each) past their prompts and 10 decode steps into their outputs; the row's description."""
+    what, config, params, fmt = ROWS[name]
+    params = params or (lambda i, n: greedy(n))
+    prompts, _ = workload()
+    engine = engine_for(with_weights(base, fmt), mi.load_tokenizer(), **config)
+    engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
+    for i in range(256):
+        engine.add_request(prompts[i][:200], params(i, 400))
+    while len(engine.stats.scheduled) < 256 or engine.stats.kind != "decode":
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    return what, engine
+
+
+def done256(engine: mi.LLMEngine) -> None:
+    for rid in list(engine.requests):
+        engine.abort(rid)
 
 
 def replay256(base) -> dict:
@@ -347,24 +390,39 @@ def replay256(base) -> dict:
 
 def pyprof1(model) -> dict:
     """cProfile over one stream of 256 tokens after a warm-up: where the host's time of a batch-1 step goes."""
-    import cProfile
-    import pstats
     engine = engine_for(model, max_num_seqs=8)
     prompt = list(range(100, 132))
     list(engine.stream(prompt, greedy(16)))
+    return profiled(lambda: list(engine.stream(prompt, greedy(256))), 256)
+
+
+def pyprof256(base, name: str) -> dict:
+    """cProfile over 40 decode steps of 256 requests for a row of the matrix (as `host` runs them)."""
+    _, engine = decoding256(base, name)
+    try:
+        return profiled(lambda: [engine.step() for _ in range(40)], 40)
+    finally:
+        done256(engine)
+
+
+def profiled(run: Callable[[], object], steps: int) -> dict:
+    """The host's Python functions while run() takes `steps` steps: the most costly by their own time
+    and by time inside them, per step."""
+    import cProfile
+    import pstats
     profiler = cProfile.Profile()
     t0 = time.perf_counter()
     profiler.enable()
-    list(engine.stream(prompt, greedy(256)))
+    run()
     profiler.disable()
     wall = time.perf_counter() - t0
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
-    rows = [{"fn": f"{Path(f).name}:{line}:{name}", "calls_per_step": calls / 256, "own_us": own / 256 * 1e6,
-             "cum_us": cum / 256 * 1e6} for (f, line, name), (_, calls, own, cum, _) in stats.items()]
-    res = {"step_us_profiled": wall / 256 * 1e6,
+    rows = [{"fn": f"{Path(f).name}:{line}:{name}", "calls_per_step": calls / steps, "own_us": own / steps * 1e6,
+             "cum_us": cum / steps * 1e6} for (f, line, name), (_, calls, own, cum, _) in stats.items()]
+    res = {"step_us_profiled": wall / steps * 1e6,
            "by_own": sorted(rows, key=lambda r: -r["own_us"])[:40],
            "by_cumulative": sorted(rows, key=lambda r: -r["cum_us"])[:60]}
-    print(f"pyprof1: {res['step_us_profiled']:.0f} us a step under the profiler; by own time:", flush=True)
+    print(f"profiled: {res['step_us_profiled']:.0f} us a step under the profiler; by own time:", flush=True)
     for r in res["by_own"][:25]:
         print(f"  {r['own_us']:7.1f} us {r['calls_per_step']:6.1f} calls  {r['fn']}", flush=True)
     return res
@@ -385,16 +443,19 @@ def main(out_path: str, parts: list[str]) -> None:
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")
-        dense = part in ("matrix", "batch1", "host", "replay256") or part in ("lanes1", "pyprof1") and fmt != "moe"
+        dense = (part in ("matrix", "batch1", "host", "replay256", "pyprof256")
+                 or part in ("lanes1", "pyprof1") and fmt != "moe")
         if base is None and dense:
             base = models("llama")[1]
         if part == "matrix":
             prompts, outs = workload()
-            save("matrix")(matrix(base, prompts, outs, save("matrix")))
+            save("matrix")(matrix(base, prompts, outs, save("matrix"), [r for r in fmt.split(",") if r]))
         elif part == "batch1":
             save("batch1")(batch1(base))
         elif part == "replay256":
             save("replay256")(replay256(base))
+        elif part == "grammar":
+            save("grammar")(grammar())
         elif part == "scoring":
             save("scoring")(scoring())
         elif part == "sampling":
@@ -411,6 +472,8 @@ def main(out_path: str, parts: list[str]) -> None:
         elif part == "pyprof1" and fmt == "moe":
             from bench_moe import models as moe_models
             save("pyprof1_moe")(pyprof1(moe_models()[1]))
+        elif part == "pyprof256":
+            save(f"pyprof256_{fmt}")(pyprof256(base, fmt))
         elif part == "pyprof1":
             save(f"pyprof1_{fmt or 'bf16'}")(pyprof1(with_weights(base, fmt)))
         elif part == "lanes1":

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import re
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -85,21 +88,45 @@ def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:
         compile_structure(params.structured_output, grammar_compiler(tokenizer, limits.vocab_size))
 
 
-@functools.cache
-def batch_matcher():
-    """xgrammar's batch matcher: its threads (half the machine's) fill many rows' masks at once."""
-    import xgrammar as xgr
-    return xgr.BatchGrammarMatcher()
+THREAD_US = 70.0  # what each thread of xgrammar's adds to a batch call (bench_features.py grammar)
+
+
+class MaskFiller:
+    """xgrammar's batch fill on as many threads as pay. Threads are not free: 128 rows of the JSON row's
+    masks took 54 us on one thread and 870 on xgrammar's default of half the machine's 16 cores
+    (docs/benchmarks/features_diag_h100.json). With rows of c us each, t threads take about
+    rows * c / t + t * THREAD_US, least near t = sqrt(rows * c / THREAD_US); c is learned from each call."""
+
+    def __init__(self, most: int | None = None):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.most = most or max(1, cores // 2)  # the cores this process may use: a container's, not its host's
+        self.row_us, self.batches = 0.0, {}
+
+    def threads(self, rows: int) -> int:
+        return max(1, min(self.most, round(math.sqrt(rows * self.row_us / THREAD_US))))
+
+    def __call__(self, matchers: list, bitmask: torch.Tensor, indices: list[int]) -> None:
+        import xgrammar as xgr
+        t = self.threads(len(matchers))
+        if t not in self.batches:
+            self.batches[t] = xgr.BatchGrammarMatcher(max_threads=t)
+        t0 = time.perf_counter()
+        self.batches[t].batch_fill_next_token_bitmask(matchers, bitmask, indices)
+        spent = (time.perf_counter() - t0) * 1e6 - (t - 1) * THREAD_US
+        self.row_us = max(spent, 0.0) * t / max(len(matchers), 1)
+
+
+fill_batch = MaskFiller()
 
 
 def fill_masks(live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
-    """Row n of bitmask for each (n, matcher). xgrammar's matchers fill theirs in one call on several
-    threads: 128 rows one at a time took longer than six decode steps
+    """Row n of bitmask for each (n, matcher). xgrammar's matchers fill theirs in one batch call:
+    128 rows of a 128k-token vocabulary one at a time took longer than six decode steps
     (docs/benchmarks/structured_overlap_h100.json, before grammar_vocab). Other matchers (a problem
     set's) fill theirs one by one."""
     import xgrammar as xgr
     if all(isinstance(m, xgr.GrammarMatcher) for _, m in live):
-        batch_matcher().batch_fill_next_token_bitmask([m for _, m in live], bitmask, [n for n, _ in live])
+        fill_batch([m for _, m in live], bitmask, [n for n, _ in live])
         return
     for n, matcher in live:
         matcher.fill_next_token_bitmask(bitmask, n)
