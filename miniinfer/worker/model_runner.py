@@ -193,12 +193,15 @@ class ModelRunner:
             if (data := p.read(rest[:len(want)], step)) is not None:
                 reports.append((p, data))
             rest = rest[len(want):]
-        raw = logits
+        raw, overflows = logits, False
         for p in self.processors:
-            logits = p.apply(logits, step, steps)
+            acted = p.apply(logits, step, steps)
+            overflows |= acted is not logits and not p.masks_only
+            logits = acted
         dead = None
-        if logits is not raw:  # a processor acted: a penalty can overflow a logit, masks can leave a row no token
-            logits = logits.nan_to_num(nan=float("-inf"), posinf=MAX_LOGIT, neginf=float("-inf")).clamp_(max=MAX_LOGIT)
+        if logits is not raw:  # a processor acted: masks can leave a row no token
+            if overflows:  # a penalty or a bias can overflow a logit
+                logits = logits.nan_to_num(nan=float("-inf"), posinf=MAX_LOGIT, neginf=float("-inf")).clamp_(max=MAX_LOGIT)
             dead = logits.amax(-1).isneginf()
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
         reports += [(p, data) for p in self.processors if (data := p.accept(step, tokens)) is not None]

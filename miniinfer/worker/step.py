@@ -54,8 +54,11 @@ class LogitsProcessor(Protocol):
     on the device, or None) is copied to the host with the tokens, and `report` turns it into values
     by request id, filed under the processor's `kind`. A processor that needs the logits of other
     tokens of the step (chapter 12's prompt log-probabilities) names them by `wants`: the forward
-    computes those rows as well, and `read` gets them; what it returns is reported like `accept`'s."""
+    computes those rows as well, and `read` gets them; what it returns is reported like `accept`'s.
+    One whose `apply` only ever sets logits to -inf says so by `masks_only`: nothing it does can
+    overflow, so its rows need no clamp after it."""
     kind: str
+    masks_only: bool
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None: ...
 

@@ -146,13 +146,16 @@ def accept_tokens(matchers: list, tokens: list[int]) -> None:
 class Structured(Processor):
     """Each row with a StructuredOutput masked to the tokens its grammar allows next."""
     mask = staticmethod(apply_bitmask)  # on a CPU; a GPU masks the whole batch in one kernel (MASK_KERNEL)
+    masks_only = True
 
     def __init__(self, runner: RunnerView):
         self.runner = runner
         self.tokenizer = runner.tokenizer  # the engine's; a rank of chapter 11 loads the checkpoint's
         self.matchers: dict[int, Any] = {}  # row -> its request's matcher
         self.bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, made when first needed
-        self.pending: tuple[list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
+        self.pending: tuple[list, list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
+        self.hits_of: StepBatch | None = None  # the step whose rows under a grammar `hits` holds
+        self.hits: list[tuple[int, Any]] = []
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
         self.matchers.pop(row, None)
@@ -182,7 +185,8 @@ class Structured(Processor):
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         self.take_pending()
-        hits = self.held(step)
+        self.hits_of, self.hits = step, self.held(step)  # accept reads them again
+        hits = self.hits
         if not hits:
             return logits
         if self.bitmask is None:  # the tokenizer's ids (grammar_vocab): the padding's words count as zeros
@@ -201,25 +205,25 @@ class Structured(Processor):
         return logits.index_copy(0, at_t, self.mask(logits[at_t], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        hits = self.held(step)
+        hits = self.hits if self.hits_of is step else self.held(step)
         if hits:  # the matchers themselves, not their rows: a row may have a new request by the time they land
-            at = to_device(np.array([i for i, _ in hits]), tokens.device)
+            # The whole batch's tokens: one copy, no index sent to the device and no gather there.
+            host = to_host(tokens) if tokens.is_cuda else tokens
             ready = torch.cuda.Event() if tokens.is_cuda else None
-            host = to_host(tokens[at]) if tokens.is_cuda else tokens[at]
             if ready is not None:
                 ready.record()
-            self.pending = ([m for _, m in hits], host, ready)
+            self.pending = ([m for _, m in hits], [i for i, _ in hits], host, ready)
         return None
 
     def take_pending(self) -> None:
         """The last step's tokens into their matchers (it waits for that step only)."""
         if self.pending is None:
             return
-        matchers, host, ready = self.pending
+        matchers, at, host, ready = self.pending
         self.pending = None
         if ready is not None:
             ready.synchronize()
-        accept_tokens(matchers, host.tolist())
+        accept_tokens(matchers, host.numpy()[at].tolist())
 
 
 # The mask of a whole GPU batch in one pass, from the end of this chapter: imported when first used.

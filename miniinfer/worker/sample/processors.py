@@ -33,6 +33,7 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor, temperature: torch.Ten
 class Processor:
     """A logits processor that does nothing until told: the moments of chapter 06's protocol."""
     kind = ""  # what its reports are filed under
+    masks_only = False  # True: apply only sets logits to -inf
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
         pass
@@ -157,6 +158,7 @@ class LogitBias(Processor):
 class MinTokens(Processor):
     """No end of sequence before min_tokens: a row's stop tokens (EOS unless ignore_eos, and its
     stop_token_ids) are masked while it has fewer outputs."""
+    masks_only = True
 
     def __init__(self, runner: RunnerView):
         self.cfg = runner.model.cfg
@@ -180,6 +182,7 @@ class MinTokens(Processor):
 class MinP(Processor):
     """min_p, at each row's temperature (a greedy row is unchanged: its top token is always kept)."""
     mask = staticmethod(min_p_mask)
+    masks_only = True
 
     def __init__(self, runner: RunnerView):
         self.rows = RowValues(runner, 2)
