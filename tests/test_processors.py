@@ -381,7 +381,7 @@ def test_a_grammar_never_allows_the_ids_past_the_tokenizer(tmp_path):
 def test_the_mask_filler_takes_threads_only_when_rows_cost_more_than_their_start():
     """xgrammar's threads cost about THREAD_US each a call: cheap rows (the course tokenizer's) fill on
     one, costly ones (a 128k vocabulary's) on about sqrt(rows * cost / THREAD_US), never past the cap;
-    the cost is learned from a call; masks filled on several threads are those filled on one."""
+    the cost is timed on one thread; masks filled on several threads are those filled on one."""
     import xgrammar as xgr
 
     from miniinfer.worker.structured_output import THREAD_US, MaskFiller, compile_structure, grammar_compiler
@@ -402,10 +402,13 @@ def test_the_mask_filler_takes_threads_only_when_rows_cost_more_than_their_start
     for most in (1, 3):
         bitmask = torch.zeros(6, -(-len(tok) // 32), dtype=torch.int32)
         filler = MaskFiller(most=most)
-        filler.row_us = 1e6  # as many threads as allowed
+        filler(matchers, bitmask, list(range(6)))  # the first call: one thread, timed
+        assert filler.row_us > 0
+        filler.row_us = 1e6  # as many threads as allowed from now
+        bitmask.zero_()
         filler(matchers, bitmask, list(range(6)))
+        assert (filler.row_us == 1e6) == (most > 1)  # a call on several threads does not retime a row
         masks[most] = bitmask
-    assert filler.row_us < 1e6  # learned: a thread's start taken off, what is left per row
     assert torch.equal(masks[1], masks[3]) and len({tuple(r.tolist()) for r in masks[1]}) > 1
 
 

@@ -341,7 +341,8 @@ def host(base, names: list[str]) -> dict:
         finally:
             for owner, attr, (fn, _) in saved:
                 setattr(owner, attr, fn)
-        res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()}}
+        res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()},
+                     "grammar_row_us": so.fill_batch.row_us, "grammar_threads": so.fill_batch.threads(128)}
         print(f"host {name}: step {wall * 1e3:.2f} ms; " + ", ".join(
             f"{k} {v:.2f}" for k, v in res[name]["phases_ms"].items()), flush=True)
         done256(engine)

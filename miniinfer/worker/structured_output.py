@@ -89,31 +89,34 @@ def check_structure(params: SamplingParams, tokenizer, limits: Limits) -> None:
 
 
 THREAD_US = 70.0  # what each thread of xgrammar's adds to a batch call (bench_features.py grammar)
+REMEASURE = 32  # every this many calls, one on one thread: the cost a row, free of the threads' own
 
 
 class MaskFiller:
     """xgrammar's batch fill on as many threads as pay. Threads are not free: 128 rows of the JSON row's
     masks took 54 us on one thread and 870 on xgrammar's default of half the machine's 16 cores
     (docs/benchmarks/features_diag_h100.json). With rows of c us each, t threads take about
-    rows * c / t + t * THREAD_US, least near t = sqrt(rows * c / THREAD_US); c is learned from each call."""
+    rows * c / t + t * THREAD_US, least near t = sqrt(rows * c / THREAD_US). c is timed on one thread:
+    learned from several, the threads' start would count in it and call for more threads."""
 
     def __init__(self, most: int | None = None):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.most = most or max(1, cores // 2)  # the cores this process may use: a container's, not its host's
-        self.row_us, self.batches = 0.0, {}
+        self.row_us, self.batches, self.calls = 0.0, {}, 0
 
     def threads(self, rows: int) -> int:
         return max(1, min(self.most, round(math.sqrt(rows * self.row_us / THREAD_US))))
 
     def __call__(self, matchers: list, bitmask: torch.Tensor, indices: list[int]) -> None:
         import xgrammar as xgr
-        t = self.threads(len(matchers))
+        self.calls += 1
+        t = 1 if self.calls % REMEASURE == 1 else self.threads(len(matchers))
         if t not in self.batches:
             self.batches[t] = xgr.BatchGrammarMatcher(max_threads=t)
         t0 = time.perf_counter()
         self.batches[t].batch_fill_next_token_bitmask(matchers, bitmask, indices)
-        spent = (time.perf_counter() - t0) * 1e6 - (t - 1) * THREAD_US
-        self.row_us = max(spent, 0.0) * t / max(len(matchers), 1)
+        if t == 1:
+            self.row_us = (time.perf_counter() - t0) * 1e6 / max(len(matchers), 1)
 
 
 fill_batch = MaskFiller()
