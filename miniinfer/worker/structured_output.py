@@ -94,7 +94,7 @@ REMEASURE = 32  # every this many calls, one on one thread: the cost a row, free
 
 class MaskFiller:
     """xgrammar's batch fill on as many threads as pay. Threads are not free: 128 rows of the JSON row's
-    masks took 54 us on one thread and 870 on xgrammar's default of half the machine's 16 cores
+    masks took 54 us on one thread and 871 on xgrammar's default of half the machine's 16 cores
     (docs/benchmarks/features_diag_h100.json). With rows of c us each, t threads take about
     rows * c / t + t * THREAD_US, least near t = sqrt(rows * c / THREAD_US). c is timed on one thread:
     learned from several, the threads' start would count in it and call for more threads."""
