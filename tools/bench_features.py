@@ -16,6 +16,8 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     host:ROW,ROW  decode steps of 256 requests for rows of the matrix: the host's time per step in each
              phase of it (schedule, prepare, forward, sample and its processors, collect, update, outputs),
              waits for the device included, and the step's wall time
+    cpuhost:ROW,ROW  the same on this machine's CPU, the model one layer of width 32: the engine's host work
+             alone (no GPU needed)
     lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format,
              or for the mixture of experts (lanes1:moe)
     replay256  per weight format, the decode step of 256 requests on the device alone (its CUDA graph
@@ -32,6 +34,8 @@ import copy
 import datetime
 import gc
 import json
+import os
+import platform
 import sys
 import tempfile
 import time
@@ -295,10 +299,11 @@ def sampling() -> dict:
     return res
 
 
-def host(base, names: list[str]) -> dict:
+def host(base, names: list[str], **engine_kw: object) -> dict:
     """The host's time in each phase of 40 decode steps of 256 requests (their prompts' first 200 tokens,
     400 tokens each), for rows of the matrix: each phase's time per step, its waits for the device
-    included; a phase inside another (the processors inside sample) is counted in both."""
+    included; a phase inside another (the processors inside sample) is counted in both. engine_kw: the
+    EngineConfig fields that differ (cpuhost's device and dtype)."""
     from miniinfer.core.scheduler import Scheduler
     from miniinfer.worker import structured_output as so
     from miniinfer.worker.model_runner import ModelRunner
@@ -326,17 +331,17 @@ def host(base, names: list[str]) -> dict:
              (processors.Penalties, "accept", "sample: penalties' counts")]
     res = {}
     for name in names:
-        what, engine = decoding256(base, name)
+        what, engine = decoding256(base, name, **engine_kw)
         saved = [(owner, attr, timed(owner, attr, label)) for owner, attr, label in hooks]
         for owner, attr, (_, wrapper) in saved:
             setattr(owner, attr, wrapper)
         spent.clear()
         try:
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             for _ in range(40):
                 engine.step()
-            torch.cuda.synchronize()
+            sync()
             wall = (time.perf_counter() - t0) / 40
         finally:
             for owner, attr, (fn, _) in saved:
@@ -350,13 +355,30 @@ def host(base, names: list[str]) -> dict:
     return res
 
 
-def decoding256(base, name: str) -> tuple[str, mi.LLMEngine]:
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def cpu_model():
+    """A model too small to cost its CPU forward much (one layer, width 32) with a vocabulary the
+    workload's prompts fit: what is left of a step on the CPU is the engine's host work."""
+    from miniinfer.course.parity import make_hf_model
+    hf = make_hf_model("llama", vocab_size=10240, hidden_size=32, intermediate_size=32, num_attention_heads=2,
+                       num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=1024,
+                       eos_token_id=mi.load_tokenizer().eos_token_id)
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder)
+        return mi.load_model(folder, dtype=torch.float32)
+
+
+def decoding256(base, name: str, **engine_kw: object) -> tuple[str, mi.LLMEngine]:
     """A fresh engine for a row of the matrix, 256 requests (their prompts' first 200 tokens, 400 tokens
     each) past their prompts and 10 decode steps into their outputs; the row's description."""
     what, config, params, fmt = ROWS[name]
     params = params or (lambda i, n: greedy(n))
     prompts, _ = workload()
-    engine = engine_for(with_weights(base, fmt), mi.load_tokenizer(), **config)
+    engine = engine_for(with_weights(base, fmt), mi.load_tokenizer(), **config, **engine_kw)
     engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
     for i in range(256):
         engine.add_request(prompts[i][:200], params(i, 400))
@@ -432,9 +454,11 @@ def profiled(run: Callable[[], object], steps: int) -> dict:
 def main(out_path: str, parts: list[str]) -> None:
     path = Path(out_path)
     res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-               transformers=transformers.__version__, date=datetime.date.today().isoformat(),
-               copy_GBps=copy_bandwidth())
+    gpu = torch.cuda.is_available()
+    res.update(gpu=torch.cuda.get_device_name() if gpu else None, torch=torch.__version__,
+               triton=__import__("triton").__version__, transformers=transformers.__version__,
+               date=datetime.date.today().isoformat(), **({"copy_GBps": copy_bandwidth()} if gpu else
+                                                          {"cpu": f"{platform.machine()}, {os.cpu_count()} cores"}))
 
     def save(part: str):
         def write(r: dict) -> None:
@@ -463,6 +487,8 @@ def main(out_path: str, parts: list[str]) -> None:
             save("sampling")(sampling())
         elif part == "host":
             save("host")(host(base, fmt.split(",")))
+        elif part == "cpuhost":
+            save("cpuhost")(host(cpu_model(), fmt.split(","), device="cpu", dtype=torch.float32))
         elif part == "moe":
             save("moe_batch1")(moe())
         elif part == "mla":
