@@ -99,10 +99,34 @@ ROWS: dict[str, tuple[str, dict, Params | None, str | None]] = {
                        None, None),
     "chunked_prefill": ("chunked prefill on", {"enable_chunked_prefill": True}, None, None),
 }
-# Rows run again: plain last too (the reference is the better of the two: a drift of the machine shows
-# as their difference), and the top-5 row with Python's cyclic garbage collector off, to show its share,
-# and with every object alive before it frozen (gc.freeze: out of the collector's passes).
-AGAIN = {"logprobs_top5_gc_off": "logprobs_top5", "logprobs_top5_frozen": "logprobs_top5", "plain_last": "plain"}
+# Rows run again: the top-5 row with Python's cyclic garbage collector off, to show its share, and with
+# every object alive before it frozen (gc.freeze: out of the collector's passes).
+AGAIN = {"logprobs_top5_gc_off": "logprobs_top5", "logprobs_top5_frozen": "logprobs_top5"}
+
+
+def paired(rows: list[str]) -> list[str]:
+    """Plain before every row and after the last. One lend's host drifts by 0.1-0.3x of plain within a
+    call (features_trim_h100.json: three rows of equal work at 0.56-0.86x); each row is read against the
+    plain runs on either side of it, not one plain run for the whole call."""
+    order = ["plain"]
+    for row in rows:
+        if row != "plain":
+            order += [row, "plain"]
+    return order
+
+
+def against_plain(res: dict) -> None:
+    """Each row's of_plain: its rate over the mean of the nearest plain runs before and after it (in
+    run order; those there are); a plain run's over the mean of all of them."""
+    names = list(res)
+    plains = [i for i, k in enumerate(names) if k.split("#")[0] == "plain"]
+    rate = lambda i: res[names[i]]["output_tokens_per_s"]
+    everyone = sum(map(rate, plains)) / len(plains) if plains else None
+    for i, k in enumerate(names):
+        near = [j for j in plains if j < i][-1:] + [j for j in plains if j > i][:1]
+        ref = everyone if i in plains or not near else sum(map(rate, near)) / len(near)
+        if ref:
+            res[k]["of_plain"] = rate(i) / ref
 
 
 def phases(trace: list) -> dict:
@@ -152,10 +176,10 @@ class CollectorClock:
 
 
 def matrix(base, prompts, outs, save, names: list[str]) -> dict:
-    """The workload once per row (names: every row, or those given, in that order; a row named again is
-    run again as NAME#2, ...), each on a fresh engine after a warm-up of 8 requests."""
+    """The workload once per row (names: every row between plain runs, or those given, in that order; a
+    row named again is run again as NAME#2, ...), each on a fresh engine after a warm-up of 8 requests."""
     res: dict = {}
-    for row in names or [*ROWS, *AGAIN]:
+    for row in names or paired([*ROWS, *AGAIN]):
         name = row if row not in res else f"{row}#{sum(k.split('#')[0] == row for k in res) + 1}"
         what, config, params, fmt = ROWS[AGAIN.get(row, row)]
         model = with_weights(base, fmt)
@@ -185,10 +209,10 @@ def matrix(base, prompts, outs, save, names: list[str]) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         save(res)
-    plain = max(r["output_tokens_per_s"] for k, r in res.items() if k.split("#")[0] in ("plain", "plain_last"))
+    against_plain(res)
     for name, r in res.items():
-        r["of_plain"] = r["output_tokens_per_s"] / plain
-        print(f"  {name}: {r['of_plain']:.2f}x plain", flush=True)
+        if "of_plain" in r:
+            print(f"  {name}: {r['of_plain']:.2f}x plain", flush=True)
     return res
 
 
@@ -323,7 +347,8 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
     hooks = [(Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
              (ModelRunner, "prepare", "prepare"), (ModelRunner, "forward", "forward"),
              (ModelRunner, "sample", "sample"), (ModelRunner, "collect", "collect"),
-             (mi.LLMEngine, "step", "step"), (so.Structured, "apply", "sample: grammar masks"),
+             (mi.LLMEngine, "step", "step"), (mi.RequestOutput, "of", "outputs"),
+             (so.Structured, "apply", "sample: grammar masks"),
              (so.Structured, "take_pending", "sample: grammar masks: wait, accept tokens"),
              (so, "fill_masks", "sample: grammar masks: fill"), (logprobs.Scores, "score", "sample: scores"),
              (logprobs.Logprobs, "report", "collect: logprobs' report"),
@@ -517,7 +542,7 @@ def plot(out_path: str) -> None:
     import matplotlib.pyplot as plt
 
     res = json.loads(Path(out_path).read_text())
-    rows = res.get("matrix", {})
+    rows = {k: v for k, v in res.get("matrix", {}).items() if k.split("#")[0] != "plain"}
     ones = {k: res[v] for k, v in (("moe", "moe_batch1"), ("mla", "mla_batch1")) if v in res}
     b1 = {**res.get("batch1", {}), **ones}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.32 * max(len(rows), len(b1)) + 1.6),
