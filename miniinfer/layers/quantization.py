@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miniinfer.model.loader import CheckpointError, _checkpoint_names
+from miniinfer.model.checkpoint import CheckpointError, checkpoint_names
 from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Linear, Transformer
 
@@ -394,7 +394,7 @@ class CompressedTensors:
     def prepare(self, model: Transformer) -> None:
         skip = ("lm_head",) if model.cfg.tie_word_embeddings else ()
         for name in quantized_layers(model, skip):
-            names = [n.removesuffix(".weight") for n in _checkpoint_names(name + ".weight",
+            names = [n.removesuffix(".weight") for n in checkpoint_names(name + ".weight",
                                                                           model.packed_modules_mapping)]
             if not self.ignored(names):
                 model.set_submodule(name, self.scheme.empty(cast(Linear, model.get_submodule(name))))

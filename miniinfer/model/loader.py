@@ -9,44 +9,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from miniinfer.model.checkpoint import CheckpointError, checkpoint_names, packed_name, weight_files
 from miniinfer.model.course_model import course_model_path
 from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Linear, ModelConfig, Transformer, default_ops, rope_inv_freq
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder is missing a file or a tensor, or a tensor has the wrong shape."""
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (folder / s).exists()]
-        if missing:
-            raise CheckpointError(f"{folder}: shards listed in {index.name} are missing: {missing}")
-        return [folder / s for s in shards]
-    if (folder / "model.safetensors").exists():
-        return [folder / "model.safetensors"]
-    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-
-
-def _packed_name(name: str, packed: dict[str, list[str]]) -> tuple[str, int]:
-    """Checkpoint tensor name -> (model parameter name, index of the piece it fills), by the model's
-    packed_modules_mapping."""
-    for ours, theirs in packed.items():
-        for piece, t in enumerate(theirs):
-            if f".{t}." in name:
-                return name.replace(f".{t}.", f".{ours}."), piece
-    return name, 0
-
-
-def _checkpoint_names(param: str, packed: dict[str, list[str]]) -> list[str]:
-    """The checkpoint tensor names that make up a model parameter, in packing order."""
-    for ours, theirs in packed.items():
-        if f".{ours}." in param:
-            return [param.replace(f".{ours}.", f".{t}.") for t in theirs]
-    return [param]
 
 
 @contextlib.contextmanager
@@ -131,13 +97,13 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     packed = model.packed_modules_mapping
     state = {}
     with contextlib.ExitStack() as files:  # open until every layer has read its part
-        for file in _weight_files(folder):
+        for file in weight_files(folder):
             f = files.enter_context(safe_open(file, framework="pt", device=str(device)))
             for name in f.keys():
-                target, piece = _packed_name(name, packed)
+                target, piece = packed_name(name, packed)
                 if target in params:  # skips e.g. a tied lm_head or a stored rotary inv_freq
                     pieces.setdefault(target, {})[piece] = f.get_slice(name)  # nothing read yet
-        missing = [n for p in params for i, n in enumerate(_checkpoint_names(p, packed))
+        missing = [n for p in params for i, n in enumerate(checkpoint_names(p, packed))
                    if i not in pieces.get(p, {})]
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -147,7 +113,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
             module_name, _, param_name = name.rpartition(".")
             module = model.get_submodule(module_name)
             load = getattr(module, "load_weight", None)  # a projection's (see Linear)
-            every = _checkpoint_names(name, packed)  # a mixture of experts' stacked tensor: hundreds
+            every = checkpoint_names(name, packed)  # a mixture of experts' stacked tensor: hundreds
             names = ' + '.join(every) if len(every) <= 3 else f"{every[0]} + ... + {every[-1]} ({len(every)} matrices)"
             try:
                 state[name] = _cast(load(param_name, parts) if load is not None else parts[0][:], dtype)
