@@ -20,7 +20,7 @@ LAYERS = ("kernels", "model", "layers", "core", "worker", "engine", "serving", "
 # Each public name and the module it comes from.
 PUBLIC = {
     **dict.fromkeys(["ModelConfig", "Transformer"], "model.transformer"),
-    **dict.fromkeys(["CheckpointError", "load_model", "load_tokenizer"], "model.loader"),
+    **dict.fromkeys(["CheckpointError", "load_model", "load_tokenizer", "read_config"], "model.loader"),
     "course_model_path": "model.course_model",
     "generate_naive": "worker.generate",
     **dict.fromkeys(["SamplingParams", "StructuredOutput", "sample"], "core.sampling_params"),

@@ -20,8 +20,8 @@ from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.engine.executor import ExecutorDead
 from miniinfer.layers.parallel import check_parallel, check_quantized_split
-from miniinfer.model.loader import checkpoint_config
-from miniinfer.model.transformer import ModelConfig, Transformer
+from miniinfer.model.loader import checkpoint_config, read_config
+from miniinfer.model.transformer import Transformer
 from miniinfer.worker.components import Components
 from miniinfer.worker.step import ModelRunnerOutput, RunnerInfo
 from miniinfer.worker.worker import run_worker
@@ -41,7 +41,7 @@ class MultiProcessExecutor:
         if model is not None:
             raise ValueError("a worker process per rank loads the model in each: give the "
                              "checkpoint (EngineConfig.model), not a model object")
-        cfg = ModelConfig.from_hf(checkpoint_config(config.model)[1])
+        cfg = read_config(checkpoint_config(config.model)[1])
         size = config.tensor_parallel_size
         check_parallel(cfg, size, config.enable_expert_parallel)
         check_quantized_split(cfg, size, config.quantization)

@@ -66,6 +66,27 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() and t.element_size() > 1 else t
 
 
+# The model types whose layers route tokens to experts: their settings' reader, from chapter 13.
+MOE_MODELS = Registry("mixture-of-experts model type", dict.fromkeys(("qwen2_moe", "qwen3_moe", "mixtral"),
+                                                                    "miniinfer.layers.moe:MoEConfig"))
+# The model types with latent attention: their config.json reader (a whole ModelConfig), from chapter 14.
+LATENT_MODELS = Registry("latent-attention model type", dict.fromkeys(("deepseek_v2", "deepseek_v3"),
+                                                                      "miniinfer.layers.mla:model_config"))
+
+
+def read_config(hf: dict) -> ModelConfig:
+    """A checkpoint's config.json dict as a ModelConfig, whatever kind of model it describes: a Llama,
+    Qwen2 or Qwen3 (ModelConfig.from_hf), a mixture of experts built on one, or latent attention.
+    The tables live here, above the model and the later chapters' layers that read their kinds."""
+    kind = hf.get("model_type", "llama")
+    if kind in LATENT_MODELS:
+        return LATENT_MODELS[kind](hf)
+    if kind not in ("llama", "qwen2", "qwen3", *MOE_MODELS):
+        raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2, qwen3, "
+                         f"{', '.join(MOE_MODELS)} or {', '.join(LATENT_MODELS)}")
+    return ModelConfig.from_hf(hf, MOE_MODELS[kind].from_hf(hf) if kind in MOE_MODELS else None)
+
+
 def checkpoint_config(path: str | Path | None = None) -> tuple[Path, dict]:
     """A checkpoint folder (None: the embedded course model) and its config.json, read: a model's shape
     without loading it. CheckpointError if there is none."""
@@ -82,7 +103,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     quantized on load when `quantization` names a method (chapter 10). `prepare` changes the empty
     model before its tensors are read: chapter 11 makes it one rank's part of the model."""
     folder, hf = checkpoint_config(path)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = read_config(hf)
     quant = _quantization(folder, hf, quantization)
     with _skeleton():
         model = Transformer(cfg)

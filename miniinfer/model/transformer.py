@@ -46,15 +46,13 @@ class ModelConfig:
         return (1 if self.values_in_keys else 2) * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Read a Hugging Face `config.json` dict of a Llama, Qwen2 or Qwen3 model, of a mixture of
-        experts built on one (MOE_MODELS), or of a model with latent attention (LATENT_MODELS)."""
+    def from_hf(cls, cfg: dict, experts: Any = None) -> "ModelConfig":
+        """Read a Hugging Face `config.json` dict of a Llama, Qwen2 or Qwen3 model, or of a mixture of
+        experts built on one with its experts' settings already read (`read_config` reads them)."""
         kind = cfg.get("model_type", "llama")
-        if kind in LATENT_MODELS:
-            return LATENT_MODELS[kind](cfg)
-        if kind not in ("llama", "qwen2", "qwen3", *MOE_MODELS):
-            raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2, qwen3, "
-                             f"{', '.join(MOE_MODELS)} or {', '.join(LATENT_MODELS)}")
+        if kind not in ("llama", "qwen2", "qwen3") and experts is None:
+            raise ValueError(f"unsupported model_type {kind!r}: expected llama, qwen2 or qwen3 "
+                             "(read_config reads the others a checkpoint may be)")
         family = kind.removesuffix("_moe")  # Mixtral's attention is Llama's
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
@@ -74,7 +72,7 @@ class ModelConfig:
             o_bias=family != "qwen2" and cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False), qk_norm=family == "qwen3",
             eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-            experts=MOE_MODELS[kind].from_hf(cfg) if kind in MOE_MODELS else None)
+            experts=experts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -255,12 +253,6 @@ class Ops:
         return self.silu_and_mul(y) if gated else y
 
 
-# The model types whose layers route tokens to experts: their settings' reader, from chapter 13.
-MOE_MODELS = Registry("mixture-of-experts model type", dict.fromkeys(("qwen2_moe", "qwen3_moe", "mixtral"),
-                                                                    "miniinfer.layers.moe:MoEConfig"))
-# The model types with latent attention: their config.json reader (a whole ModelConfig), from chapter 14.
-LATENT_MODELS = Registry("latent-attention model type", dict.fromkeys(("deepseek_v2", "deepseek_v3"),
-                                                                      "miniinfer.layers.mla:model_config"))
 TORCH_OPS = Ops()
 OPS_BACKENDS = Registry("ops backend", {"torch": TORCH_OPS, "triton": "miniinfer.kernels.norm_rope:TRITON_OPS",
                                         "fused": "miniinfer.kernels.gemv:FUSED_OPS"})

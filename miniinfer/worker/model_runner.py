@@ -201,7 +201,8 @@ class ModelRunner:
         dead = None
         if logits is not raw:  # a processor acted: masks can leave a row no token
             if overflows:  # a penalty or a bias can overflow a logit
-                logits = logits.nan_to_num(nan=float("-inf"), posinf=MAX_LOGIT, neginf=float("-inf")).clamp_(max=MAX_LOGIT)
+                logits = logits.nan_to_num(nan=float("-inf"), posinf=MAX_LOGIT, neginf=float("-inf"))
+                logits = logits.clamp_(max=MAX_LOGIT)
             dead = logits.amax(-1).isneginf()
         tokens = self.sampler(logits, SamplingBatch.build(values, steps, self.model.cfg.vocab_size, self.device))
         reports += [(p, data) for p in self.processors if (data := p.accept(step, tokens)) is not None]

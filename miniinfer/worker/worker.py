@@ -16,8 +16,7 @@ import torch.distributed as dist
 from miniinfer.core.config import EngineConfig
 from miniinfer.kernels.allreduce import OneShotAllReduce
 from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model, sum_at_norms, use_one_shot
-from miniinfer.model.loader import checkpoint_config
-from miniinfer.model.transformer import ModelConfig
+from miniinfer.model.loader import checkpoint_config, read_config
 from miniinfer.worker.components import Components
 
 # NVLink multicast stays off in every rank, set before NCCL starts: on the shared GPU hosts this course
@@ -51,7 +50,7 @@ class Worker:
         self.runner = components.runner(config, prepare=prepare,
                                         processors=components.processors)
         if whole:
-            cut_row_parallel(self.runner.model, ModelConfig.from_hf(checkpoint_config(config.model)[1]), shard)
+            cut_row_parallel(self.runner.model, read_config(checkpoint_config(config.model)[1]), shard)
         if config.all_reduce == "auto":  # the sums at the norms, before the graphs capture where they are
             sum_at_norms(self.runner.model)
         self.launched: deque = deque()

@@ -40,14 +40,14 @@ def scatter_keys_only(pools, block_ids, kv):
 def bytes_of_whole_tokens(cfg, num_tokens, block_size, itemsize, gbps, latency_s):
     """Counts the prompt's tokens, not its blocks: the last block goes whole, however full."""
     import miniinfer as mi
-    nbytes = num_tokens * mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
+    nbytes = num_tokens * mi.read_config(cfg).cache_bytes_per_token(itemsize)
     return nbytes, latency_s + nbytes / (gbps * 1e9)
 
 
 def keys_without_values(cfg, num_tokens, block_size, itemsize, gbps, latency_s):
     """Counts a key per KV head and no value: half the bytes of a grouped-query model's blocks."""
     import miniinfer as mi
-    per = mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
+    per = mi.read_config(cfg).cache_bytes_per_token(itemsize)
     per = per if "kv_lora_rank" in cfg else per // 2
     nbytes = -(-num_tokens // block_size) * block_size * per
     return nbytes, latency_s + nbytes / (gbps * 1e9)
@@ -56,14 +56,14 @@ def keys_without_values(cfg, num_tokens, block_size, itemsize, gbps, latency_s):
 def gigabytes_as_gibibytes(cfg, num_tokens, block_size, itemsize, gbps, latency_s):
     """Reads GB/s as 2^30 bytes a second: every transfer 7% short."""
     import miniinfer as mi
-    nbytes = -(-num_tokens // block_size) * block_size * mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
+    nbytes = -(-num_tokens // block_size) * block_size * mi.read_config(cfg).cache_bytes_per_token(itemsize)
     return nbytes, latency_s + nbytes / (gbps * 2**30)
 
 
 def latency_forgotten(cfg, num_tokens, block_size, itemsize, gbps, latency_s):
     """Leaves the fixed latency out: a small prompt's transfer looks free."""
     import miniinfer as mi
-    nbytes = -(-num_tokens // block_size) * block_size * mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
+    nbytes = -(-num_tokens // block_size) * block_size * mi.read_config(cfg).cache_bytes_per_token(itemsize)
     return nbytes, nbytes / (gbps * 1e9)
 
 

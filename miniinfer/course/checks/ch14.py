@@ -29,7 +29,7 @@ def _config(gen, case) -> dict:
 
 def _cache_bytes_ref(cfg: dict, itemsize: int) -> int:
     import miniinfer as mi
-    return mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
+    return mi.read_config(cfg).cache_bytes_per_token(itemsize)
 
 
 @exercise("14", 1, "cache_bytes")

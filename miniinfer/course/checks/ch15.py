@@ -71,7 +71,7 @@ def check_scatter_blocks(fn: Callable) -> None:
 def _transfer_ref(cfg: dict, num_tokens: int, block_size: int, itemsize: int, gbps: float,
                   latency_s: float) -> tuple[int, float]:
     import miniinfer as mi
-    per_token = mi.ModelConfig.from_hf(cfg).cache_bytes_per_token(itemsize)
+    per_token = mi.read_config(cfg).cache_bytes_per_token(itemsize)
     nbytes = -(-num_tokens // block_size) * block_size * per_token
     return nbytes, latency_s + nbytes / (gbps * 1e9)
 
