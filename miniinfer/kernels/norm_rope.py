@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from miniinfer.model.transformer import Ops
+from miniinfer.model.ops import Ops
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # a new token count must not mean a new compile

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from miniinfer.model.ops import Ops, rope_cos_sin, rope_inv_freq, yarn
+
+# The elementwise ops live in model/ops.py, below this module and the kernels that extend them; the
+# chapters, their checks and problem sets know them as the model's too (re-exported: name as name).
+from miniinfer.model.ops import add_rms_norm as add_rms_norm
+from miniinfer.model.ops import apply_rope as apply_rope
+from miniinfer.model.ops import qk_norm_rope as qk_norm_rope
+from miniinfer.model.ops import rms_norm as rms_norm
+from miniinfer.model.ops import silu_and_mul as silu_and_mul
+from miniinfer.model.ops import yarn_mscale as yarn_mscale
 from miniinfer.model.registry import Registry
 
 
@@ -75,84 +83,12 @@ class ModelConfig:
             experts=experts)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension (reference implementation)."""
-    # F.rms_norm is x * rsqrt(mean(x^2) + eps), in one kernel on GPUs (the problem set writes it out).
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequency of each of the head_dim/2 rotating pairs, with optional rope scaling."""
-    # On the CPU whatever device is current: the loader builds the model on the meta device, where
-    # arithmetic would go through PyTorch's Python decompositions (and import torch._dynamo, ~1 s).
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    scaling = scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "yarn":
-        return yarn(head_dim, theta, scaling)[0]
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r}: expected default, linear, llama3 or yarn")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_ctx = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def yarn_mscale(factor: float, m: float) -> float:
-    """YaRN's softmax correction for a context `factor` times the original, of strength m."""
-    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-
-def yarn(head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
-    """YaRN (DeepSeek-V2/V3's long context): each pair's frequency between itself and itself / factor,
-    by a ramp over the pairs that turn between beta_fast and beta_slow times in the original context;
-    and the factor cos and sin are multiplied by."""
-    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
-    attention = scaling.get("attention_factor") or (
-        yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
-        if scaling.get("mscale") and scaling.get("mscale_all_dim") else yarn_mscale(factor, 1.0))
-
-    def pair(turns: float) -> float:  # the pair that turns `turns` times over the original context
-        return head_dim * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = pair(scaling.get("beta_fast") or 32), pair(scaling.get("beta_slow") or 1)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), attention
-
-
 def rope_factor(cfg: ModelConfig) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) != "yarn":
         return 1.0
     return yarn(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, scaling)[1]
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position's angles: [..., T] -> two [..., T, D/2] float32 tensors."""
-    angles = positions.float()[..., None] * inv_freq.to(positions.device)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [..., T, Hq, D] and k [..., T, Hk, D] by cos/sin [..., T, D/2] (rotate-half)."""
-    qk = torch.cat((q, k), dim=-2)  # query and key heads in one pass: half the kernel launches
-    c, s = cos[..., None, :].to(qk.dtype), sin[..., None, :].to(qk.dtype)
-    x1, x2 = qk.chunk(2, dim=-1)
-    out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    return out[..., :q.shape[-2], :], out[..., q.shape[-2]:, :]
 
 
 def attention_mask(Tq: int, Tk: int, q_start: int | torch.Tensor = 0,
@@ -209,48 +145,6 @@ class CausalAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
         return causal_attention(q, k, v, scale)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the residual add and the norm after it."""
-    total = x + residual
-    return rms_norm(total, weight, eps), total
-
-
-def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's RMSNorm of each query and key head, then RoPE."""
-    return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's activation: silu(gate) * up, for x = [gate, up] packed along the last dimension."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class Ops:
-    """The elementwise ops the model calls (PyTorch here; chapter 04 registers Triton's), and the two
-    calls in which they meet a matmul (chapter 06 runs a step of one row's matmuls as its own kernel)."""
-
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    apply_rope = staticmethod(apply_rope)
-    qk_norm_rope = staticmethod(qk_norm_rope)
-    silu_and_mul = staticmethod(silu_and_mul)
-
-    def add_norm_linear(self, h: torch.Tensor, x: torch.Tensor, norm: "RMSNorm", linear: nn.Module,
-                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(h + x)), h + x): the residual add, the norm after it and the matmul it
-        feeds; gated: silu(gate) * up of the matmul's two halves."""
-        y, x = self.add_rms_norm(h, x, norm.weight, norm.eps)
-        return self.linear(linear, y, gated), x
-
-    def linear(self, linear: nn.Module, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """A matmul (alone: the o and down projections); gated: silu(gate) * up of its two halves."""
-        y = linear(x)
-        return self.silu_and_mul(y) if gated else y
 
 
 TORCH_OPS = Ops()

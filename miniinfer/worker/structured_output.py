@@ -102,7 +102,8 @@ class MaskFiller:
     def __init__(self, most: int | None = None):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.most = most or max(1, cores // 2)  # the cores this process may use: a container's, not its host's
-        self.row_us, self.batches, self.calls = 0.0, {}, 0
+        self.row_us, self.calls = 0.0, 0
+        self.batches: dict[int, Any] = {}  # thread count -> xgrammar's batch matcher
 
     def threads(self, rows: int) -> int:
         return max(1, min(self.most, round(math.sqrt(rows * self.row_us / THREAD_US))))
