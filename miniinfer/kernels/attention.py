@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from miniinfer.kernels.norm_rope import pdl_args, wait_for_input
-from miniinfer.worker.kv_cache import AttentionKernels
+from miniinfer.worker.attention_ref import AttentionKernels
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
 

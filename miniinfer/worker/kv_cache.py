@@ -9,8 +9,15 @@ import numpy as np
 import torch
 
 from miniinfer.model.registry import Registry
-from miniinfer.model.transformer import ModelConfig, Transformer, attention, attention_mask
-from miniinfer.worker.paged_cache import PagedKVCache, gather_kv, paged_attention_ref
+from miniinfer.model.transformer import ModelConfig, Transformer
+from miniinfer.worker.attention_ref import AttentionKernels
+
+# The PyTorch operations live in worker/attention_ref.py, below this module and the kernels that extend
+# them; the chapters, their checks and problem sets know them as this module's too (name as name).
+from miniinfer.worker.attention_ref import prefill_attention_ref as prefill_attention_ref
+from miniinfer.worker.attention_ref import store_kv_ref as store_kv_ref
+from miniinfer.worker.attention_ref import to_pool as to_pool
+from miniinfer.worker.paged_cache import PagedKVCache
 
 
 @dataclass
@@ -79,64 +86,6 @@ def to_device(host: np.ndarray, device) -> torch.Tensor:
     if device is None or torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-                 slot_mapping: torch.Tensor) -> None:
-    """Write k, v [N, Hk, D] into the pools [num_blocks, block_size, Hk, D] at slot_mapping [N]
-    (-1: a padding token, written nowhere); v None: a pool of keys alone (chapter 14)."""
-    keep = slot_mapping >= 0
-    k_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(k[keep], k_cache.dtype)
-    if v is not None and v_cache is not None:
-        v_cache.flatten(0, 1)[slot_mapping[keep]] = to_pool(v[keep], v_cache.dtype)
-
-
-def to_pool(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the pool's dtype; a narrower float (chapter 10's e4m3) saturates at its largest value
-    instead of overflowing to NaN."""
-    if x.dtype == dtype:
-        return x
-    top = torch.finfo(dtype).max
-    return x.clamp(-top, top).to(dtype)
-
-
-def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """Causal attention of a varlen batch q [N, Hq, D] over the paged pools: sequence b's rows are
-    the last of its seq_lens[b] tokens and see its cached and new K/V -> [N, Hq, D].
-
-    Nothing is padded to the longest sequence: rows of one token (decodes) go through decode
-    attention together, and each longer piece attends on its own. (Padding every sequence to the
-    longest new prompt made a CPU step of 100 decodes and one 130-token prompt 13x a decode step.)"""
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    out = torch.empty_like(q)
-    q_lens = [b - a for a, b in zip(starts, starts[1:])]
-    ones = [b for b, n in enumerate(q_lens) if n == 1]
-    if ones:
-        rows, index = [starts[b] for b in ones], torch.tensor(ones, device=q.device)
-        out[rows] = paged_attention_ref(q[rows], k_cache, v_cache, block_tables[index], seq_lens[index], scale)
-    for b, Tq in enumerate(q_lens):
-        if Tq == 1:
-            continue
-        span, L = slice(starts[b], starts[b + 1]), lens[b]
-        k, v = (gather_kv(pool, block_tables[b:b + 1], L).to(q.dtype) for pool in (k_cache, v_cache))
-        out[span] = attention(q[span][None], k, v, scale, attention_mask(Tq, L, L - Tq, None, q.device))[0]
-    return out
-
-
-class AttentionKernels:
-    """The varlen backend's three operations, in PyTorch."""
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len: int) -> torch.Tensor:
-        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
-
-    def prefill(self, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                max_query_len: int) -> torch.Tensor:
-        return prefill_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
 ATTENTION_KERNELS = Registry("attention kernels", {"torch": AttentionKernels(),

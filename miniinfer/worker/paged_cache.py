@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from miniinfer.core.block_manager import BlockManager, OutOfBlocks, blocks_needed
-from miniinfer.core.sampling_params import SamplingParams, sample
-from miniinfer.model.registry import Registry
+from miniinfer.core.block_manager import blocks_needed
 from miniinfer.model.transformer import ModelConfig, Transformer, attention, attention_mask
-from miniinfer.worker.generate import check_prompt, is_finished
 
 
 def block_slots(block_tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -98,66 +95,6 @@ class PagedKVCache:
 def _batch(rows: list[list[int]], fill: int, device) -> torch.Tensor:
     width = max(map(len, rows))
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], device=device)
-
-
-# Paged attention backends by name: this chapter's, and chapter 05's varlen cache (generate_paged's default).
-PAGED_BACKENDS = Registry("paged attention backend", {"gather": PagedKVCache,
-                                                       "varlen": "miniinfer.worker.kv_cache:VarlenKVCache"})
-
-
-@torch.no_grad()
-def generate_paged(model: Transformer, prompts: list[list[int]], params: SamplingParams,
-                   block_size: int = 16, num_blocks: int | None = None,
-                   block_manager: BlockManager | None = None, backend=None) -> list[list[int]]:
-    """Generate for a batch of prompts with paged KV memory; greedy outputs equal generate_naive.
-
-    The pool has num_blocks blocks (default: exactly what the batch can need), or the blocks of
-    the given block_manager, whose every block this returns free when done. backend: the attention
-    backend, a name in PAGED_BACKENDS (default "varlen", chapter 05's) or a callable
-    (cfg, num_blocks, block_size, device, dtype) -> cache.
-    """
-    for p in prompts:
-        check_prompt(model, p, params)
-    make_cache = backend if callable(backend) else PAGED_BACKENDS[backend or "varlen"]
-    block_size = block_manager.block_size if block_manager else block_size
-    need = sum(blocks_needed(len(p) + params.max_tokens, block_size) for p in prompts)
-    bm = block_manager or BlockManager(num_blocks or need, block_size)
-    if need > bm.num_free_blocks:
-        raise OutOfBlocks(f"the batch can need {need} blocks, the pool has {bm.num_free_blocks} free")
-    device, dtype = model.device, model.dtype
-    cache = make_cache(model.cfg, bm.num_blocks, bm.block_size, device, dtype)
-    gen = params.generator(device)
-    keys = [object() for _ in prompts]  # sequence ids no other user of the block manager has
-    outs: list[list[int]] = [[] for _ in prompts]
-    running = list(range(len(prompts)))
-    try:
-        for i, p in enumerate(prompts):
-            bm.allocate(keys[i], len(p))
-        # Prefill: all prompts in one forward.
-        logits = cache.run(model, prompts, [bm.block_table(k) for k in keys], [0] * len(prompts))
-        while True:
-            tokens = sample(logits, params, gen).tolist()
-            for i, t in zip(running, tokens):
-                outs[i].append(t)
-            finished = [i for i in running if is_finished(outs[i][-1], len(outs[i]), params,
-                                                          model.cfg.eos_token_ids)]
-            for i in finished:
-                bm.free(keys[i])  # its blocks are free for others right away
-            running = [i for i in running if i not in finished]
-            if not running:
-                return outs
-            # Decode: the last sampled token of each running sequence, at position = its length.
-            pos = [bm.num_tokens(keys[i]) for i in running]
-            for i in running:
-                copy = bm.append_token(keys[i])
-                if copy:
-                    cache.copy_block(copy)
-            logits = cache.run(model, [[outs[i][-1]] for i in running],
-                               [bm.block_table(keys[i]) for i in running], pos)
-    finally:
-        for k in keys:  # an error mid-way must not leak blocks
-            if k in bm.tables:
-                bm.free(k)
 
 
 def paged_utilization(lengths: list[tuple[int, int]], block_size: int) -> float:
