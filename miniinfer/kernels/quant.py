@@ -10,7 +10,7 @@ from miniinfer.kernels.attention import _multiprocessors
 from miniinfer.kernels.gemv import _finish, _input_tile, _tiles, launch_gemv
 from miniinfer.kernels.gemv import gemv_config as bf16_gemv_config
 from miniinfer.kernels.norm_rope import wait_for_input
-from miniinfer.layers.quantization import FP8, FP8_MAX, QuantKernels
+from miniinfer.layers.quant_formats import FP8, FP8_MAX, QuantKernels
 
 
 @triton.jit

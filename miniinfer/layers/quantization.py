@@ -10,83 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miniinfer.layers.quant_formats import FP8, QuantKernels, pack, quantize_fp8, quantize_int, require_fp8
+
+# The formats' arithmetic and PyTorch's kernels live in layers/quant_formats.py, below this module and
+# the kernels that extend them; the chapters, their checks and problem sets know them as this module's
+# too (name as name).
+from miniinfer.layers.quant_formats import FP8_MAX as FP8_MAX
+from miniinfer.layers.quant_formats import dequantize as dequantize
+from miniinfer.layers.quant_formats import unpack as unpack
 from miniinfer.model.checkpoint import CheckpointError, checkpoint_names
 from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Linear, Transformer
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448: e4m3 has no infinity, and its largest finite value is 1.75 * 2^8
-
-
-def quantize_int(w: torch.Tensor, bits: int, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round to nearest, symmetric: w [N, K] -> codes [N, K] int8 in [-2^(bits-1), 2^(bits-1) - 1] and
-    scales [N, K/group_size] in w's dtype (group_size None: one per output channel), w ~ codes * scale."""
-    N, K = w.shape
-    groups = w.float().reshape(N, K // (group_size or K), -1)
-    top = 2 ** (bits - 1) - 1
-    # The scale is rounded to w's dtype first, so that the codes are chosen for the scale stored.
-    scale = (groups.abs().amax(-1) / top).clamp(min=1e-10).to(w.dtype)
-    codes = torch.round(groups / scale.float()[..., None]).clamp(-top - 1, top)
-    return codes.reshape(N, K).to(torch.int8), scale
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes [N, K] -> int32 [N, K*bits/32]: 32/bits codes to a word along the input dimension, the
-    first in the lowest bits, each offset by 2^(bits-1) to be unsigned (compressed-tensors' layout)."""
-    per = 32 // bits
-    unsigned = (codes.to(torch.int32) + (1 << (bits - 1))).reshape(codes.shape[0], -1, per)
-    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
-    return (unsigned << shifts).sum(-1, dtype=torch.int32)  # the fields do not overlap: sum = OR
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """pack's inverse: int32 [N, K*bits/32] -> codes [N, K] int8."""
-    shifts = torch.arange(32 // bits, dtype=torch.int32, device=packed.device) * bits
-    unsigned = (packed[..., None] >> shifts) & ((1 << bits) - 1)
-    return (unsigned - (1 << (bits - 1))).reshape(packed.shape[0], -1).to(torch.int8)
-
-
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """The weight [N, K] that packed codes and their scales [N, K/group] stand for, in the scales' dtype."""
-    codes = unpack(packed, bits)
-    N, G = scale.shape
-    return (codes.to(scale.dtype).reshape(N, G, -1) * scale[..., None]).reshape(N, -1)
-
-
-def require_fp8(device: torch.device) -> None:
-    """FP8 matmuls need the tensor cores of compute capability 8.9 (Ada) or 9.0 (Hopper) and up; a CPU
-    emulates them (slowly, for quality checks)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"fp8 needs a GPU with FP8 tensor cores (compute capability 8.9 or more: L4, H100, "
-                         f"H200); {torch.cuda.get_device_name(device)} has none: use quantization='int8' or 'int4'")
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> e4m3 values and one float32 scale per row [..., 1] (its largest |value| / 448)."""
-    scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-class QuantKernels:
-    """The quantized layers' kernels, in PyTorch: dequantize, then an ordinary matmul."""
-
-    quantize_fp8 = staticmethod(quantize_fp8)
-
-    def int_linear(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, dequantize(packed.t(), scale.t(), bits).to(x.dtype), bias)
-
-    def int_gemv(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor | None:
-        """Chapter 06's GEMV step over packed codes (silu(gate) * up after it if gated), or None where
-        there is none: PyTorch has none, the matmul then runs as the layer's forward."""
-        return None
-
-    def fp8_gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 gated: bool = False) -> torch.Tensor | None:
-        """The same over FP8Linear's e4m3 weight, or None."""
-        return None
-
 
 QUANT_KERNELS = Registry("quantized matmul kernels", {"torch": QuantKernels(),
                                                       "triton": "miniinfer.kernels.quant:TRITON_QUANT"})
