@@ -127,6 +127,18 @@ def test_bad_pairs_are_refused_before_any_process_starts(monkeypatch):
         DisaggregatedConfig(dataclasses.replace(base, device="cuda:0"), dataclasses.replace(base, device="cuda"))
 
 
+def test_the_pair_reads_its_pools_through_the_executor(course_model):
+    """The blocks a pair copies are the executor's pools (keys and values, or keys alone), not reached
+    through its runner; an executor whose pools live in its ranks' processes says it has none here."""
+    from miniinfer.engine.multiprocess import MultiProcessExecutor
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=8), model=course_model)
+    cache = engine.executor.runner.cache
+    pools = engine.executor.kv_pools()
+    assert len(pools) == 2 and pools[0] is cache.k and pools[1] is cache.v
+    with pytest.raises(ValueError, match="executor='in_process'"):
+        MultiProcessExecutor.kv_pools(None)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_a_killed_engine_fails_the_requests_with_the_reason_and_leaves_no_process(victim):
     config = mi.EngineConfig(num_blocks=128, block_size=4)

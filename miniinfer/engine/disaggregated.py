@@ -34,7 +34,6 @@ from miniinfer.engine.core import (
     Shutdown,
 )
 from miniinfer.engine.core_client import EngineClient, MultiprocClient, Receive
-from miniinfer.engine.executor import InProcessExecutor
 from miniinfer.engine.llm_engine import LLMEngine, StepStats, check_request
 from miniinfer.model.loader import load_tokenizer
 from miniinfer.worker.components import build_components
@@ -89,16 +88,6 @@ class DisaggregatedConfig:
         return Router(self, receive)
 
 
-def kv_pools(engine: LLMEngine) -> tuple[torch.Tensor, ...]:
-    """The engine's K/V pools, each [layers, blocks, block_size, ...]: keys and values, or keys
-    alone where they are also the values (chapter 14's latents)."""
-    executor = engine.executor
-    if not isinstance(executor, InProcessExecutor):  # DisaggregatedConfig refuses it first
-        raise ValueError("a disaggregated engine keeps its pool in its own process: its executor must be in_process")
-    cache = executor.runner.cache
-    return (cache.k,) if cache.v is cache.k else (cache.k, cache.v)
-
-
 class HandoffScheduler(Scheduler):
     """The prefill engine's scheduler: a request handed on to the decode engine ends here after its
     first token, but its blocks are held (a fork of its table) until its K/V has been copied out."""
@@ -132,7 +121,7 @@ class PrefillEngine(LLMEngine):
     def __init__(self, config: EngineConfig, link: KVLink | LocalLink):
         link.connect(config.device)
         super().__init__(config)
-        self.link, self.pools = link, kv_pools(self)
+        self.link, self.pools = link, self.executor.kv_pools()
         self.sending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()  # (send, its tensor)
         self.dropped: list[RequestOutput] = []  # aborted since the last step: the router hears of them
 
@@ -189,7 +178,7 @@ class DecodeEngine(LLMEngine):
         # Nothing may reorder the requests: their K/V come in the order they were sent.
         components = dataclasses.replace(build_components(config), prepares=())
         super().__init__(config, components=components)
-        self.link, self.pools = link, kv_pools(self)
+        self.link, self.pools = link, self.executor.kv_pools()
         self.arrivals: collections.deque[Arrival] = collections.deque()
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.model.transformer import Transformer
@@ -29,6 +31,8 @@ class Executor(Protocol):
 
     def collect(self, launched: Any) -> ModelRunnerOutput: ...
 
+    def kv_pools(self) -> tuple[torch.Tensor, ...]: ...  # chapter 15 copies blocks out of them and into them
+
     def close(self) -> None: ...  # release what lives outside this process
 
 
@@ -53,6 +57,12 @@ class InProcessExecutor:
 
     def collect(self, launched: Launched | None) -> ModelRunnerOutput:
         return self.runner.collect(launched)
+
+    def kv_pools(self) -> tuple[torch.Tensor, ...]:
+        """The K/V pools, each [layers, blocks, block_size, ...]: keys and values, or keys alone where
+        they are also the values (chapter 14's latents)."""
+        cache = self.runner.cache
+        return (cache.k,) if cache.v is cache.k else (cache.k, cache.v)
 
     def close(self) -> None:
         self.runner.close()

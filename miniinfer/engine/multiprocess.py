@@ -137,6 +137,10 @@ class MultiProcessExecutor:
         self._send("collect")
         return self._read(1)[0]  # rank 0's tokens: the other ranks sampled the same
 
+    def kv_pools(self) -> tuple[torch.Tensor, ...]:
+        raise ValueError("the K/V pools live in the ranks' processes: copying blocks in and out of them "
+                         "(a disaggregated engine) needs executor='in_process'")
+
     def close(self) -> None:
         self._finalizer()
 
