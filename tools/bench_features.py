@@ -343,7 +343,8 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
                 return fn(*a, **kw)
             finally:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-        return fn, wrapper
+        # Put back as it was: the raw descriptor (a classmethod stays one), or nothing where it was inherited.
+        return vars(owner).get(attr), wrapper
     hooks = [(Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
              (ModelRunner, "prepare", "prepare"), (ModelRunner, "forward", "forward"),
              (ModelRunner, "sample", "sample"), (ModelRunner, "collect", "collect"),
@@ -369,8 +370,11 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
             sync()
             wall = (time.perf_counter() - t0) / 40
         finally:
-            for owner, attr, (fn, _) in saved:
-                setattr(owner, attr, fn)
+            for owner, attr, (raw, _) in saved:
+                if raw is None:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, raw)
         res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()},
                      "grammar_row_us": so.fill_batch.row_us, "grammar_threads": so.fill_batch.threads(128)}
         print(f"host {name}: step {wall * 1e3:.2f} ms; " + ", ".join(
