@@ -180,8 +180,8 @@ def lanes(model, prompts, overlap: bool, steps: int = 40, params=None) -> dict:
                 return fn(*a, **k)
         return call
     engine._launch, engine.executor.collect = traced(launch, "host: schedule + launch"), traced(collect, "host: wait")
-    # take_pending: the wait for the last step's tokens, and xgrammar's accept_token for each
-    grammar = {"apply": "host: grammar masks", "take_pending": "host: wait for the last tokens"}
+    # join: the wait for the grammar's thread (the last step's tokens accepted, this one's masks filled)
+    grammar = {"apply": "host: grammar masks", "join": "host: wait for the grammar's thread"}
     for name, label in grammar.items():  # on the class: the runner's processor calls them through self
         setattr(Structured, name, traced(getattr(Structured, name), label))
     torch.cuda.synchronize()
@@ -542,7 +542,7 @@ def one_by_one():
     from miniinfer.worker import structured_output as so
     batched = so.fill_masks
 
-    def fill(live, bitmask):
+    def fill(live, bitmask, filler):
         for n, matcher in live:
             matcher.fill_next_token_bitmask(bitmask, n)
     so.fill_masks = fill

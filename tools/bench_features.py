@@ -323,10 +323,19 @@ def sampling() -> dict:
     return res
 
 
+def grammar_filler(engine) -> dict:
+    """The mask filler's cost a row (on one thread) and the threads it would give 128 rows, if the engine
+    held a grammar."""
+    from miniinfer.worker.structured_output import Structured
+    fillers = [p.filler for p in engine.executor.runner.processors if isinstance(p, Structured)]
+    return {"grammar_row_us": fillers[0].row_us, "grammar_threads": fillers[0].threads(128)} if fillers else {}
+
+
 def host(base, names: list[str], **engine_kw: object) -> dict:
     """The host's time in each phase of 40 decode steps of 256 requests (their prompts' first 200 tokens,
     400 tokens each), for rows of the matrix: each phase's time per step, its waits for the device
-    included; a phase inside another (the processors inside sample) is counted in both. engine_kw: the
+    included; a phase inside another (the processors inside sample) is counted in both, and so is the
+    grammar's thread, beside the engine's (its time is not the step's). engine_kw: the
     EngineConfig fields that differ (cpuhost's device and dtype)."""
     from miniinfer.core.scheduler import Scheduler
     from miniinfer.worker import structured_output as so
@@ -350,8 +359,9 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
              (ModelRunner, "sample", "sample"), (ModelRunner, "collect", "collect"),
              (mi.LLMEngine, "step", "step"), (mi.RequestOutput, "of", "outputs"),
              (so.Structured, "apply", "sample: grammar masks"),
-             (so.Structured, "take_pending", "sample: grammar masks: wait, accept tokens"),
-             (so, "fill_masks", "sample: grammar masks: fill"), (logprobs.Scores, "score", "sample: scores"),
+             (so.Structured, "join", "sample: grammar masks: wait for their thread"),
+             (so.Structured, "advance", "grammar's thread: wait, accept tokens, fill"),
+             (so, "fill_masks", "grammar masks: fill (either thread)"), (logprobs.Scores, "score", "sample: scores"),
              (logprobs.Logprobs, "report", "collect: logprobs' report"),
              (processors.Penalties, "apply", "sample: penalties"),
              (processors.Penalties, "accept", "sample: penalties' counts")]
@@ -376,7 +386,7 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
                 else:
                     setattr(owner, attr, raw)
         res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()},
-                     "grammar_row_us": so.fill_batch.row_us, "grammar_threads": so.fill_batch.threads(128)}
+                     **grammar_filler(engine)}
         print(f"host {name}: step {wall * 1e3:.2f} ms; " + ", ".join(
             f"{k} {v:.2f}" for k, v in res[name]["phases_ms"].items()), flush=True)
         done256(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import math
@@ -120,17 +121,14 @@ class MaskFiller:
             self.row_us = (time.perf_counter() - t0) * 1e6 / max(len(matchers), 1)
 
 
-fill_batch = MaskFiller()
-
-
-def fill_masks(live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
+def fill_masks(live: list[tuple[int, Any]], bitmask: torch.Tensor, filler: MaskFiller) -> None:
     """Row n of bitmask for each (n, matcher). xgrammar's matchers fill theirs in one batch call:
     128 rows of a 128k-token vocabulary one at a time took longer than six decode steps
     (docs/benchmarks/structured_overlap_h100.json, before grammar_vocab). Other matchers (a problem
     set's) fill theirs one by one."""
     import xgrammar as xgr
     if all(isinstance(m, xgr.GrammarMatcher) for _, m in live):
-        fill_batch([m for _, m in live], bitmask, [n for n, _ in live])
+        filler([m for _, m in live], bitmask, [n for n, _ in live])
         return
     for n, matcher in live:
         matcher.fill_next_token_bitmask(bitmask, n)
@@ -156,8 +154,10 @@ class Structured(Processor):
         self.runner = runner
         self.tokenizer = runner.tokenizer  # the engine's; a rank of chapter 11 loads the checkpoint's
         self.matchers: dict[int, Any] = {}  # row -> its request's matcher
-        self.bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host, made when first needed
-        self.pending: tuple[list, list, torch.Tensor, Any] | None = None  # the last step's tokens on their way
+        self.bitmask = torch.empty(0, 0, dtype=torch.int32)  # [rows, words] on the host, made when first needed
+        self.filler = MaskFiller()  # its own: chapter 15's pair runs two engines, and two fills, in one process
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-grammar")
+        self.ahead: concurrent.futures.Future | None = None  # the next step's masks, filled on that thread
         self.hits_of: StepBatch | None = None  # the step whose rows under a grammar `hits` holds
         self.hits: list[tuple[int, Any]] = []
 
@@ -188,25 +188,37 @@ class Structured(Processor):
         return [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers]
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
-        self.take_pending()
+        ahead = self.join()  # held while the step is masked: no matcher of theirs is freed and its id reused
         self.hits_of, self.hits = step, self.held(step)  # accept reads them again
-        hits = self.hits
-        if not hits:
+        if not self.hits:
             return logits
-        if self.bitmask is None:  # the tokenizer's ids (grammar_vocab): the padding's words count as zeros
-            self.bitmask = torch.empty(self.runner.config.max_num_seqs,
+        if not len(self.bitmask):  # the tokenizer's ids (grammar_vocab): the padding's words count as zeros
+            self.bitmask = torch.empty(2 * self.runner.config.max_num_seqs,  # a step's filled ahead, and new ones
                                        -(-grammar_vocab(self.tokenizer, logits.shape[1]) // 32), dtype=torch.int32)
-        self.bitmask[:len(hits)] = -1  # a matcher that is done (its end token sampled): what it gets next is dropped
-        fill_masks([(n, m) for n, (_, m) in enumerate(hits) if not m.is_terminated()], self.bitmask)
-        at = np.array([i for i, _ in hits])
-        mask = to_device(self.bitmask[:len(hits)].numpy(), logits.device)  # a pinned copy: no wait
+        # Each row's mask: filled ahead; none (-1) once its matcher is done (its end token sampled: what
+        # it gets next is dropped); else filled now (a request that joined the grammar's rows this step).
+        filled = {id(m): n for n, m in enumerate(ahead)}
+        late: list[tuple[int, Any]] = []
+        rows: list[int] = []
+        for _, m in self.hits:
+            n = filled.get(id(m))
+            if n is None and not m.is_terminated():
+                n = len(ahead) + len(late)
+                late.append((n, m))
+            rows.append(-1 if n is None else n)
+        if late:
+            fill_masks(late, self.bitmask, self.filler)
+        at, row = np.array([i for i, _ in self.hits]), np.array(rows)
+        if row.max() < 0:
+            return logits
+        mask = to_device(self.bitmask[:row.max() + 1].numpy(), logits.device)  # a pinned copy: no wait
         if logits.is_cuda:  # the whole batch in one pass, each row told its row of the mask (-1: none)
             index = np.full(len(step.rows), -1, np.int32)
-            index[at] = np.arange(len(at))
+            index[at] = row
             return MASK_KERNEL["triton"](logits, mask, to_device(index, logits.device))
-        mask = torch.nn.functional.pad(mask, (0, -(-logits.shape[1] // 32) - mask.shape[1]))  # padding: never
-        at_t = torch.from_numpy(at)
-        return logits.index_copy(0, at_t, self.mask(logits[at_t], mask))
+        masked, which = torch.from_numpy(at[row >= 0]), torch.from_numpy(row[row >= 0])
+        mask = torch.nn.functional.pad(mask[which], (0, -(-logits.shape[1] // 32) - mask.shape[1]))  # padding: never
+        return logits.index_copy(0, masked, self.mask(logits[masked], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
         hits = self.hits if self.hits_of is step else self.held(step)
@@ -216,18 +228,27 @@ class Structured(Processor):
             ready = torch.cuda.Event() if tokens.is_cuda else None
             if ready is not None:
                 ready.record()
-            self.pending = ([m for _, m in hits], [i for i, _ in hits], host, ready)
+            self.ahead = self.thread.submit(self.advance, [m for _, m in hits], [i for i, _ in hits], host, ready,
+                                            self.bitmask)
         return None
 
-    def take_pending(self) -> None:
-        """The last step's tokens into their matchers (it waits for that step only)."""
-        if self.pending is None:
-            return
-        matchers, at, host, ready = self.pending
-        self.pending = None
+    def advance(self, matchers: list, at: list[int], host: torch.Tensor, ready: Any, bitmask: torch.Tensor) -> list:
+        """On the grammar's thread, while the engine's goes on to the next step: wait for this step's
+        tokens, take them into their matchers, fill the masks the next step will want (row n of the
+        bitmask for the nth matcher still going) and return those matchers. xgrammar lets go of
+        Python's lock while it works, so the two threads' work overlaps."""
         if ready is not None:
             ready.synchronize()
         accept_tokens(matchers, host.numpy()[at].tolist())
+        live = [m for m in matchers if not m.is_terminated()]
+        if live:
+            fill_masks(list(enumerate(live)), bitmask, self.filler)
+        return live
+
+    def join(self) -> list:
+        """The matchers whose masks were filled ahead, in the order of their rows (waits for the thread)."""
+        ahead, self.ahead = self.ahead, None
+        return [] if ahead is None else ahead.result()
 
 
 # The mask of a whole GPU batch in one pass, from the end of this chapter: imported when first used.
