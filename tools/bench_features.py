@@ -360,7 +360,7 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
              (mi.LLMEngine, "step", "step"), (mi.RequestOutput, "of", "outputs"),
              (so.Structured, "apply", "sample: grammar masks"),
              (so.Structured, "join", "sample: grammar masks: wait for their thread"),
-             (so.Structured, "advance", "grammar's thread: wait, accept tokens, fill"),
+             (so, "advance", "grammar's thread: wait, accept tokens, fill"),
              (so, "fill_masks", "grammar masks: fill (either thread)"), (logprobs.Scores, "score", "sample: scores"),
              (logprobs.Logprobs, "report", "collect: logprobs' report"),
              (processors.Penalties, "apply", "sample: penalties"),

@@ -135,14 +135,28 @@ def fill_masks(live: list[tuple[int, Any]], bitmask: torch.Tensor, filler: MaskF
 
 
 def accept_tokens(matchers: list, tokens: list[int]) -> None:
-    """Each token into its matcher, a matcher that is done left alone: xgrammar's in one call."""
+    """Each token into its matcher (none of them done): xgrammar's in one call."""
     import xgrammar as xgr
-    live = [(m, t) for m, t in zip(matchers, tokens) if not m.is_terminated()]
-    if all(isinstance(m, xgr.GrammarMatcher) for m, _ in live):
-        xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in live], [t for _, t in live])
+    if all(isinstance(m, xgr.GrammarMatcher) for m in matchers):
+        xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         return
-    for matcher, token in live:
+    for matcher, token in zip(matchers, tokens):
         matcher.accept_token(token)
+
+
+def advance(matchers: list, at: list[int], host: torch.Tensor, ready: Any, bitmask: torch.Tensor,
+            filler: MaskFiller) -> list:
+    """A step's tokens (host[at], once `ready` has fired) into its matchers still going, then the masks
+    of those still going after them: row n of bitmask for the nth, returned in that order. Structured
+    runs it on a thread of its own and hands it nothing that holds the runner: an engine dropped while
+    it runs is freed as soon as it is dropped, not once the thread lets go."""
+    if ready is not None:
+        ready.synchronize()
+    accept_tokens(matchers, host.numpy()[at].tolist())
+    live = [m for m in matchers if not m.is_terminated()]
+    if live:
+        fill_masks(list(enumerate(live)), bitmask, filler)
+    return live
 
 
 class Structured(Processor):
@@ -158,7 +172,7 @@ class Structured(Processor):
         self.filler = MaskFiller()  # its own: chapter 15's pair runs two engines, and two fills, in one process
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-grammar")
         self.ahead: concurrent.futures.Future | None = None  # the next step's masks, filled on that thread
-        self.hits_of: StepBatch | None = None  # the step whose rows under a grammar `hits` holds
+        self.hits_of: StepBatch | None = None  # the step whose rows under a live grammar `hits` holds
         self.hits: list[tuple[int, Any]] = []
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
@@ -182,15 +196,16 @@ class Structured(Processor):
         return xgr.GrammarMatcher(compile_structure(structure, compiler))
 
     def held(self, step: StepBatch) -> list[tuple[int, Any]]:
-        """(batch index, matcher) of the step's rows that sample under a grammar."""
+        """(batch index, matcher) of the step's rows that sample under a grammar (done or not)."""
         if not self.matchers:
             return []
         return [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers]
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         ahead = self.join()  # held while the step is masked: no matcher of theirs is freed and its id reused
-        self.hits_of, self.hits = step, self.held(step)  # accept reads them again
-        if not self.hits:
+        hits = self.held(step)
+        if not hits:
+            self.hits_of, self.hits = step, []
             return logits
         if not len(self.bitmask):  # the tokenizer's ids (grammar_vocab): the padding's words count as zeros
             self.bitmask = torch.empty(2 * self.runner.config.max_num_seqs,  # a step's filled ahead, and new ones
@@ -200,7 +215,7 @@ class Structured(Processor):
         filled = {id(m): n for n, m in enumerate(ahead)}
         late: list[tuple[int, Any]] = []
         rows: list[int] = []
-        for _, m in self.hits:
+        for _, m in hits:
             n = filled.get(id(m))
             if n is None and not m.is_terminated():
                 n = len(ahead) + len(late)
@@ -208,7 +223,8 @@ class Structured(Processor):
             rows.append(-1 if n is None else n)
         if late:
             fill_masks(late, self.bitmask, self.filler)
-        at, row = np.array([i for i, _ in self.hits]), np.array(rows)
+        at, row = np.array([i for i, _ in hits]), np.array(rows)
+        self.hits_of, self.hits = step, [h for h, n in zip(hits, rows) if n >= 0]  # accept's
         if row.max() < 0:
             return logits
         mask = to_device(self.bitmask[:row.max() + 1].numpy(), logits.device)  # a pinned copy: no wait
@@ -221,29 +237,17 @@ class Structured(Processor):
         return logits.index_copy(0, masked, self.mask(logits[masked], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        hits = self.hits if self.hits_of is step else self.held(step)
+        hits = self.hits if self.hits_of is step else [(i, m) for i, m in self.held(step) if not m.is_terminated()]
         if hits:  # the matchers themselves, not their rows: a row may have a new request by the time they land
             # The whole batch's tokens: one copy, no index sent to the device and no gather there.
             host = to_host(tokens) if tokens.is_cuda else tokens
             ready = torch.cuda.Event() if tokens.is_cuda else None
             if ready is not None:
                 ready.record()
-            self.ahead = self.thread.submit(self.advance, [m for _, m in hits], [i for i, _ in hits], host, ready,
-                                            self.bitmask)
+            # The thread takes them in and fills the next step's masks while this one goes on to that step.
+            self.ahead = self.thread.submit(advance, [m for _, m in hits], [i for i, _ in hits], host, ready,
+                                            self.bitmask, self.filler)
         return None
-
-    def advance(self, matchers: list, at: list[int], host: torch.Tensor, ready: Any, bitmask: torch.Tensor) -> list:
-        """On the grammar's thread, while the engine's goes on to the next step: wait for this step's
-        tokens, take them into their matchers, fill the masks the next step will want (row n of the
-        bitmask for the nth matcher still going) and return those matchers. xgrammar lets go of
-        Python's lock while it works, so the two threads' work overlaps."""
-        if ready is not None:
-            ready.synchronize()
-        accept_tokens(matchers, host.numpy()[at].tolist())
-        live = [m for m in matchers if not m.is_terminated()]
-        if live:
-            fill_masks(list(enumerate(live)), bitmask, self.filler)
-        return live
 
     def join(self) -> list:
         """The matchers whose masks were filled ahead, in the order of their rows (waits for the thread)."""
