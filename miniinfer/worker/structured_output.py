@@ -199,7 +199,8 @@ class Structured(Processor):
         """(batch index, matcher) of the step's rows that sample under a grammar (done or not)."""
         if not self.matchers:
             return []
-        return [(i, self.matchers[r]) for i, r in zip(step.ends, step.rows[step.ends]) if r in self.matchers]
+        rows = step.rows[step.ends].tolist()  # Python's ints: NumPy's hash slower as keys
+        return [(i, self.matchers[r]) for i, r in zip(step.ends, rows) if r in self.matchers]
 
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         ahead = self.join()  # held while the step is masked: no matcher of theirs is freed and its id reused
