@@ -131,10 +131,14 @@ def against_plain(res: dict) -> None:
 
 def phases(trace: list) -> dict:
     """Seconds in steps with prompt tokens and in decode-only steps, from run_engine's trace of
-    (seconds since the start, sequences, tokens, preempted) at each step's end."""
-    res, last = {"prefill_s": 0.0, "decode_s": 0.0}, 0.0
-    for t, seqs, tokens, _ in trace:
+    (seconds since the start, sequences, tokens, preempted) at each step's end; and the first 24 steps
+    as (ms, sequences, tokens): where a row's prompts lose, if they do."""
+    res: dict = {"prefill_s": 0.0, "decode_s": 0.0, "first_steps": []}
+    last = 0.0
+    for j, (t, seqs, tokens, _) in enumerate(trace):
         res["prefill_s" if tokens > seqs else "decode_s"] += t - last
+        if j < 24:
+            res["first_steps"].append((round((t - last) * 1e3, 2), seqs, tokens))
         last = t
     return res
 
