@@ -226,6 +226,31 @@ def test_ngram_guesses_follow_the_latest_longest_match(tokens, k, max_n):
     assert spec.ngram_guesses(tokens, k, max_n) == expected
 
 
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12),
+       st.lists(st.tuples(st.lists(st.integers(0, 4), max_size=5), st.integers(0, 5)), min_size=1, max_size=25),
+       st.integers(1, 3), st.integers(1, 6))
+def test_the_ngram_index_guesses_what_the_scan_does(prompt, steps, min_n, k):
+    """The proposer's index against ngram_guesses at every proposal of a request whose tokens grow as
+    the engine grows them between two proposals: by the guesses a step kept and one token more."""
+    index, tokens = spec.NgramIndex(3, min_n), list(prompt)
+    for guesses, kept in steps:
+        assert index.guesses(tokens, k) == spec.ngram_guesses(tokens, k, 3, min_n)
+        tokens += guesses[:kept] + [kept]
+    assert index.guesses(tokens, k) == spec.ngram_guesses(tokens, k, 3, min_n)
+
+
+def test_the_ngram_proposer_forgets_a_request_that_ends():
+    """A finished or preempted request's index goes: one that comes back (preempted, its tokens
+    rebuilt) starts from its tokens again."""
+    proposer = spec.NgramProposer(mi.EngineConfig())
+    runner = type("Runner", (), {"requests": {"a": type("R", (), {"token_ids": [1, 2, 3, 1, 2]})()}})()
+    assert proposer.propose(runner, None, {"a": 2}) == ({"a": [3, 1]}, None)
+    proposer.forget("a")
+    assert "a" not in proposer.index
+    runner.requests["a"].token_ids = [7, 8, 7]
+    assert proposer.propose(runner, None, {"a": 2}) == ({"a": [8, 7]}, None)
+
+
 def test_bad_configurations_are_refused_before_loading(tmp_path, hf_checkpoint):
     _, folder, _ = hf_checkpoint
     with pytest.raises(ValueError, match="needs a speculative_model"):

@@ -121,7 +121,7 @@ def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = Non
         outputs = engine.step()
         now = time.perf_counter() - t0
         s = engine.stats
-        trace.append((round(now, 5), len(s.scheduled), sum(s.scheduled.values()), len(s.preempted)))
+        trace.append((round(now, 5), len(s.scheduled), sum(s.scheduled.values()), len(s.preempted), s.kind))
         if late and late_id is None and now > 2.0:
             late_id, late_t0 = engine.add_request(late, greedy(16)), now
         if late_id is not None and ttft is None and any(o.request_id == late_id for o in outputs):
@@ -136,6 +136,23 @@ def run_engine(engine: mi.LLMEngine, prompts, outs, late: list[int] | None = Non
                                "running_when_it_arrived": next(t[1] for t in trace if t[0] >= late_t0)}
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return res
+
+
+def phases(trace: list) -> dict:
+    """The workload's steps and seconds by kind of step, from `run_engine`'s trace (each step's end, rows,
+    tokens, preempted, the engine's kind of step): steps with prompt tokens, decode steps that verified
+    guesses (chapter 09: more tokens than rows), then the other decode steps by rows. A step's seconds
+    are the host's, from the step before it ended: the GPU's work of a step overlaps the host's of the next."""
+    kinds: dict[str, dict] = {}
+    last = 0.0
+    for end, rows, tokens, _, step_kind in trace:
+        name = ("prefill" if step_kind == "prefill" else "verify" if tokens > rows else
+                "decode_128_rows_up" if rows >= 128 else "decode_16_127_rows" if rows >= 16 else "decode_1_15_rows")
+        kind = kinds.setdefault(name, {"steps": 0, "seconds": 0.0})
+        kind["steps"] += 1
+        kind["seconds"] += end - last
+        last = end
+    return kinds
 
 
 def ours(model, prompts, outs, overlap: bool = True) -> dict:

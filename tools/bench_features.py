@@ -45,7 +45,18 @@ from typing import Callable
 import numpy as np
 import torch
 import transformers
-from bench_engine import HALF_JSON, TOP5, engine_for, greedy, lanes, models, run_engine, served_and_step, workload
+from bench_engine import (
+    HALF_JSON,
+    TOP5,
+    engine_for,
+    greedy,
+    lanes,
+    models,
+    phases,
+    run_engine,
+    served_and_step,
+    workload,
+)
 from copy_bandwidth import copy_bandwidth
 from triton.testing import do_bench
 
@@ -129,18 +140,14 @@ def against_plain(res: dict) -> None:
             res[k]["of_plain"] = rate(i) / ref
 
 
-def phases(trace: list) -> dict:
-    """Seconds in steps with prompt tokens and in decode-only steps, from run_engine's trace of
-    (seconds since the start, sequences, tokens, preempted) at each step's end; and the first 24 steps
-    as (ms, sequences, tokens): where a row's prompts lose, if they do."""
-    res: dict = {"prefill_s": 0.0, "decode_s": 0.0, "first_steps": []}
-    last = 0.0
-    for j, (t, seqs, tokens, _) in enumerate(trace):
-        res["prefill_s" if tokens > seqs else "decode_s"] += t - last
-        if j < 24:
-            res["first_steps"].append((round((t - last) * 1e3, 2), seqs, tokens))
-        last = t
-    return res
+def row_phases(trace: list) -> dict:
+    """A row's seconds in steps with prompt tokens, in decode steps that verified guesses and in the
+    other decode steps, and its steps of each kind (bench_engine.phases)."""
+    kinds = phases(trace)
+    decode = [v for k, v in kinds.items() if k.startswith("decode")]
+    return {"prefill_s": kinds.get("prefill", {}).get("seconds", 0.0),
+            "verify_s": kinds.get("verify", {}).get("seconds", 0.0),
+            "decode_s": sum(v["seconds"] for v in decode), "steps_by_kind": kinds}
 
 
 def with_weights(base, fmt: str | None):
@@ -204,10 +211,11 @@ def matrix(base, prompts, outs, save, names: list[str]) -> dict:
         finally:
             gc.enable()
             gc.unfreeze()
-        r.update(phases(r.pop("trace")), **collector.report())
+        r.update(row_phases(r.pop("trace")), **collector.report())
         res[name] = {"what": what, **config, **({"weights": fmt} if fmt else {}), **r}
         print(f"matrix {name}: {r['output_tokens_per_s']:,.0f} output tok/s ({r['seconds']:.1f} s: prompts "
-              f"{r['prefill_s']:.1f}, decode {r['decode_s']:.1f}; {r['steps']} steps; the collector "
+              f"{r['prefill_s']:.1f}, decode {r['decode_s']:.1f}, verifying {r['verify_s']:.1f}; {r['steps']} steps; "
+              f"the collector "
               f"{sum(collector.ms):.0f} ms in {collector.passes} passes)", flush=True)
         del engine, model
         gc.collect()

@@ -42,7 +42,7 @@ import torch
 
 # Another copy of the package (an earlier commit's, from d017ff0 on, to measure it against this one)
 # comes first on PYTHONPATH: PYTHONPATH=/path/to/that/copy python tools/bench_tp.py ...
-from bench_engine import LLAMA_3_1_8B, greedy, run_engine, workload
+from bench_engine import LLAMA_3_1_8B, greedy, phases, run_engine, workload
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -165,22 +165,6 @@ class HostMeter:
                "pickle_us": 1e6 * statistics.median(pickle_s)}
         self.launch_s, self.collect_s, self.outs = [], [], []
         return res
-
-
-def phases(trace: list) -> dict:
-    """The workload's steps and seconds by kind of step, from `run_engine`'s trace (each step's end, rows,
-    tokens): steps with prompt tokens, then decode steps by rows. A step's seconds are the host's, from the
-    step before it ended: the GPU's work of a step overlaps the host's of the next."""
-    kinds: dict[str, dict] = {}
-    last = 0.0
-    for end, rows, tokens, _ in trace:
-        name = ("prefill" if tokens > rows else "decode_128_rows_up" if rows >= 128 else
-                "decode_16_127_rows" if rows >= 16 else "decode_1_15_rows")
-        kind = kinds.setdefault(name, {"steps": 0, "seconds": 0.0})
-        kind["steps"] += 1
-        kind["seconds"] += end - last
-        last = end
-    return kinds
 
 
 def ranks_trace(engine, path: str | None) -> None:

@@ -103,6 +103,37 @@ def ngram_guesses(tokens: list[int], k: int, max_n: int = 3, min_n: int = 1) -> 
     return []
 
 
+class NgramIndex:
+    """`ngram_guesses` for one request without reading all its tokens at every step: for each n, the
+    latest start of each run of n tokens that a token followed, brought up to date with the tokens
+    added since the last call (its tokens must only have grown since: the engine cuts rejected guesses
+    back no further than that). The n tokens are packed into one integer key (ids are below 2**32): a
+    dict of integers is one the garbage collector never walks."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.starts: list[dict[int, int]] = [{} for _ in range(max_n + 1)]  # by n: run's key -> latest start
+        self.seen = 0  # the runs that each token before this one follows are indexed
+
+    @staticmethod
+    def key(run: list[int]) -> int:
+        k = 0
+        for t in run:
+            k = (k << 32) | t
+        return k
+
+    def guesses(self, tokens: list[int], k: int) -> list[int]:
+        for end in range(max(self.seen, 1), len(tokens)):  # the runs that tokens[end] follows
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.starts[n][self.key(tokens[end - n:end])] = end - n
+        self.seen = max(self.seen, len(tokens))
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = self.starts[n].get(self.key(tokens[-n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
+        return []
+
+
 class Proposer:
     """Guesses at the next tokens of the requests a step leaves room for."""
 
@@ -129,10 +160,17 @@ class Proposer:
 class NgramProposer(Proposer):
     def __init__(self, config: EngineConfig, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n = max_n, min_n
+        self.index: dict[str, NgramIndex] = {}  # by request
 
     def propose(self, runner, out, room):
-        return {rid: ngram_guesses(runner.requests[rid].token_ids, k, self.max_n, self.min_n)
-                for rid, k in room.items()}, None
+        guesses = {}
+        for rid, k in room.items():
+            index = self.index.get(rid) or self.index.setdefault(rid, NgramIndex(self.max_n, self.min_n))
+            guesses[rid] = index.guesses(runner.requests[rid].token_ids, k)
+        return guesses, None
+
+    def forget(self, rid):
+        self.index.pop(rid, None)
 
 
 def run_forward(model: Transformer, cache: VarlenKVCache, graphs: DecodeGraphs | None, batch: VarlenBatch,
