@@ -21,7 +21,6 @@ GEMV then the one-shot (`gemv_one_shot_us`), launched early behind it: what a su
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import json
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from benchlib import header
 
 from miniinfer.kernels.allreduce import OneShotAllReduce  # noqa: E402
 from miniinfer.kernels.gemv import gemv  # noqa: E402
@@ -178,9 +178,8 @@ def main(path: str) -> None:
         rows_file = os.path.join(tmp, "rows.json")
         mp.spawn(_rank, args=(world, os.path.join(tmp, "store"), rows_file), nprocs=world)
         rows, rows_gemv = json.loads(Path(rows_file).read_text()).values()
-    res = {"what": __doc__.strip(), "gpu": torch.cuda.get_device_name(), "gpus": world,
-           "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-           "date": datetime.date.today().isoformat(), "copy_GBps": gbps,
+    res = {"what": __doc__.strip(), **header(gpus=world, nccl=".".join(map(str, torch.cuda.nccl.version()))),
+           "copy_GBps": gbps,
            "alpha_us": rows[0]["graph_us"], "alpha_eager_us": rows[0]["eager_us"],
            "bus_GBps_1GB": rows[-1]["graph_bus_GBps"], "sizes": rows, "row_gemv": rows_gemv}
     Path(path).write_text(json.dumps(res, indent=1) + "\n")

@@ -8,7 +8,6 @@ Hand-written tool.
     python tools/bench_attention.py plot docs/benchmarks/attention_h200.json  # redraw the PNGs
 """
 
-import datetime
 import itertools
 import json
 import random
@@ -19,22 +18,16 @@ import time
 import torch
 import torch.nn.functional as F
 import transformers
-import triton
 from bench_static_decode import LLAMA_3_2_1B
+from benchlib import gpu_ms, graph_ms
 from copy_bandwidth import copy_bandwidth
 from torch.nn.attention.bias import causal_lower_right
-from triton.testing import do_bench
 
 import miniinfer as mi
 from miniinfer.course.parity import rel_err
 
 DT = torch.bfloat16
 HQ, HK, BLOCK = 32, 8, 16
-
-
-def ms(fn) -> float:
-    """Median milliseconds; do_bench clears the L2 cache before each call, so data comes from memory."""
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def paged_pool(lens: list[int], D: int, seed: int = 0):
@@ -48,22 +41,6 @@ def paged_pool(lens: list[int], D: int, seed: int = 0):
     for b, start in enumerate(itertools.accumulate([0] + per[:-1])):
         tables[b, :per[b]] = order[start:start + per[b]]
     return k_cache, v_cache, tables
-
-
-def graph_ms(calls: list, rep: int = 200, runs: int = 1) -> float:
-    """GPU milliseconds per call: the calls, each over its own copy of the data, recorded in one CUDA
-    graph and replayed (the host's launch overhead stays out, as in the engine's decode steps); the
-    best of `runs` medians over `rep` ms each."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    t = min(do_bench(graph.replay, warmup=25, rep=rep, return_mode="median") for _ in range(runs)) / len(calls)
-    del graph
-    return t
 
 
 def decode_worlds(lens: list[int], D: int, hq: int = HQ) -> tuple[int, list[dict]]:
@@ -111,7 +88,7 @@ def decode_case(B: int, ctx: int, D: int) -> dict:
             notes[name] = "out of memory"
         torch.cuda.empty_cache()
     try:  # it reads the longest context back to the host: no CUDA graph, host time included
-        times["chapter 03: gather, then einsum"] = ms(lambda: ch03(worlds[-1]))
+        times["chapter 03: gather, then einsum"] = gpu_ms(lambda: ch03(worlds[-1]))
         notes["chapter 03: gather, then einsum"] = "timed with do_bench (not graphable): host time included"
     except torch.OutOfMemoryError:
         notes["chapter 03: gather, then einsum"] = "out of memory"
@@ -227,7 +204,7 @@ def prefill_case(B: int, T: int, cached: int, D: int) -> dict:
     args, sdpa = prefill_inputs(B, T, cached, D)
     ours = lambda: mi.kernels.prefill_attention(*args)  # noqa: E731
     err = rel_err(ours().view(B, T, HQ, D), sdpa())
-    times = {"triton (ours)": ms(ours), "SDPA, contiguous": ms(sdpa)}
+    times = {"triton (ours)": gpu_ms(ours), "SDPA, contiguous": gpu_ms(sdpa)}
     flops = 4 * D * HQ * B * sum(cached + i + 1 for i in range(T))
     return {"batch": B, "new_tokens": T, "cached": cached, "head_dim": D, "ms": times,
             "TFLOPs": {k: flops / (t * 1e-3) / 1e12 for k, t in times.items()},
@@ -317,9 +294,7 @@ def main(out_path: str, parts: list[str]) -> None:
         torch.cuda.empty_cache()
     if "e2e" in parts:
         res["end_to_end"] = end_to_end()
-    res.update({"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-                "heads": f"{HQ} query / {HK} KV heads, block size {BLOCK}, bf16"})
+    res.update(header(heads=f"{HQ} query / {HK} KV heads, block size {BLOCK}, bf16"))
     res.setdefault("copy_GBps", bw)
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
@@ -401,7 +376,7 @@ def plot_prefill_e2e(res: dict, path: str) -> None:
 def tune(which: str) -> None:
     """Time kernel configurations at representative sizes (prints a table; nothing recorded): first
     tile x warps x stages at the automatic split, then the split at the best of those."""
-    quick = lambda fn: do_bench(fn, warmup=10, rep=40, return_mode="median")  # noqa: E731
+    quick = lambda fn: gpu_ms(fn, warmup=10, rep=40)  # noqa: E731
     bw = copy_bandwidth()
     print(f"copy {bw:.0f} GB/s")
     sms = torch.cuda.get_device_properties(0).multi_processor_count

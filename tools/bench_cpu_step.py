@@ -8,13 +8,13 @@ prompt joins. Reports the median time of decode-only steps and of steps that car
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from benchlib import header
 
 import miniinfer as mi
 
@@ -39,8 +39,7 @@ def measure(steps: int = 60) -> dict:
     decode, mixed = statistics.median(times["decode"]), statistics.median(times["with_prompt"])
     return {"decode_step_ms": 1e3 * decode, "step_with_prompt_ms": 1e3 * mixed, "ratio": mixed / decode,
             "decode_steps": len(times["decode"]), "steps_with_prompt": len(times["with_prompt"]),
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            **header(threads=torch.get_num_threads())}
 
 
 if __name__ == "__main__":

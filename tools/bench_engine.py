@@ -30,7 +30,6 @@ each on the Llama-3.2-1B shape, or on the Qwen3-0.6B shape when written qwen3:PA
 """
 
 import contextlib
-import datetime
 import functools
 import gc
 import json
@@ -44,8 +43,8 @@ from pathlib import Path
 import torch
 import transformers
 from bench_static_decode import LLAMA_3_2_1B
+from benchlib import Results, gpu_ms
 from copy_bandwidth import copy_bandwidth
-from triton.testing import do_bench
 
 import miniinfer as mi
 
@@ -308,8 +307,7 @@ def hf_static(hf, prompts, outs, batch: int = 64) -> dict:
 
 def matmul_tflops() -> float:
     a, b = torch.randn(8192, 8192, device="cuda", dtype=DT), torch.randn(8192, 8192, device="cuda", dtype=DT)
-    from triton.testing import do_bench
-    return 2 * 8192 ** 3 / (do_bench(lambda: a @ b, rep=300) * 1e-3) / 1e12
+    return 2 * 8192 ** 3 / (gpu_ms(lambda: a @ b, rep=300) * 1e-3) / 1e12
 
 
 def floor(model, prompts, outs, gbps: float, tflops: float) -> dict:
@@ -341,7 +339,7 @@ def served_and_step(model) -> dict:
         times = [time.perf_counter() for _ in engine.stream(prompt, greedy(256))]
         itls.append(sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2])
     graph = engine.executor.runner.graphs.graphs[1]
-    step_us = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    step_us = gpu_ms(graph.replay, rep=200) * 1e3
     res = {"tokens_per_s": 1 / min(itls), "itl_us": [t * 1e6 for t in itls], "step_us": step_us,
            "step_tokens_per_s": 1e6 / step_us}
     res["of_step"] = res["tokens_per_s"] / res["step_tokens_per_s"]
@@ -588,11 +586,8 @@ def sampling(model, prompts, outs) -> dict:
 def main(out_path: str, parts: list[str]) -> None:
     """Run the parts in the order given; the JSON is rewritten after each, so a run cut short keeps
     what it finished."""
-    path = Path(out_path)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-               transformers=transformers.__version__, date=datetime.date.today().isoformat())
-    gbps = res["copy_GBps"] = copy_bandwidth()
+    results = Results(out_path, copy_GBps=copy_bandwidth())
+    res, gbps = results.data, results["copy_GBps"]
     res.setdefault("matmul_TFLOPs", matmul_tflops())
     prompts, outs = workload()
     res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs)}
@@ -644,7 +639,7 @@ def main(out_path: str, parts: list[str]) -> None:
             r["sampling"] = sampling(model, prompts, outs)
         else:
             raise ValueError(f"unknown part {part!r}")
-        path.write_text(json.dumps(res, indent=1))
+        results.write()
 
 
 def plot(out_path: str) -> None:

@@ -31,11 +31,9 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
 """
 
 import copy
-import datetime
 import gc
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -44,7 +42,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-import transformers
 from bench_engine import (
     HALF_JSON,
     TOP5,
@@ -57,8 +54,8 @@ from bench_engine import (
     served_and_step,
     workload,
 )
+from benchlib import Results, gpu_ms
 from copy_bandwidth import copy_bandwidth
-from triton.testing import do_bench
 
 import miniinfer as mi
 from miniinfer.layers import quantization as quant
@@ -263,7 +260,6 @@ def grammar() -> dict:
     """The JSON row's masks alone: 128 matchers of its schema (the course tokenizer) filled in one batch,
     by xgrammar's thread count, and the processors this machine gives the engine (a container may get
     fewer than the host has)."""
-    import os
 
     import xgrammar as xgr
     from bench_engine import SCHEMA
@@ -305,7 +301,7 @@ def scoring() -> dict:
                 and torch.allclose(top, want[2], atol=1e-4)
                 and torch.allclose(logprobs.gather(1, ids), want[2], atol=1e-4))
     res = {"rows": 256, "vocab": 128256, "k": 5, "same": same, "ids_in_the_same_order": bool(torch.equal(ids, want[3])),
-           **{f"{name}_us": do_bench(lambda: fn(x, tokens, 5), rep=100, return_mode="median") * 1e3
+           **{f"{name}_us": gpu_ms(lambda: fn(x, tokens, 5)) * 1e3
               for name, fn in (("fused", fused_top_logprobs), ("torch", top_logprobs))}}
     print(f"scoring: fused {res['fused_us']:.0f} us, torch {res['torch_us']:.0f} us, same {same}", flush=True)
     return res
@@ -327,7 +323,7 @@ def sampling() -> dict:
                                                      S.GREEDY_BELOW)
             sort = lambda: S.argmax(S.sampling_probs(x, s) / S.exponential_noise(s.seeds, s.steps, 128256))
             r = {"same": int((fused() == sort()).sum()), "rows": rows,
-                 **{f"{k}_us": do_bench(fn, rep=100, return_mode="median") * 1e3 for k, fn in
+                 **{f"{k}_us": gpu_ms(fn) * 1e3 for k, fn in
                     (("fused", fused), ("sort", sort))}}
             res[f"{name}_{rows}"] = r
             print(f"sampling {name} {rows} rows: fused {r['fused_us']:.0f} us, sorts {r['sort_us']:.0f} us, "
@@ -451,8 +447,7 @@ def replay256(base) -> dict:
         engine = engine_for(with_weights(base, fmt))
         graphs = engine.executor.runner.graphs
         b = graphs.buckets[-1]
-        res[fmt] = {"batch": b, "step_us": do_bench(graphs.graphs[b].replay, warmup=25, rep=200,
-                                                    return_mode="median") * 1e3}
+        res[fmt] = {"batch": b, "step_us": gpu_ms(graphs.graphs[b].replay, rep=200) * 1e3}
         print(f"replay256 {fmt}: {res[fmt]['step_us']:.0f} us a decode step of {b}", flush=True)
         del engine, graphs
         gc.collect()
@@ -503,19 +498,7 @@ def profiled(run: Callable[[], object], steps: int) -> dict:
 
 
 def main(out_path: str, parts: list[str]) -> None:
-    path = Path(out_path)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    gpu = torch.cuda.is_available()
-    res.update(gpu=torch.cuda.get_device_name() if gpu else None, torch=torch.__version__,
-               triton=__import__("triton").__version__, transformers=transformers.__version__,
-               date=datetime.date.today().isoformat(), **({"copy_GBps": copy_bandwidth()} if gpu else
-                                                          {"cpu": f"{platform.machine()}, {os.cpu_count()} cores"}))
-
-    def save(part: str):
-        def write(r: dict) -> None:
-            res[part] = r
-            path.write_text(json.dumps(res, indent=1) + "\n")
-        return write
+    save = Results(out_path, **({"copy_GBps": copy_bandwidth()} if torch.cuda.is_available() else {})).saver
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")

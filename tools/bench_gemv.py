@@ -32,7 +32,6 @@ Parts (any, in one run; results merge into the JSON):
 """
 
 import contextlib
-import datetime
 import functools
 import itertools
 import json
@@ -42,9 +41,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-from bench_attention import graph_ms
 from bench_quant import DECODE_GOALS, fp8_matmul
+from benchlib import Results, graph_ms
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -439,10 +437,8 @@ def argmax_part() -> dict:
 
 
 def main(out: str, parts: list[str]) -> None:
-    path = Path(out)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               date=datetime.date.today().isoformat(), copy_GBps=copy_bandwidth())
+    results = Results(out, copy_GBps=copy_bandwidth())
+    res, path = results.data, results.path
     for part in parts:
         if part.startswith("sweep"):  # sweep, sweep:llama_8b:llama_8b_tp2 (those models), sweep@1 (one row)
             part, _, rows = part.partition("@")

@@ -26,6 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 import build  # noqa: E402
+from benchlib import header  # noqa: E402
 
 from miniinfer.course import checks  # noqa: E402
 
@@ -69,13 +70,8 @@ def measure(ex, ns: dict) -> dict:
 
 
 def main(out: str) -> None:
-    result: dict = {"machine": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "items": {}}
-    try:
-        import triton
-        result["triton"] = triton.__version__
-    except ImportError:
-        pass
+    result = header(machine=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+                    items={})
     for chapter in ("04", "05", "06", "09", "10"):
         ns = build.solution_globals(chapter)
         slow = slow_variants(chapter, ns)

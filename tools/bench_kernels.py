@@ -4,7 +4,6 @@
 Hand-written tool.    python tools/bench_kernels.py docs/benchmarks/kernels_h200.json
 """
 
-import datetime
 import json
 import sys
 import tempfile
@@ -12,10 +11,9 @@ import tempfile
 import torch
 import torch.nn.functional as F
 import transformers
-import triton
 from bench_static_decode import LLAMA_3_2_1B
+from benchlib import gpu_ms, graph_ms, header
 from copy_bandwidth import copy_bandwidth
-from triton.testing import do_bench
 
 import miniinfer as mi
 
@@ -45,20 +43,14 @@ def hf_rope(q, k, cos, sin):  # transformers' apply_rotary_pos_emb, cos/sin of f
 
 
 def ms(fn) -> float:
-    """Milliseconds: the best of three do_bench medians (this machine's timings jump now and then)."""
-    return min(do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(3))
+    """Milliseconds: the best of three medians (this machine's timings jump now and then)."""
+    return gpu_ms(fn, runs=3)
 
 
 def graph_us(fn, calls: int = 20) -> float:
     """Microseconds per call replayed inside a CUDA graph: GPU time without the host's launch
     overhead, which is how the engine's decode steps run (chapter 02)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return ms(graph.replay) * 1e3 / calls
+    return graph_ms([fn] * calls, rep=100, runs=3) * 1e3
 
 
 def copy_at(numel: int) -> float:
@@ -149,7 +141,7 @@ def prefill() -> dict:
         for name in ("torch", "triton"):
             model.use_ops(name)
             outs[name] = model(ids)[:, -1].float()
-            res[name] = ids.numel() / (do_bench(lambda: model(ids), warmup=100, rep=500, return_mode="median") * 1e-3)
+            res[name] = ids.numel() / (gpu_ms(lambda: model(ids), warmup=100, rep=500) * 1e-3)
     agree = (outs["torch"].argmax(-1) == outs["triton"].argmax(-1)).float().mean().item()
     return {"shape": "Llama-3.2-1B (random bf16 weights), batch 4 x 1024", "tokens": ids.numel(),
             "tokens_per_s": {f"{k} ops": v for k, v in res.items()}, "next_token_agreement": agree}
@@ -191,10 +183,8 @@ def main(out_path: str) -> None:
     compiled = {"norm": torch.compile(hf_rms_norm, dynamic=False),
                 "add_norm": torch.compile(hf_add_rms_norm, dynamic=False),
                 "rope": torch.compile(hf_rope, dynamic=False)}
-    res = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-           "dtype": "bfloat16", "timing": "best of 3 triton.testing.do_bench medians, L2 flushed between runs",
-           "copy_GBps": copy_bandwidth()}
+    res = {**header(), "dtype": "bfloat16", "copy_GBps": copy_bandwidth(),
+           "timing": "best of 3 triton.testing.do_bench medians, L2 flushed between runs"}
     res["rms_norm"], res["fused_add_rms_norm"] = bench_norms(compiled)
     res["rope"] = bench_rope(compiled)
     res["decode_us"] = [{"op": op, "shape": r["shape"], "us": r["us"], "graph_us": r["graph_us"]}

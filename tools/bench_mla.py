@@ -27,7 +27,6 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
                                                  (the kernel three times at one batch and context, for a profiler)
 """
 
-import datetime
 import gc
 import json
 import sys
@@ -40,6 +39,7 @@ import transformers
 import triton
 from bench_engine import engine_for, greedy, hf_static, run_engine, workload
 from bench_gemv import graph_us
+from benchlib import Results
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -211,14 +211,10 @@ def blocks(res: dict, path: Path) -> None:
 
 
 def main(out: str, parts: list[str]) -> None:
-    path = Path(out)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               transformers=transformers.__version__, date=datetime.date.today().isoformat(),
-               copy_GBps=copy_bandwidth())
+    results = Results(out, copy_GBps=copy_bandwidth())
     for part in parts:
-        {"kernel": kernel, "sweep": sweep, "engine": engine, "blocks": blocks}[part](res, path)
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        {"kernel": kernel, "sweep": sweep, "engine": engine, "blocks": blocks}[part](results.data, results.path)
+        results.write()
 
 
 def plot(path: str) -> None:

@@ -16,7 +16,6 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
     python tools/bench_moe.py plot docs/benchmarks/moe_h200.json     (the PNG beside it, on any machine)
 """
 
-import datetime
 import gc
 import itertools
 import json
@@ -29,8 +28,8 @@ import transformers
 import triton
 from bench_engine import engine_for, greedy, hf_generate_batch, run_engine, served_and_step, workload
 from bench_gemv import graph_us
+from benchlib import Results, gpu_ms
 from copy_bandwidth import copy_bandwidth
-from triton.testing import do_bench
 
 import miniinfer as mi
 from miniinfer.kernels.moe import fused_experts, fused_route, moe_config
@@ -60,7 +59,7 @@ def grouped(x, weights, ids, w13, w2):
 def cycled_us(fns: list) -> float:
     """Microseconds per call, each call the next of fns (one per copy of the layer)."""
     it = itertools.cycle(fns)
-    return do_bench(lambda: next(it)(), rep=200) * 1e3
+    return gpu_ms(lambda: next(it)(), rep=200) * 1e3
 
 
 def layer(gbps: float) -> dict:
@@ -173,11 +172,8 @@ def batch1(model, gbps: float) -> dict:
 
 
 def main(out: str, parts: list[str]) -> None:
-    path = Path(out)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-               transformers=transformers.__version__, date=datetime.date.today().isoformat(),
-               copy_GBps=copy_bandwidth(), shape=dict(QWEN3_30B_A3B, layers_kept=LAYERS))
+    results = Results(out, copy_GBps=copy_bandwidth(), shape=dict(QWEN3_30B_A3B, layers_kept=LAYERS))
+    res, path = results.data, results.path
     pair = None
     for part in parts:
         if part == "layer":

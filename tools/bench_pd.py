@@ -24,7 +24,6 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
 
 import asyncio
 import dataclasses
-import datetime
 import itertools
 import json
 import os
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_static_decode import LLAMA_3_2_1B  # noqa: E402
+from benchlib import Results
 
 import miniinfer as mi  # noqa: E402
 from miniinfer.course.parity import make_hf_model  # noqa: E402
@@ -276,9 +276,7 @@ def SAVE(res: dict) -> None:
 
 
 def run(out_path: str, parts: list[str]) -> None:
-    res = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else {}
-    res.update({"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-                "torch": torch.__version__, "date": datetime.date.today().isoformat()})
+    res = Results(out_path).data
     for part in parts:
         {"parity": parity, "link": link, "goodput": goodput}[part](res)
         SAVE(res)

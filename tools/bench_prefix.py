@@ -15,7 +15,6 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     python tools/bench_prefix.py plot docs/benchmarks/prefix_h200.json
 """
 
-import datetime
 import json
 import random
 import statistics
@@ -25,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from bench_engine import engine_for, greedy, hf_generate_batch, models, run_engine, workload
+from benchlib import Results
 from copy_bandwidth import copy_bandwidth
 
 LONG_PROMPT, LONG_ARRIVAL_S = 16384, 2.5  # by 2.5 s every decoder decodes, at any budget
@@ -224,11 +223,8 @@ def parity() -> dict:
 
 
 def main(out_path: str, parts: list[str]) -> None:
-    path = Path(out_path)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-               transformers=transformers.__version__, date=datetime.date.today().isoformat(),
-               model="Llama-3.2-1B shape, random bf16 weights", copy_GBps=copy_bandwidth())
+    results = Results(out_path, model="Llama-3.2-1B shape, random bf16 weights", copy_GBps=copy_bandwidth())
+    res, path = results.data, results.path
     hf, model = models("llama")
     for part in parts:
         if part == "shared":

@@ -14,7 +14,6 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     python tools/bench_quant.py plot docs/benchmarks/quant_h200.json
 """
 
-import datetime
 import itertools
 import json
 import sys
@@ -22,9 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
+from benchlib import Results, graph_ms
 from copy_bandwidth import copy_bandwidth
-from triton.testing import do_bench
 
 import miniinfer as mi
 from miniinfer.kernels import quant as kq
@@ -40,13 +38,7 @@ FORMATS = {"int8": (8, None), "int4": (4, 128)}
 
 def us(fn) -> float:
     """Microseconds per call, replayed from a CUDA graph (the engine's decode steps run so)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return min(do_bench(graph.replay, warmup=5, rep=30, return_mode="median") for _ in range(2)) * 100
+    return graph_ms([fn] * 10, rep=30, runs=2) * 1e3
 
 
 def layer(fmt: str, N: int, K: int):
@@ -258,10 +250,8 @@ PARTS = {"check": check, "sweep": sweep, "kv_check": kv_check,
 
 
 def main(out: str, parts: list[str]) -> None:
-    path = Path(out)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                "date": datetime.date.today().isoformat()})
+    results = Results(out)
+    res, path = results.data, results.path
     res.setdefault("copy_GBps", copy_bandwidth())
     for part in parts:
         if part not in PARTS:

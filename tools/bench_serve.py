@@ -32,6 +32,7 @@ import torch
 import transformers
 from bench_engine import greedy, workload
 from bench_static_decode import LLAMA_3_2_1B
+from benchlib import header
 
 import miniinfer as mi
 from miniinfer.serving.bench import read_metrics, run_bench
@@ -160,11 +161,9 @@ def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = Fal
     saturation run gets its `timeline`."""
     import fastapi
     import uvicorn
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "transformers": transformers.__version__, "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__,
-           "httpx": httpx.__version__, "python": sys.version.split()[0], "date": datetime.date.today().isoformat(),
-           "model": "Llama-3.2-1B shape, random bf16 weights, word-level tokenizer over 128,256 ids",
-           "max_model_len": MAX_MODEL_LEN}
+    res = header(fastapi=fastapi.__version__, uvicorn=uvicorn.__version__, httpx=httpx.__version__,
+                 model="Llama-3.2-1B shape, random bf16 weights, word-level tokenizer over 128,256 ids",
+                 max_model_len=MAX_MODEL_LEN)
     prompts, outs = workload()
     res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
                        "note": "the course's 256 requests; each rate sends the first %d of them" % PER_RATE}

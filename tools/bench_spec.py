@@ -22,7 +22,6 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
 """
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
+from benchlib import Results
 from eval_course_model import PROMPTS
 
 import miniinfer as mi
@@ -209,11 +208,9 @@ def cpu_name() -> str:
 
 
 def main(out_path: str, parts: list[str], batches: list[int]) -> None:
-    path = Path(out_path)
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update(device=torch.cuda.get_device_name() if device() == "cuda" else cpu_name(),
-               threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
-               date=datetime.date.today().isoformat(), max_tokens=MAX_TOKENS)
+    results = Results(out_path, device=torch.cuda.get_device_name() if device() == "cuda" else cpu_name(),
+                      threads=torch.get_num_threads(), max_tokens=MAX_TOKENS)
+    res, path = results.data, results.path
     for part in parts:
         if part == "draft":
             for b in batches:

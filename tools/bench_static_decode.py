@@ -6,7 +6,6 @@ its static cache, all in one run, beside the floor (weight bytes / measured copy
     python tools/bench_static_decode.py docs/benchmarks/static_decode_h200.json
 """
 
-import datetime
 import json
 import statistics
 import sys
@@ -15,7 +14,7 @@ import time
 
 import torch
 import transformers
-import triton
+from benchlib import header
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -79,9 +78,7 @@ def main(out_path: str) -> dict:
     same = sum(a == b for a, b in zip(cached, theirs))
     bw = copy_bandwidth()
     floor = bw * 1e9 / weight_bytes
-    res = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-           "torch": torch.__version__, "transformers": transformers.__version__,
-           "triton": triton.__version__, "shape": "Llama-3.2-1B (random bf16 weights)",
+    res = {**header(), "shape": "Llama-3.2-1B (random bf16 weights)",
            "prompt_tokens": PROMPT, "new_tokens": NEW, "weight_bytes": weight_bytes,
            "copy_GBps": bw, "floor_tokens_per_s": floor, "results": results,
            "greedy_tokens_equal_to_transformers_before_first_difference":

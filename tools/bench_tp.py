@@ -27,7 +27,6 @@ shape alone, no sums: `python tools/bench_tp.py run OUT.json 32 tp1 rank`).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import pickle
@@ -43,6 +42,7 @@ import torch
 # Another copy of the package (an earlier commit's, from d017ff0 on, to measure it against this one)
 # comes first on PYTHONPATH: PYTHONPATH=/path/to/that/copy python tools/bench_tp.py ...
 from bench_engine import LLAMA_3_1_8B, greedy, phases, run_engine, workload
+from benchlib import header
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -288,8 +288,7 @@ def timeline(prefix: str, tp: int) -> dict:
 def run(out: str, layers: int, settings: list[str]) -> None:
     for name in settings:
         write_checkpoint(layers, name)
-    res = {"what": __doc__.strip(), "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(),
-           "torch": torch.__version__, "date": datetime.date.today().isoformat(), "layers": layers,
+    res = {"what": __doc__.strip(), **header(), "layers": layers,
            "weight_bytes": sum(p.stat().st_size for p in FOLDER.glob("*.safetensors")), "settings": {}}
     res["copy_GBps"] = copy_bandwidth()
     gc.collect()

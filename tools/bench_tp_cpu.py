@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from benchlib import header
 
 SIZES = [256, 4096, 65536, 1 << 20]  # float32 values: 1 KiB to 4 MiB
 REPS = 50
@@ -77,8 +78,7 @@ def engine_speed(ranks: int, requests: int = 4, tokens: int = 32) -> dict:
 
 
 def main(out: str) -> None:
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "all_reduce_us_by_bytes": all_reduce_us()}
+    result = header(machine=f"{platform.machine()}, {os.cpu_count()} cores", all_reduce_us_by_bytes=all_reduce_us())
     one, two = engine_speed(1), engine_speed(2)
     result["same_tokens"] = one.pop("tokens") == two.pop("tokens")
     result["engine"] = {"1 rank": one, "2 ranks": two}

@@ -4,7 +4,7 @@ import json
 import sys
 
 import torch
-from triton.testing import do_bench
+from benchlib import gpu_ms, header
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -12,12 +12,12 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     n = int(gib * 2**30) // 2
     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=100, rep=500, return_mode="median")
+    ms = gpu_ms(lambda: y.copy_(x), warmup=100, rep=500)
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
 
 
 if __name__ == "__main__":
-    res = {"gpu": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth()}
+    res = header(copy_GBps=copy_bandwidth())
     print(json.dumps(res))
     if len(sys.argv) > 1:
         open(sys.argv[1], "w").write(json.dumps(res))

@@ -16,6 +16,8 @@ import ast
 import sys
 from pathlib import Path
 
+from benchlib import header
+
 import miniinfer as mi
 
 PROMPTS = [
@@ -83,7 +85,6 @@ def score(folder=None, model=None, **config) -> tuple[int, list[str]]:
 def speed(threads: int = 2) -> dict:
     """Seconds for 64 greedy tokens after make demo's prompt on this CPU, float32, best of 3 after a
     warm-up: miniinfer's cached and naive paths and transformers' generate, for both course models."""
-    import platform
 
     import torch
     import transformers
@@ -91,8 +92,7 @@ def speed(threads: int = 2) -> dict:
     torch.set_num_threads(threads)
     prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
     params = mi.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    result = {"cpu": platform.processor() or platform.machine(), "threads": threads, "torch": torch.__version__,
-              "transformers": transformers.__version__, "tokens": 64, "seconds": {}}
+    result = header(threads=threads, tokens=64, seconds={})
     for name in ("pycoder", "pycoder-draft"):
         path = mi.course_model_path(name)
         model, ids = mi.load_model(path), mi.load_tokenizer(path)(prompt).input_ids
@@ -115,7 +115,6 @@ def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
     held-out packages). FP8 weights are emulated (their rounding, in float32); the FP8 KV cache is the
     engine's e4m3 pool, and in the bits per byte K and V rounded to e4m3 as the pool stores them."""
     import contextlib
-    import platform
     import sysconfig
     import time
     from types import SimpleNamespace
@@ -151,8 +150,7 @@ def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
 
         train = eval
 
-    res = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-           "held_out_chars": sum(map(len, docs)), "held_out_docs": len(docs), "formats": {}}
+    res = header(held_out_chars=sum(map(len, docs)), held_out_docs=len(docs), formats={})
     completions = {}
     for fmt, scheme, calib, kv in (("float32", None, None, None), ("int8", "int8", None, None),
                                    ("int4 RTN", "int4", None, None), ("int4 GPTQ", "int4", calibration, None),

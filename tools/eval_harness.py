@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import transformers
 from bench_serve import start_server
+from benchlib import header
 
 import miniinfer as mi
 from miniinfer.model.loader import course_model_path
@@ -131,9 +129,7 @@ def main(out_path: str, lm_eval: str, port: int) -> None:
         "generations": [{"context": g["doc"]["context"], "target": g["target"], "got": g["filtered_resps"][0]}
                         for g in generated],
         "loglikelihoods_compared": len(theirs), "max_abs_difference": worst, "seconds": round(seconds, 1),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        **header(),
     }
     print(json.dumps(res, indent=1))
     assert worst < 1e-4, f"lm_eval's loglikelihoods differ from the engine's by up to {worst}"

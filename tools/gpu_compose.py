@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from benchlib import header
 
 import miniinfer as mi
 from miniinfer.course.parity import make_hf_model
@@ -59,8 +60,7 @@ def run(res: dict, name: str, fn, *args) -> None:
 
 
 def main(out_path: str) -> None:
-    res = {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-           "what": __doc__.split("\n\n")[0], "runs": {}}
+    res = header(what=__doc__.split("\n\n")[0], runs={})
     course = [mi.load_tokenizer()(p).input_ids for p in ["def fibonacci(n):\n", "for i in range(10):\n    print(i)\n"]]
     for quant in ("int8", "int4", "fp8"):
         run(res, f"course-{quant}", compose, "course model", None, course, quant)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 from bench_tp import SETTINGS  # tools/, this file's folder: the same settings as the 8B runs
+from benchlib import header
 
 import miniinfer as mi  # noqa: E402
 from miniinfer.course.parity import (
@@ -120,7 +121,7 @@ def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
 
 
 if __name__ == "__main__":
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res = header()
     if sys.argv[2:3] == ["tp"]:
         for kind in ("course", *SHAPES):
             res[kind] = tp_parity(kind, sys.argv[3:] or ["tp2", "tp2_layers", "tp2_nccl"])

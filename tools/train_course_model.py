@@ -23,7 +23,6 @@ import json
 import math
 import multiprocessing
 import random
-import sys
 import sysconfig
 import textwrap
 import time
@@ -32,6 +31,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
+from benchlib import header
 
 EOS = "<|endoftext|>"
 # Folders left out of the corpus: installed third-party code is not the standard library.
@@ -372,8 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
                train_seconds=round(train_seconds, 1), total_seconds=round(time.time() - t0, 1),
                files=len(docs), val_files=n_val, chars=n_chars,
                train_tokens=len(train_ids), val_tokens=len(val_ids),
-               stdlib=str(args.stdlib), python=sys.version.split()[0], torch=torch.__version__,
-               device=torch.cuda.get_device_name() if use_bf16 else "cpu", samples=samples)
+               stdlib=str(args.stdlib), samples=samples, **header())
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
     plot({args.out.name: log}, args.out / "val_loss.png")
     print(f"best val {best:.4f} at step {best_step}; trained {train_seconds:.0f}s", flush=True)

@@ -1,0 +1,81 @@
+"""What the bench scripts share: the header of a result (the machine and the versions it was measured
+with), the result file itself (merged part by part and rewritten after each, so that a run cut short
+keeps what it finished) and the GPU timer.
+
+Hand-written tool, imported by the others in tools/.
+"""
+
+import datetime
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def version(package: str) -> str | None:
+    """A package's installed version, without importing it (None: not installed)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def header(**extra: Any) -> dict:
+    """The machine and the versions a result comes from: the GPU's name (None on a CPU) and count, the
+    CPU, torch, triton, transformers and Python, and the date; then `extra`, a script's own fields."""
+    gpu = torch.cuda.is_available()
+    return {"gpu": torch.cuda.get_device_name() if gpu else None, "gpus": torch.cuda.device_count() if gpu else 0,
+            "cpu": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "triton": version("triton"), "transformers": version("transformers"),
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(), **extra}
+
+
+class Results:
+    """A result file: what it held already (a rerun of one part keeps the others), the header of this
+    run, and each part as it finishes."""
+
+    def __init__(self, path: str | os.PathLike, **extra: Any):
+        self.path = Path(path)
+        self.data: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.data.update(header(**extra))
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def save(self, part: str, value: Any) -> Any:
+        """value filed under part, the file rewritten; value returned."""
+        self.data[part] = value
+        self.write()
+        return value
+
+    def saver(self, part: str) -> Callable[[Any], Any]:
+        """save for one part: for a part that saves what it has so far as it goes."""
+        return lambda value: self.save(part, value)
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
+
+
+def gpu_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, runs: int = 1) -> float:
+    """Milliseconds a call of fn takes on the GPU: the median of triton's do_bench (which flushes the L2
+    cache before each call), the least of `runs` such medians where a machine's timings jump now and then."""
+    from triton.testing import do_bench
+    return min(do_bench(fn, warmup=warmup, rep=rep, return_mode="median") for _ in range(runs))
+
+
+def graph_ms(calls: list[Callable[[], object]], rep: int = 200, runs: int = 1) -> float:
+    """GPU milliseconds per call: the calls (each over its own copy of the data, or one call repeated)
+    recorded in one CUDA graph and replayed, so the host's launch overhead stays out as in the engine's
+    decode steps; the least of `runs` medians of `rep` ms each."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return gpu_ms(graph.replay, rep=rep, runs=runs) / len(calls)
