@@ -10,6 +10,7 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 
 import benchlib  # noqa: E402
+import pytest  # noqa: E402
 
 
 def test_the_header_names_the_machine_and_the_versions_on_a_cpu_too():
@@ -39,3 +40,22 @@ def test_no_tool_writes_its_own_header_or_times_with_its_own_timer():
                     if re.search(pattern, p.read_text())]
            for p in TOOLS.rglob("*.py") if p.name != "benchlib.py"}
     assert {name: found for name, found in own.items() if found} == {}
+
+
+def test_a_tools_command_line_runs_the_command_named_with_its_arguments(monkeypatch):
+    ran = []
+    fns = {"run": lambda out, *parts: ran.append((out, parts)), "plot": lambda path: ran.append(path)}
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "run", "out.json", "matrix", "batch1"])
+    benchlib.commands(**fns)
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "plot", "out.json"])
+    benchlib.commands(**fns)
+    assert ran == [("out.json", ("matrix", "batch1")), "out.json"]
+    monkeypatch.setattr(sys, "argv", ["bench_x.py", "rnu", "out.json"])
+    with pytest.raises(SystemExit, match=r"unknown command 'rnu'.*\n.*run OUT \[PARTS\.\.\.\]\n.*plot PATH"):
+        benchlib.commands(**fns)
+
+
+def test_no_tool_reads_its_command_line_by_hand():
+    """Commands go through benchlib.commands (or argparse, for options): no `sys.argv[1] ==` chains."""
+    by_hand = [p.name for p in TOOLS.rglob("*.py") if re.search(r"sys\.argv\[1\] ==", p.read_text())]
+    assert by_hand == []

@@ -3,7 +3,7 @@ from a CUDA graph, by message size (bf16, 8 KB to 1 GB), with the copy bandwidth
 the course's one-shot all-reduce (`miniinfer.kernels.allreduce`) at every size it serves, eagerly and in
 a graph, checked against NCCL on random data, with PyTorch's own one-shot beside it where it runs.
 
-    python tools/bench_allreduce.py docs/benchmarks/allreduce_one_shot_2gpu_h200.json
+    python tools/bench_allreduce.py run docs/benchmarks/allreduce_one_shot_2gpu_h200.json
     python tools/bench_allreduce.py plot docs/benchmarks/allreduce_one_shot_2gpu_h200.json   (its PNG)
 
 Per size: `eager_us` (calls back to back, as a model's layers make them, timed with CUDA events),
@@ -24,14 +24,13 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchlib import header
+from benchlib import commands, header
 
 from miniinfer.kernels.allreduce import OneShotAllReduce  # noqa: E402
 from miniinfer.kernels.gemv import gemv  # noqa: E402
@@ -208,7 +207,4 @@ def plot(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    else:
-        main(sys.argv[1])
+    commands(run=main, plot=plot)

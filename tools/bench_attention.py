@@ -11,7 +11,6 @@ Hand-written tool.
 import itertools
 import json
 import random
-import sys
 import tempfile
 import time
 
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from bench_static_decode import LLAMA_3_2_1B
-from benchlib import gpu_ms, graph_ms
+from benchlib import commands, gpu_ms, graph_ms
 from copy_bandwidth import copy_bandwidth
 from torch.nn.attention.bias import causal_lower_right
 
@@ -438,6 +437,5 @@ def check() -> None:
 
 
 if __name__ == "__main__":
-    {"run": lambda: main(sys.argv[2], sys.argv[3:] or ["decode", "prefill", "e2e"]),
-     "tune": lambda: tune(sys.argv[2]), "check": check,
-     "plot": lambda: plots(json.load(open(sys.argv[2])), sys.argv[2])}[sys.argv[1]]()
+    commands(run=lambda out, *parts: main(out, list(parts) or ["decode", "prefill", "e2e"]), tune=tune, check=check,
+             plot=lambda path: plots(json.load(open(path)), path))

@@ -35,7 +35,6 @@ import gc
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from pathlib import Path
 import torch
 import transformers
 from bench_static_decode import LLAMA_3_2_1B
-from benchlib import Results, gpu_ms
+from benchlib import Results, commands, gpu_ms
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -697,9 +696,4 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    elif sys.argv[1] == "plot_layers":
-        plot_layers(sys.argv[2])
-    else:
-        main(sys.argv[2], sys.argv[3:])
+    commands(run=lambda out, *parts: main(out, list(parts)), plot=plot, plot_layers=plot_layers)

@@ -34,7 +34,6 @@ import copy
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from bench_engine import (
     served_and_step,
     workload,
 )
-from benchlib import Results, gpu_ms
+from benchlib import Results, commands, gpu_ms
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -576,7 +575,4 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    else:
-        main(sys.argv[2], sys.argv[3:])
+    commands(run=lambda out, *parts: main(out, list(parts)), plot=plot)

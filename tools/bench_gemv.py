@@ -36,13 +36,12 @@ import functools
 import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from bench_quant import DECODE_GOALS, fp8_matmul
-from benchlib import Results, graph_ms
+from benchlib import Results, commands, graph_ms
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -559,9 +558,4 @@ def plot_norm(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        main(sys.argv[2], sys.argv[3:])
-    elif sys.argv[1] == "plot":
-        plot(sys.argv[2], sys.argv[3])
-    elif sys.argv[1] == "plot_norm":
-        plot_norm(sys.argv[2])
+    commands(run=lambda out, *parts: main(out, list(parts)), plot=plot, plot_norm=plot_norm)

@@ -1,7 +1,7 @@
 """The grader's speed items on the reference solutions, and on deliberately slow variants of them.
 
-    python tools/bench_grade.py OUT.json          # measure, then draw OUT.png
-    python tools/bench_grade.py --plot OUT.json   # draw OUT.png again from the JSON
+    python tools/bench_grade.py run OUT.json    # measure, then draw OUT.png
+    python tools/bench_grade.py plot OUT.json   # draw OUT.png again from the JSON
 
 Each problem set with speed items runs its solution notebook's code (check cells left out) into one
 namespace, as a student's kernel holds it; every speed item is then measured on the solution's answer
@@ -18,7 +18,6 @@ import functools
 import io
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 import build  # noqa: E402
-from benchlib import header  # noqa: E402
+from benchlib import commands, header  # noqa: E402
 
 from miniinfer.course import checks  # noqa: E402
 
@@ -112,4 +111,4 @@ def plot(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    plot(Path(sys.argv[2])) if sys.argv[1] == "--plot" else main(sys.argv[1])
+    commands(run=main, plot=lambda out: plot(Path(out)))

@@ -29,7 +29,6 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
 
 import gc
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import transformers
 import triton
 from bench_engine import engine_for, greedy, hf_static, run_engine, workload
 from bench_gemv import graph_us
-from benchlib import Results
+from benchlib import Results, commands
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -255,9 +254,5 @@ def once(batch: int, context: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "once":
-        once(int(sys.argv[2]), int(sys.argv[3]))
-    elif sys.argv[1] == "run":
-        main(sys.argv[2], sys.argv[3:])
-    elif sys.argv[1] == "plot":
-        plot(sys.argv[2])
+    commands(once=lambda batch, context: once(int(batch), int(context)), run=lambda out, *parts: main(out, list(parts)),
+             plot=plot)

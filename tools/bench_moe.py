@@ -19,7 +19,6 @@ Hand-written tool. Parts (in the order given; results merge into the JSON):
 import gc
 import itertools
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import transformers
 import triton
 from bench_engine import engine_for, greedy, hf_generate_batch, run_engine, served_and_step, workload
 from bench_gemv import graph_us
-from benchlib import Results, gpu_ms
+from benchlib import Results, commands, gpu_ms
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -238,7 +237,4 @@ def plot(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        main(sys.argv[2], sys.argv[3:])
-    elif sys.argv[1] == "plot":
-        plot(sys.argv[2])
+    commands(run=lambda out, *parts: main(out, list(parts)), plot=plot)

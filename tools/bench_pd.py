@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_static_decode import LLAMA_3_2_1B  # noqa: E402
-from benchlib import Results
+from benchlib import Results, commands
 
 import miniinfer as mi  # noqa: E402
 from miniinfer.course.parity import make_hf_model  # noqa: E402
@@ -317,7 +317,4 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    else:
-        run(sys.argv[2], sys.argv[3:])
+    commands(run=lambda out, *parts: run(out, list(parts)), plot=plot)

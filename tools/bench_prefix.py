@@ -18,14 +18,13 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from bench_engine import engine_for, greedy, hf_generate_batch, models, run_engine, workload
-from benchlib import Results
+from benchlib import Results, commands
 from copy_bandwidth import copy_bandwidth
 
 LONG_PROMPT, LONG_ARRIVAL_S = 16384, 2.5  # by 2.5 s every decoder decodes, at any budget
@@ -293,7 +292,4 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    else:
-        main(sys.argv[2], sys.argv[3:])
+    commands(run=lambda out, *parts: main(out, list(parts)), plot=plot)

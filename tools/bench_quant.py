@@ -16,12 +16,11 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
 
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchlib import Results, graph_ms
+from benchlib import Results, commands, graph_ms
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -312,9 +311,4 @@ def plot(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        main(sys.argv[2], sys.argv[3:])
-    elif sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    else:
-        raise SystemExit(__doc__)
+    commands(run=lambda out, *parts: main(out, list(parts)), plot=plot)

@@ -32,7 +32,7 @@ import torch
 import transformers
 from bench_engine import greedy, workload
 from bench_static_decode import LLAMA_3_2_1B
-from benchlib import header
+from benchlib import commands, header
 
 import miniinfer as mi
 from miniinfer.serving.bench import read_metrics, run_bench
@@ -270,11 +270,7 @@ def plot(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "run":
-        main(sys.argv[2], [float(r) for r in sys.argv[3:]] or RATES)
-    elif sys.argv[1] == "saturation":
-        main(sys.argv[2], [], repeat=int(sys.argv[3]), profile="--profile" in sys.argv, trace="--trace" in sys.argv)
-    elif sys.argv[1] == "http_cpu":
-        http_cpu(sys.argv[2], int(sys.argv[3]))
-    else:
-        plot(sys.argv[2])
+    commands(run=lambda out, *rates: main(out, [float(r) for r in rates] or RATES),
+             saturation=lambda out, repeat, *flags: main(out, [], repeat=int(repeat), profile="--profile" in flags,
+                                                         trace="--trace" in flags),
+             http_cpu=lambda out, n: http_cpu(out, int(n)), plot=plot)

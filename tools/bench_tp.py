@@ -42,7 +42,7 @@ import torch
 # Another copy of the package (an earlier commit's, from d017ff0 on, to measure it against this one)
 # comes first on PYTHONPATH: PYTHONPATH=/path/to/that/copy python tools/bench_tp.py ...
 from bench_engine import LLAMA_3_1_8B, greedy, phases, run_engine, workload
-from benchlib import header
+from benchlib import commands, header
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -390,12 +390,6 @@ def plot_rank(path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "plot":
-        plot(sys.argv[2])
-    elif sys.argv[1] == "plot_rank":
-        plot_rank(sys.argv[2])
-    elif sys.argv[1] == "run":
-        run(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 32,
-            sys.argv[4:] or ["tp1", "tp2", "tp2_layers", "tp2_nccl"])
-    elif sys.argv[1] == "one":
-        setting(sys.argv[2], sys.argv[3], sys.argv[4])
+    every = ["tp1", "tp2", "tp2_layers", "tp2_nccl"]
+    commands(plot=plot, plot_rank=plot_rank, one=setting,
+             run=lambda out, layers="32", *settings: run(out, int(layers), list(settings) or every))

@@ -79,3 +79,17 @@ def graph_ms(calls: list[Callable[[], object]], rep: int = 200, runs: int = 1) -
         for call in calls:
             call()
     return gpu_ms(graph.replay, rep=rep, runs=runs) / len(calls)
+
+
+def commands(**fns: Callable[..., object]) -> None:
+    """A tool's command line, `python tools/TOOL.py COMMAND ARG...`: fns[COMMAND](*ARGs). Without a
+    command it knows, the usage (each command with its parameters) and exit."""
+    import inspect
+    import sys
+    name, args = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if name not in fns:
+        usage = [f"  python {sys.argv[0]} {n} " + " ".join(
+            ("[" + p.name.upper() + "...]") if p.kind is p.VAR_POSITIONAL else p.name.upper()
+            for p in inspect.signature(fn).parameters.values()) for n, fn in fns.items()]
+        raise SystemExit("\n".join([f"unknown command {name!r}; one of:" if name else "commands:", *usage]))
+    fns[name](*args)
