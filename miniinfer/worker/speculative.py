@@ -119,7 +119,7 @@ class NgramIndex:
     def key(run: list[int]) -> int:
         k = 0
         for t in run:
-            k = (k << 32) | t
+            k = (k << 32) | int(t)  # a NumPy id would wrap at 64 bits
         return k
 
     def guesses(self, tokens: list[int], k: int) -> list[int]:
