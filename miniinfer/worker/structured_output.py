@@ -172,8 +172,7 @@ class Structured(Processor):
         self.filler = MaskFiller()  # its own: chapter 15's pair runs two engines, and two fills, in one process
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="miniinfer-grammar")
         self.ahead: concurrent.futures.Future | None = None  # the next step's masks, filled on that thread
-        self.hits_of: StepBatch | None = None  # the step whose rows under a live grammar `hits` holds
-        self.hits: list[tuple[int, Any]] = []
+        self.hits: list[tuple[int, Any]] = []  # (batch index, matcher) that apply masked, for accept
 
     def add(self, row: int, params: SamplingParams, prompt: list[int], output: list[int]) -> None:
         self.matchers.pop(row, None)
@@ -205,8 +204,8 @@ class Structured(Processor):
     def apply(self, logits: torch.Tensor, step: StepBatch, steps: np.ndarray) -> torch.Tensor:
         ahead = self.join()  # held while the step is masked: no matcher of theirs is freed and its id reused
         hits = self.held(step)
+        self.hits = []
         if not hits:
-            self.hits_of, self.hits = step, []
             return logits
         if not len(self.bitmask):  # the tokenizer's ids (grammar_vocab): the padding's words count as zeros
             self.bitmask = torch.empty(2 * self.runner.config.max_num_seqs,  # a step's filled ahead, and new ones
@@ -225,7 +224,7 @@ class Structured(Processor):
         if late:
             fill_masks(late, self.bitmask, self.filler)
         at, row = np.array([i for i, _ in hits]), np.array(rows)
-        self.hits_of, self.hits = step, [h for h, n in zip(hits, rows) if n >= 0]  # accept's
+        self.hits = [h for h, n in zip(hits, rows) if n >= 0]
         if row.max() < 0:
             return logits
         mask = to_device(self.bitmask[:row.max() + 1].numpy(), logits.device)  # a pinned copy: no wait
@@ -238,7 +237,7 @@ class Structured(Processor):
         return logits.index_copy(0, masked, self.mask(logits[masked], mask))
 
     def accept(self, step: StepBatch, tokens: torch.Tensor) -> None:
-        hits = self.hits if self.hits_of is step else [(i, m) for i, m in self.held(step) if not m.is_terminated()]
+        hits, self.hits = self.hits, []  # apply's, for this step (it always runs first)
         if hits:  # the matchers themselves, not their rows: a row may have a new request by the time they land
             # The whole batch's tokens: one copy, no index sent to the device and no gather there.
             host = to_host(tokens) if tokens.is_cuda else tokens
