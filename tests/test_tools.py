@@ -25,7 +25,7 @@ def test_a_result_file_keeps_the_parts_of_earlier_runs_and_saves_each_part_as_it
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"matrix": {"plain": 1.0}, "date": "2020-01-01"}))
     results = benchlib.Results(path, copy_GBps=3000.0)
-    assert results["matrix"] == {"plain": 1.0} and results["copy_GBps"] == 3000.0
+    assert results.data["matrix"] == {"plain": 1.0} and results.data["copy_GBps"] == 3000.0
     assert json.loads(path.read_text())["date"] == "2020-01-01"  # nothing written before a part ends
     save = results.saver("batch1")
     assert save({"bf16": 0.97}) == {"bf16": 0.97}

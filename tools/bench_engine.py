@@ -586,7 +586,8 @@ def main(out_path: str, parts: list[str]) -> None:
     """Run the parts in the order given; the JSON is rewritten after each, so a run cut short keeps
     what it finished."""
     results = Results(out_path, copy_GBps=copy_bandwidth())
-    res, gbps = results.data, results["copy_GBps"]
+    res = results.data
+    gbps = res["copy_GBps"]
     res.setdefault("matmul_TFLOPs", matmul_tflops())
     prompts, outs = workload()
     res["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs)}

@@ -437,7 +437,7 @@ def argmax_part() -> dict:
 
 def main(out: str, parts: list[str]) -> None:
     results = Results(out, copy_GBps=copy_bandwidth())
-    res, path = results.data, results.path
+    res = results.data
     for part in parts:
         if part.startswith("sweep"):  # sweep, sweep:llama_8b:llama_8b_tp2 (those models), sweep@1 (one row)
             part, _, rows = part.partition("@")
@@ -456,13 +456,11 @@ def main(out: str, parts: list[str]) -> None:
         elif part.startswith("formats"):  # formats, formats:llama_8b (one model's rows, the others kept), formats@1,64
             part, _, rows = part.partition("@")
             models = tuple(part.split(":")[1:]) or INT_MODELS
-            def save(rows: dict) -> None:
-                path.write_text(json.dumps(dict(res, formats=rows), indent=1))
-            res["formats"] = formats(res["copy_GBps"], save, models, res.get("formats", {}),
+            res["formats"] = formats(res["copy_GBps"], results.saver("formats"), models, res.get("formats", {}),
                                      tuple(map(int, rows.split(","))) if rows else (1, 2, 4, 8, 16))
         else:
             raise SystemExit(f"unknown part {part!r}")
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        results.write()
 
 
 FORMAT_STYLE = {"bf16_cublas": ("bf16, cuBLAS", "#bdbdbd"), "fp8_scaled_mm": ("fp8, _scaled_mm", "#fdae6b"),

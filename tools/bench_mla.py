@@ -31,6 +31,7 @@ import gc
 import json
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,7 +88,7 @@ def rebuilt(w: dict, kv_b: torch.Tensor) -> torch.Tensor:
     return out[:, :, 0]
 
 
-def kernel(res: dict, path: Path) -> None:
+def kernel(res: dict, save: Callable[[], None]) -> None:
     gbps = res["copy_GBps"]
     res.update(rows=[], shape=dict(heads=H, kv_lora_rank=RANK, rope_dim=ROPE, nope_dim=NOPE, v_dim=V,
                                    block_size=BLOCK))
@@ -124,10 +125,10 @@ def kernel(res: dict, path: Path) -> None:
             res["rows"].append(row)
             del worlds
             torch.cuda.empty_cache()
-            path.write_text(json.dumps(res, indent=1) + "\n")
+            save()
 
 
-def sweep(res: dict, path: Path) -> None:
+def sweep(res: dict, save: Callable[[], None]) -> None:
     """The kernel's tile, warps, stages and programs per multiprocessor at batch 16 and 64, contexts of 4,096
     and 16,384: each configuration's time, the best, and the rule's (latent_decode's defaults)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -158,7 +159,7 @@ def sweep(res: dict, path: Path) -> None:
         res["sweep"].append(row)
         del worlds
         torch.cuda.empty_cache()
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        save()
 
 
 def checkpoint(model_type: str, shape: dict, folder: str) -> transformers.PreTrainedModel:
@@ -172,7 +173,7 @@ def checkpoint(model_type: str, shape: dict, folder: str) -> transformers.PreTra
     return model
 
 
-def engine(res: dict, path: Path) -> None:
+def engine(res: dict, save: Callable[[], None]) -> None:
     """Ours, then transformers', on the 256 requests (ours written first: theirs may outlast the call)."""
     prompts, outs = workload()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
@@ -184,13 +185,13 @@ def engine(res: dict, path: Path) -> None:
     del ours
     gc.collect()
     torch.cuda.empty_cache()
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    save()
     # transformers 5.17's generate_batch fails on this model (its paged cache sizes a head by the config's
     # head_dim, 64 here, and the keys are 192 wide) and reports no tokens: its static batching, then
     res["engine"]["hf_static"] = hf_static(hf, prompts, outs)
 
 
-def blocks(res: dict, path: Path) -> None:
+def blocks(res: dict, save: Callable[[], None]) -> None:
     """Each model's pool at the engine's default memory share: blocks, bytes a block, tokens."""
     res["blocks"] = {}
     for name, model_type, shape in (("DeepSeek-V2-Lite (MLA)", "deepseek_v2", V2_LITE),
@@ -212,7 +213,7 @@ def blocks(res: dict, path: Path) -> None:
 def main(out: str, parts: list[str]) -> None:
     results = Results(out, copy_GBps=copy_bandwidth())
     for part in parts:
-        {"kernel": kernel, "sweep": sweep, "engine": engine, "blocks": blocks}[part](results.data, results.path)
+        {"kernel": kernel, "sweep": sweep, "engine": engine, "blocks": blocks}[part](results.data, results.write)
         results.write()
 
 

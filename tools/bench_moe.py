@@ -172,7 +172,7 @@ def batch1(model, gbps: float) -> dict:
 
 def main(out: str, parts: list[str]) -> None:
     results = Results(out, copy_GBps=copy_bandwidth(), shape=dict(QWEN3_30B_A3B, layers_kept=LAYERS))
-    res, path = results.data, results.path
+    res = results.data
     pair = None
     for part in parts:
         if part == "layer":
@@ -194,11 +194,11 @@ def main(out: str, parts: list[str]) -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 print(f"ours: {res['workload']['ours']['output_tokens_per_s']:.0f} output tok/s", flush=True)
-                path.write_text(json.dumps(res, indent=1) + "\n")  # transformers' run may outlast the device's limit
+                results.write()  # transformers' run may outlast the device's limit
                 res["workload"]["hf_generate_batch"] = hf_generate_batch(hf, prompts, outs)
         else:
             raise SystemExit(f"unknown part {part!r}")
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        results.write()
 
 
 def plot(path: str) -> None:

@@ -30,10 +30,10 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -226,7 +226,7 @@ def summarize(runs: list[dict]) -> dict:
             "met_ttft": sum(t <= TTFT_S for t in ttft), "met_itl": sum(p(g, 99) <= ITL_S for g in gaps)}
 
 
-def goodput(res: dict) -> None:
+def goodput(res: dict, save: Callable[[], None]) -> None:
     in_memory = Path("/dev/shm").exists() and shutil.disk_usage("/dev/shm").free > 16 * 2**30
     folder = tempfile.mkdtemp(dir="/dev/shm" if in_memory else None)
     t0 = time.perf_counter()
@@ -262,7 +262,7 @@ def goodput(res: dict) -> None:
                                        "times": [round(t, 4) for t in r["times"]]} for r in runs]
             print(name, rate, json.dumps(out["setups"][name][str(rate)]), flush=True)
             res["goodput"] = out
-            SAVE(res)  # a run cut short keeps what it measured
+            save()  # a run cut short keeps what it measured
         for e in engines:
             e.close()
     res["goodput"] = out
@@ -271,15 +271,12 @@ def goodput(res: dict) -> None:
     Path(folder).rmdir()
 
 
-def SAVE(res: dict) -> None:
-    Path(sys.argv[2]).write_text(json.dumps(res, indent=1) + "\n")
-
-
 def run(out_path: str, parts: list[str]) -> None:
-    res = Results(out_path).data
+    results = Results(out_path)
+    run_part = {"parity": parity, "link": link, "goodput": lambda res: goodput(res, results.write)}
     for part in parts:
-        {"parity": parity, "link": link, "goodput": goodput}[part](res)
-        SAVE(res)
+        run_part[part](results.data)
+        results.write()
 
 
 def plot(out_path: str) -> None:
@@ -310,7 +307,8 @@ def plot(out_path: str) -> None:
     axes[3].axhline(lk["peer_copy_GBps"], color="gray", ls=":", label="peer copy")
     axes[3].set(xscale="log", xlabel="MB", ylabel="GB/s", title="GPU 0 -> GPU 1")
     axes[3].legend(fontsize=8)
-    fig.suptitle(f"{res['gpus'][0]} x {len(res['gpus'])}, Llama-3.2-3B shape (random bf16), prompts "
+    gpu, gpus = (res["gpu"], res["gpus"]) if "gpu" in res else (res["gpus"][0], len(res["gpus"]))  # pd_h100: by name
+    fig.suptitle(f"{gpu} x {gpus}, Llama-3.2-3B shape (random bf16), prompts "
                  f"{g['prompt'][0]}-{g['prompt'][1]} tokens, outputs {g['output'][0]}-{g['output'][1]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(Path(out_path).with_suffix(".png"), dpi=110)

@@ -223,7 +223,7 @@ def parity() -> dict:
 
 def main(out_path: str, parts: list[str]) -> None:
     results = Results(out_path, model="Llama-3.2-1B shape, random bf16 weights", copy_GBps=copy_bandwidth())
-    res, path = results.data, results.path
+    res = results.data
     hf, model = models("llama")
     for part in parts:
         if part == "shared":
@@ -241,7 +241,7 @@ def main(out_path: str, parts: list[str]) -> None:
             res["step_profile"] = step_profile(model)
         else:
             raise ValueError(f"unknown part {part!r}")
-        path.write_text(json.dumps(res, indent=1))
+        results.write()
 
 
 def plot(out_path: str) -> None:

@@ -250,18 +250,16 @@ PARTS = {"check": check, "sweep": sweep, "kv_check": kv_check,
 
 def main(out: str, parts: list[str]) -> None:
     results = Results(out)
-    res, path = results.data, results.path
+    res = results.data
     res.setdefault("copy_GBps", copy_bandwidth())
     for part in parts:
         if part not in PARTS:
             raise SystemExit(f"unknown part {part!r}")
         if part == "decode":
-            def save(rows: dict) -> None:
-                path.write_text(json.dumps(dict(res, decode=rows), indent=1))
-            res[part] = decode(res["copy_GBps"], save)
+            res[part] = decode(res["copy_GBps"], results.saver("decode"))
         else:
             res[part] = PARTS[part](res["copy_GBps"]) if part == "kernels" else PARTS[part]()
-        path.write_text(json.dumps(res, indent=1))
+        results.write()
 
 
 # Issue 42's goals for batch-1 decode against bf16

@@ -17,7 +17,6 @@ full 128,256-token vocabulary (the server must turn every generated id into text
 """
 
 import asyncio
-import datetime
 import gc
 import json
 import os
@@ -234,8 +233,7 @@ def http_cpu(out_path: str, runs: int) -> None:
         finally:
             proc.terminate()
             proc.wait(60)
-    Path(out_path).write_text(json.dumps({"date": datetime.date.today().isoformat(), "python": sys.version.split()[0],
-                                          "transformers": transformers.__version__, "runs": rows}, indent=1))
+    Path(out_path).write_text(json.dumps(header(runs=rows), indent=1))
 
 
 def plot(out_path: str) -> None:

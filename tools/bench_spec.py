@@ -210,7 +210,7 @@ def cpu_name() -> str:
 def main(out_path: str, parts: list[str], batches: list[int]) -> None:
     results = Results(out_path, device=torch.cuda.get_device_name() if device() == "cuda" else cpu_name(),
                       threads=torch.get_num_threads(), max_tokens=MAX_TOKENS)
-    res, path = results.data, results.path
+    res = results.data
     for part in parts:
         if part == "draft":
             for b in batches:
@@ -227,7 +227,7 @@ def main(out_path: str, parts: list[str], batches: list[int]) -> None:
             res["parity"] = parity()
         else:
             raise ValueError(f"unknown part {part!r}")
-        path.write_text(json.dumps(res, indent=1))
+        results.write()
 
 
 def plot(out_path: str) -> None:

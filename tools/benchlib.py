@@ -43,9 +43,6 @@ class Results:
         self.data: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.data.update(header(**extra))
 
-    def __getitem__(self, key: str) -> Any:
-        return self.data[key]
-
     def save(self, part: str, value: Any) -> Any:
         """value filed under part, the file rewritten; value returned."""
         self.data[part] = value
