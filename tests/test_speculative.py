@@ -313,6 +313,35 @@ def test_speculation_only_in_small_batches():
     assert any(guesses for _, guesses, _ in log) and any(ahead for running, _, ahead in log if running > 2), log
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7, 11])
+def test_the_room_comes_whole_near_the_end(max_tokens):
+    """Room for all k guesses a step (so every verifying step can replay one graph), past max_tokens
+    and past a stop too, inside the context: no token past them is kept, and each kept token has its
+    log-probabilities, no more."""
+    prompts = ["for i in range(10):\n    print(i)\nfor i in range(10):\n", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = [",
+               'def f(a):\n    """a"""\n    return a\ndef f(a):\n    """']
+    params = mi.SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2, stop_token_ids=[29])
+    base = dict(num_blocks=64, block_size=4, max_num_seqs=3, max_model_len=34)
+    plain = mi.LLMEngine(mi.EngineConfig(**base)).generate(prompts, params, use_tqdm=False)
+    engine = mi.LLMEngine(mi.EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=4))
+    schedule, rooms = engine.scheduler.schedule, []
+
+    def logged():
+        out = schedule()
+        rooms.extend((room, engine.scheduler.requests[rid].num_tokens) for rid, room in out.num_spec_tokens.items())
+        return out
+    engine.scheduler.schedule = logged
+    outs = engine.generate(prompts, params, use_tqdm=False)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    for o, p in zip(outs, plain):
+        assert o.token_ids == p.token_ids and len(o.logprobs) == len(o.token_ids) <= max_tokens
+        rounded = [[(t.token, round(t.logprob, 4)) for t in out.logprobs] for out in (o, p)]
+        assert rounded[0] == rounded[1]
+    # every room k, but where the context (34 tokens) cuts it
+    assert all(room == min(4, 34 - known) for room, known in rooms), rooms
+    assert max_tokens == 1 or engine.stats.spec.verified > 0
+
+
 def test_speculation_in_any_batch_when_unbounded():
     """speculative_max_batch=None: guesses in a batch of any size, and the verify graphs (on a GPU)
     for as many requests as a step holds."""

@@ -162,21 +162,22 @@ def ours(model, prompts, outs, overlap: bool = True) -> dict:
     return res
 
 
-def lanes(model, prompts, overlap: bool, steps: int = 40, params=None) -> dict:
-    """Decode steps of 256 requests under torch.profiler: per step, the wall time and the time the
-    device was busy (the union of its kernels) and idle; and the host's launch / collect / update
+def lanes(model, prompts, overlap: bool, steps: int = 40, params=None, **engine_kw: object) -> dict:
+    """Decode steps of the prompts' requests under torch.profiler: per step, the wall time and the time
+    the device was busy (the union of its kernels) and idle; and the host's launch / collect / update
     spans and the device's busy spans of four steps, for the picture. params(i, n): request i's
     sampling (default greedy); with grammars, the host's mask filling and its wait for the last
-    step's tokens are lanes of their own."""
+    step's tokens are lanes of their own. engine_kw: EngineConfig fields (chapter 09's speculation)."""
     from torch.profiler import DeviceType, ProfilerActivity, record_function
 
     from miniinfer.worker.structured_output import Structured
     params = params or (lambda i, n: greedy(n))
-    engine = engine_for(model, mi.load_tokenizer(), overlap=overlap)
+    engine = engine_for(model, mi.load_tokenizer(), overlap=overlap, **engine_kw)
     engine.generate(prompts[:8], [params(i, 8) for i in range(len(prompts[:8]))], use_tqdm=False)
     for i, p in enumerate(prompts):
         engine.add_request(p, params(i, 1024 - 100))
-    while sum(engine.stats.scheduled.values()) != len(prompts):  # to the first step where all decode
+    # to the first step where all decode (or verify guesses)
+    while len(engine.stats.scheduled) != len(prompts) or engine.stats.kind != "decode":
         engine.step()
     for _ in range(10):
         engine.step()

@@ -13,17 +13,19 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     scoring  top-5 log-probabilities of 256 rows: chapter 12's fused kernel against PyTorch's ops
     sampling  temperature 0.8 with top-p 0.95 (and with top-k 50 as well) over 256 rows and over one row of
              Llama-3's 128,256 bf16 logits: chapter 06's fused sampling kernel against its sorts, tokens compared
-    host:ROW,ROW  decode steps of 256 requests for rows of the matrix: the host's time per step in each
+    host:ROW,ROW[@N]  decode steps of 256 requests (or N) for rows of the matrix: the host's time per step in each
              phase of it (schedule, prepare, forward, sample and its processors, collect, update, outputs),
              waits for the device included, and the step's wall time
-    cpuhost:ROW,ROW  the same on this machine's CPU, the model one layer of width 32: the engine's host work
+    cpuhost:ROW,ROW[@N]  the same on this machine's CPU, the model one layer of width 32: the engine's host work
              alone (no GPU needed)
+    lanes:ROW[@N]  the host and device lanes of decode steps (bench_engine.py's `lanes`) of 256 requests (or N)
+             for a row of the matrix: `lanes:ngram@64` profiles steps that verify guesses
     lanes1:FORMAT  the batch-1 step's host and device lanes (bench_engine.py's `lanes`) for a weight format,
              or for the mixture of experts (lanes1:moe)
     replay256  per weight format, the decode step of 256 requests on the device alone (its CUDA graph
              replayed back to back, each request one token of context: the matmuls, which the format
              changes): whether a format's row of the matrix loses on the device or on the host
-    pyprof256:ROW  the same for 40 decode steps of 256 requests (as `host` runs them) for a row of the matrix
+    pyprof256:ROW[@N]  the same for 40 decode steps of 256 requests (or N, as `host` runs them) for a row
     pyprof1:FORMAT  the host's Python functions in 256 batch-1 decode steps (cProfile), for a weight format or
              the mixture of experts: the most costly by their own time and by time inside them, per step
     python tools/bench_features.py run docs/benchmarks/features_h200.json matrix batch1 moe mla
@@ -338,17 +340,20 @@ def grammar_filler(engine) -> dict:
     return {"grammar_row_us": fillers[0].row_us, "grammar_threads": fillers[0].threads(128)} if fillers else {}
 
 
-def host(base, names: list[str], **engine_kw: object) -> dict:
-    """The host's time in each phase of 40 decode steps of 256 requests (their prompts' first 200 tokens,
-    400 tokens each), for rows of the matrix: each phase's time per step, its waits for the device
-    included; a phase inside another (the processors inside sample) is counted in both, and so is the
-    grammar's thread, beside the engine's (its time is not the step's). engine_kw: the
+def host(base, names: list[str], requests: int = 256, **engine_kw: object) -> dict:
+    """The host's time in each phase of 40 decode steps of `requests` requests (their prompts' first 200
+    tokens, 400 tokens each), for rows of the matrix: each phase's time and calls per step, its waits for
+    the device included; a phase inside another (the processors inside sample) is counted in both, and so
+    is the grammar's thread, beside the engine's (its time is not the step's). engine_kw: the
     EngineConfig fields that differ (cpuhost's device and dtype)."""
     from miniinfer.core.scheduler import Scheduler
+    from miniinfer.worker import speculative as spec
     from miniinfer.worker import structured_output as so
+    from miniinfer.worker.cuda_graphs import DecodeGraphs
     from miniinfer.worker.model_runner import ModelRunner
     from miniinfer.worker.sample import logprobs, processors
     spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
 
     def timed(owner, attr: str, name: str):
         fn = getattr(owner, attr)
@@ -359,6 +364,7 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
                 return fn(*a, **kw)
             finally:
                 spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+                calls[name] = calls.get(name, 0) + 1
         # Put back as it was: the raw descriptor (a classmethod stays one), or nothing where it was inherited.
         return vars(owner).get(attr), wrapper
     hooks = [(Scheduler, "schedule", "schedule"), (Scheduler, "update_from_output", "update"),
@@ -371,14 +377,19 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
              (so, "fill_masks", "grammar masks: fill (either thread)"), (logprobs.Scores, "score", "sample: scores"),
              (logprobs.Logprobs, "report", "collect: logprobs' report"),
              (processors.Penalties, "apply", "sample: penalties"),
-             (processors.Penalties, "accept", "sample: penalties' counts")]
+             (processors.Penalties, "accept", "sample: penalties' counts"),
+             # chapter 09's verifying steps: a graph replayed (else eager), the guesses checked, kept
+             (spec.SpeculativeRunner, "start", "verify: start"), (spec.NgramProposer, "propose", "verify: propose"),
+             (spec, "run_forward", "verify: forward"), (DecodeGraphs, "__call__", "graph replays"),
+             (spec, "verify", "verify: accept or reject"), (spec.SpeculativeRunner, "keep", "verify: keep")]
     res = {}
     for name in names:
-        what, engine = decoding256(base, name, **engine_kw)
+        what, engine = decoding(base, name, requests, **engine_kw)
         saved = [(owner, attr, timed(owner, attr, label)) for owner, attr, label in hooks]
         for owner, attr, (_, wrapper) in saved:
             setattr(owner, attr, wrapper)
         spent.clear()
+        calls.clear()
         try:
             sync()
             t0 = time.perf_counter()
@@ -392,8 +403,9 @@ def host(base, names: list[str], **engine_kw: object) -> dict:
                     delattr(owner, attr)
                 else:
                     setattr(owner, attr, raw)
-        res[name] = {"what": what, "step_ms": wall * 1e3, "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()},
-                     **grammar_filler(engine)}
+        res[name] = {"what": what, "requests": requests, "step_ms": wall * 1e3,
+                     "phases_ms": {k: v / 40 * 1e3 for k, v in spent.items()},
+                     "calls_per_step": {k: v / 40 for k, v in calls.items()}, **grammar_filler(engine)}
         print(f"host {name}: step {wall * 1e3:.2f} ms; " + ", ".join(
             f"{k} {v:.2f}" for k, v in res[name]["phases_ms"].items()), flush=True)
         done256(engine)
@@ -418,17 +430,17 @@ def cpu_model():
         return mi.load_model(folder, dtype=torch.float32)
 
 
-def decoding256(base, name: str, **engine_kw: object) -> tuple[str, mi.LLMEngine]:
-    """A fresh engine for a row of the matrix, 256 requests (their prompts' first 200 tokens, 400 tokens
-    each) past their prompts and 10 decode steps into their outputs; the row's description."""
+def decoding(base, name: str, requests: int = 256, **engine_kw: object) -> tuple[str, mi.LLMEngine]:
+    """A fresh engine for a row of the matrix, `requests` requests (their prompts' first 200 tokens, 400
+    tokens each) past their prompts and 10 decode steps into their outputs; the row's description."""
     what, config, params, fmt = ROWS[name]
     params = params or (lambda i, n: greedy(n))
     prompts, _ = workload()
     engine = engine_for(with_weights(base, fmt), mi.load_tokenizer(), **config, **engine_kw)
     engine.generate(prompts[:8], [params(i, 8) for i in range(8)], use_tqdm=False)
-    for i in range(256):
+    for i in range(requests):
         engine.add_request(prompts[i][:200], params(i, 400))
-    while len(engine.stats.scheduled) < 256 or engine.stats.kind != "decode":
+    while len(engine.stats.scheduled) < requests or engine.stats.kind != "decode":
         engine.step()
     for _ in range(10):
         engine.step()
@@ -464,9 +476,10 @@ def pyprof1(model) -> dict:
     return profiled(lambda: list(engine.stream(prompt, greedy(256))), 256)
 
 
-def pyprof256(base, name: str) -> dict:
-    """cProfile over 40 decode steps of 256 requests for a row of the matrix (as `host` runs them)."""
-    _, engine = decoding256(base, name)
+def pyprof256(base, name: str, requests: int = 256) -> dict:
+    """cProfile over 40 decode steps of 256 requests (or `requests`) for a row of the matrix (as `host`
+    runs them)."""
+    _, engine = decoding(base, name, requests)
     try:
         return profiled(lambda: [engine.step() for _ in range(40)], 40)
     finally:
@@ -501,7 +514,9 @@ def main(out_path: str, parts: list[str]) -> None:
     base = None
     for part in parts:
         part, _, fmt = part.partition(":")
-        dense = (part in ("matrix", "batch1", "host", "replay256", "pyprof256")
+        fmt, _, n = fmt.partition("@")
+        requests = int(n or 256)
+        dense = (part in ("matrix", "batch1", "host", "replay256", "pyprof256", "lanes")
                  or part in ("lanes1", "pyprof1") and fmt != "moe")
         if base is None and dense:
             base = models("llama")[1]
@@ -519,9 +534,13 @@ def main(out_path: str, parts: list[str]) -> None:
         elif part == "sampling":
             save("sampling")(sampling())
         elif part == "host":
-            save("host")(host(base, fmt.split(",")))
+            save("host" if requests == 256 else f"host{requests}")(host(base, fmt.split(","), requests))
         elif part == "cpuhost":
-            save("cpuhost")(host(cpu_model(), fmt.split(","), device="cpu", dtype=torch.float32))
+            save("cpuhost")(host(cpu_model(), fmt.split(","), requests, device="cpu", dtype=torch.float32))
+        elif part == "lanes":
+            _, config, params, weights = ROWS[fmt]
+            save(f"lanes_{fmt}{requests}")(lanes(with_weights(base, weights), workload()[0][:requests], True,
+                                                 params=params, **config))
         elif part == "moe":
             save("moe_batch1")(moe())
         elif part == "mla":
@@ -533,7 +552,7 @@ def main(out_path: str, parts: list[str]) -> None:
             from bench_moe import models as moe_models
             save("pyprof1_moe")(pyprof1(moe_models()[1]))
         elif part == "pyprof256":
-            save(f"pyprof256_{fmt}")(pyprof256(base, fmt))
+            save(f"pyprof{requests}_{fmt}")(pyprof256(base, fmt, requests))
         elif part == "pyprof1":
             save(f"pyprof1_{fmt or 'bf16'}")(pyprof1(with_weights(base, fmt)))
         elif part == "lanes1":

@@ -70,7 +70,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: SchedulingPolicy = POLICIES["fcfs"], cpu_block_manager: BlockManager | None = None,
                  enable_chunked_prefill: bool = False, eos_token_ids: list[int] | tuple = (),
-                 num_speculative_tokens: int = 0, speculative_max_batch: int | None = None):
+                 num_speculative_tokens: int = 0, speculative_max_batch: int | None = None,
+                 max_model_len: int | None = None):
         # A preempted request is swapped to cpu_block_manager's pool while it has room, else recomputed.
         self.block_manager, self.cpu_block_manager = block_manager, cpu_block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -78,6 +79,7 @@ class Scheduler:
         self.chunked, self.eos_token_ids = enable_chunked_prefill, list(eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_batch = speculative_max_batch
+        self.max_model_len = max_model_len  # the context guesses stay inside (None: max_tokens keeps them in)
         # Admissions leave this many blocks free for the running sequences' next blocks (1%, as
         # vLLM): without it, a full pool preempts a newly admitted sequence at the next step.
         self.watermark = block_manager.num_blocks // 100
@@ -187,11 +189,13 @@ class Scheduler:
 
     def _room(self, seq: Sequence) -> int:
         """Guesses seq has room for after its known tokens: once it has outputs (its first token is
-        sampled from the prompt alone) and no step is under way, as many as max_tokens and the
-        budget leave."""
+        sampled from the prompt alone) and no step is under way, as many as the context and the budget
+        leave. Near max_tokens too: a guess past it is verified and never kept, and a step where every
+        request has all k replays one CUDA graph (chapter 09) where a shorter room would run eagerly."""
         if seq.num_pending or not seq.output_token_ids or not self.speculates():
             return 0
-        left = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        left = (seq.params.max_tokens - len(seq.output_token_ids) - 1 if self.max_model_len is None
+                else self.max_model_len - seq.num_tokens)  # the guesses' positions
         return max(0, min(self.num_speculative_tokens, left, self.max_num_batched_tokens - 1))
 
     @staticmethod

@@ -118,7 +118,7 @@ class LLMEngine:
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, list(self.info.eos_token_ids),
                                    config.num_speculative_tokens if config.speculative_method else 0,
-                                   config.speculative_max_batch)
+                                   config.speculative_max_batch, self.info.max_model_len)
         # Guesses follow the step before's last token, so a step with room for them is not scheduled
         # before the one under way is read (Scheduler.speculates); a draft reads every token the
         # model computes, so it turns the overlap off.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -378,8 +378,10 @@ class SpeculativeRunner(ModelRunner):
     def start(self, out: SchedulerOutput) -> Launched:
         room = {rid: out.num_spec_tokens[rid] for rid in out.num_new_tokens if rid in out.num_spec_tokens}
         guesses, q = self.proposer.propose(self, out, room)
-        if not room:
-            return super().start(out)
+        if not any(guesses.values()):
+            # Nothing to verify (n-grams found no match): a plain step, from the decode graph, as if
+            # the room were not there. The scheduler reads it as a step that kept no guess.
+            return super().start(self.without_room(out, room))
         ids, counts = list(out.num_new_tokens), list(out.num_new_tokens.values())
         reqs = [self.requests[rid] for rid in ids]
         known = [len(r.token_ids) for r in reqs]
@@ -433,6 +435,16 @@ class SpeculativeRunner(ModelRunner):
         sampled, view.ends, spec = self.keep(step, room, m, first, known, computed, accepted.tolist(), tokens.tolist())
         reports += [(p, data, view) for p in self.processors if (data := p.accept(view, tokens)) is not None]
         return Verified(step, [], tokens, None, [], ModelRunnerOutput(sampled, gather_reports(reports), spec))
+
+    def without_room(self, out: SchedulerOutput, room: dict[str, int]) -> SchedulerOutput:
+        """The step's tokens up to each request's last known one; its table cut back to their blocks,
+        as the scheduler cuts its own when no guess is kept."""
+        for rid in room:
+            r = self.requests[rid]
+            del r.block_ids[blocks_needed(len(r.token_ids), self.config.block_size):]
+            self.rows.shorten(r.row, len(r.block_ids))
+        return replace(out, num_new_tokens={rid: n - room.get(rid, 0) for rid, n in out.num_new_tokens.items()},
+                       num_spec_tokens={})
 
     def keep(self, step: StepBatch, room: dict[str, int], m: np.ndarray, first: np.ndarray, known: list[int],
              computed: np.ndarray, acc: list[bool],
