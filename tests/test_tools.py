@@ -2,6 +2,7 @@
 script keeps a header or a timer of its own."""
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ def test_the_header_names_the_machine_and_the_versions_on_a_cpu_too():
     assert h["gpu"] is None and h["gpus"] == 0  # CI has no GPU
     assert h["torch"] and h["transformers"] and h["python"].count(".") == 2
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", h["date"]) and h["rows"] == 256
+    assert h["cpu"].endswith(f"{os.cpu_count()} cores") and h["load_1min"] >= 0
     assert benchlib.version("no-such-package-anywhere") is None
 
 

@@ -24,12 +24,24 @@ def version(package: str) -> str | None:
         return None
 
 
+def cpu_name() -> str:
+    """The CPU's model where Linux names it, else the architecture."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.machine())
+
+
 def header(**extra: Any) -> dict:
     """The machine and the versions a result comes from: the GPU's name (None on a CPU) and count, the
-    CPU, torch, triton, transformers and Python, and the date; then `extra`, a script's own fields."""
+    CPU and its load when the run began (a lend's host is shared: host-bound rows move with it), torch,
+    triton, transformers and Python, and the date; then `extra`, a script's own fields."""
     gpu = torch.cuda.is_available()
     return {"gpu": torch.cuda.get_device_name() if gpu else None, "gpus": torch.cuda.device_count() if gpu else 0,
-            "cpu": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+            "cpu": f"{cpu_name()}, {os.cpu_count()} cores", "load_1min": round(os.getloadavg()[0], 2),
+            "torch": torch.__version__,
             "triton": version("triton"), "transformers": version("transformers"),
             "python": platform.python_version(), "date": datetime.date.today().isoformat(), **extra}
 
@@ -66,16 +78,14 @@ def gpu_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, runs: int
 
 def graph_ms(calls: list[Callable[[], object]], rep: int = 200, runs: int = 1) -> float:
     """GPU milliseconds per call: the calls (each over its own copy of the data, or one call repeated)
-    recorded in one CUDA graph and replayed, so the host's launch overhead stays out as in the engine's
-    decode steps; the least of `runs` medians of `rep` ms each."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    in a row, replayed from a CUDA graph by triton's do_bench_cudagraph, so the host's launch overhead
+    stays out as in the engine's decode steps; the least of `runs` medians of about `rep` ms each."""
+    from triton.testing import do_bench_cudagraph
+
+    def in_a_row() -> None:
         for call in calls:
             call()
-    return gpu_ms(graph.replay, rep=rep, runs=runs) / len(calls)
+    return min(do_bench_cudagraph(in_a_row, rep=rep, return_mode="median") for _ in range(runs)) / len(calls)
 
 
 def commands(**fns: Callable[..., object]) -> None:
