@@ -58,6 +58,9 @@ def test_a_tools_command_line_runs_the_command_named_with_its_arguments(monkeypa
 
 
 def test_no_tool_reads_its_command_line_by_hand():
-    """Commands go through benchlib.commands (or argparse, for options): no `sys.argv[1] ==` chains."""
-    by_hand = [p.name for p in TOOLS.rglob("*.py") if re.search(r"sys\.argv\[1\] ==", p.read_text())]
+    """Commands go through benchlib.commands (or argparse, for options): no tool reads sys.argv itself
+    but benchlib, sample_stacks (it runs another program under that program's command line) and
+    provenance (a check of the docs that imports no torch, its one argument the report's path)."""
+    own = {"benchlib.py", "sample_stacks.py", "provenance.py"}
+    by_hand = [p.name for p in TOOLS.rglob("*.py") if "sys.argv" in p.read_text() and p.name not in own]
     assert by_hand == []

@@ -1,18 +1,17 @@
 """Chapter 04 GPU benchmark: Triton RMSNorm, fused add+RMSNorm and RoPE against PyTorch, in GB/s and
 % of the measured copy bandwidth; decode-size latencies; the model's prefill with each ops backend.
 
-Hand-written tool.    python tools/bench_kernels.py docs/benchmarks/kernels_h200.json
+Hand-written tool.    python tools/bench_kernels.py run docs/benchmarks/kernels_h200.json
 """
 
 import json
-import sys
 import tempfile
 
 import torch
 import torch.nn.functional as F
 import transformers
 from bench_static_decode import LLAMA_3_2_1B
-from benchlib import gpu_ms, graph_ms, header
+from benchlib import commands, gpu_ms, graph_ms, header
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -207,4 +206,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    commands(run=main)

@@ -10,7 +10,7 @@ full 128,256-token vocabulary (the server must turn every generated id into text
     python tools/bench_serve.py run docs/benchmarks/serve_h200.json [rates...]
     python tools/bench_serve.py saturation docs/benchmarks/serve_saturation_h200.json 3
     python tools/bench_serve.py saturation OUT.json 2 --profile   # the server's threads sampled: OUT.stacks.json
-    python tools/bench_serve.py saturation OUT.json 2 --clients 8
+    python tools/bench_serve.py saturation OUT.json 2 clients=8   # the client as 8 processes (4 unless told)
     python tools/bench_serve.py saturation OUT.json 3 --trace   # each run's timeline over the three processes
     python tools/bench_serve.py http_cpu OUT.json 3   # no GPU: the HTTP process's CPU time per streamed token
     python tools/bench_serve.py plot docs/benchmarks/serve_h200.json
@@ -39,8 +39,8 @@ from miniinfer.serving.bench import read_metrics, run_bench
 MAX_MODEL_LEN = 2048
 RATES = [2, 4, 8, 16, 32, 64]
 PER_RATE = 128
-# Client processes: one Python process cannot read the ~30k chunks/s of saturation (`--clients N`).
-CLIENTS = int(sys.argv[sys.argv.index("--clients") + 1]) if "--clients" in sys.argv else 4
+# Client processes: one Python process cannot read the ~30k chunks/s of saturation (`clients=N`).
+CLIENTS = 4
 
 
 def checkpoint(folder: Path, tiny: bool = False) -> None:
@@ -109,9 +109,9 @@ def start_server(folder: Path, port: int, log: Path, stacks: Path | None = None,
         time.sleep(0.5)
 
 
-def bench(url: str, prompts, outs, rate: float) -> dict:
+def bench(url: str, prompts, outs, rate: float, clients: int = CLIENTS) -> dict:
     before, t0 = read_metrics(url), time.time()
-    r = asyncio.run(run_bench(url, list(zip(prompts, outs)), rate=rate, progress=False, processes=CLIENTS))
+    r = asyncio.run(run_bench(url, list(zip(prompts, outs)), rate=rate, progress=False, processes=clients))
     after, r["wall"] = read_metrics(url), [t0, time.time()]
     # Where the engine's time went during the run, from the server's counters.
     r["engine"] = {k: after[f"engine_{k}_total"] - before[f"engine_{k}_total"]
@@ -153,7 +153,8 @@ def timeline(events: dict[str, list[tuple]], t0: float, t1: float) -> dict:
     }
 
 
-def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = False, trace: bool = False) -> None:
+def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = False, trace: bool = False,
+         clients: int = CLIENTS) -> None:
     """With rates: the in-process engine, then the server at saturation, at each rate, and at saturation
     again. Without: the in-process engine `repeat` times, then the server at saturation `repeat` times.
     trace: the server and client processes log timestamped events (tools/serve_trace), and each
@@ -182,13 +183,14 @@ def main(out_path: str, rates: list[float], repeat: int = 1, profile: bool = Fal
         url = "http://127.0.0.1:8000"
         try:
             bench(url, prompts[:8], [8] * 8, float("inf"))  # warm-up, as in-process
-            res["saturation"] = [bench(url, prompts, outs, float("inf")) for _ in range(repeat if not rates else 1)]
+            res["saturation"] = [bench(url, prompts, outs, float("inf"), clients)
+                                 for _ in range(repeat if not rates else 1)]
             if rates:
                 res["rates"] = []
                 for rate in rates:
-                    res["rates"].append(bench(url, prompts[:PER_RATE], outs[:PER_RATE], rate))
+                    res["rates"].append(bench(url, prompts[:PER_RATE], outs[:PER_RATE], rate, clients))
                     path.write_text(json.dumps(res, indent=1))
-                res["saturation"].append(bench(url, prompts, outs, float("inf")))
+                res["saturation"].append(bench(url, prompts, outs, float("inf"), clients))
         finally:
             proc.terminate()
             proc.wait(60)
@@ -269,6 +271,7 @@ def plot(out_path: str) -> None:
 
 if __name__ == "__main__":
     commands(run=lambda out, *rates: main(out, [float(r) for r in rates] or RATES),
-             saturation=lambda out, repeat, *flags: main(out, [], repeat=int(repeat), profile="--profile" in flags,
-                                                         trace="--trace" in flags),
+             saturation=lambda out, repeat, *flags: main(
+                 out, [], repeat=int(repeat), profile="--profile" in flags, trace="--trace" in flags,
+                 clients=next((int(f[8:]) for f in flags if f.startswith("clients=")), CLIENTS)),
              http_cpu=lambda out, n: http_cpu(out, int(n)), plot=plot)

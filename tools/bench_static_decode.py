@@ -3,18 +3,17 @@
 Hand-written tool. Naive and cached decoding of miniinfer against `transformers` `generate` with
 its static cache, all in one run, beside the floor (weight bytes / measured copy bandwidth).
 
-    python tools/bench_static_decode.py docs/benchmarks/static_decode_h200.json
+    python tools/bench_static_decode.py run docs/benchmarks/static_decode_h200.json
 """
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import transformers
-from benchlib import header
+from benchlib import commands, header
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -114,4 +113,4 @@ def plot(res: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    commands(run=main)

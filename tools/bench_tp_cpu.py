@@ -1,7 +1,7 @@
 """Chapter 11's CPU measurement: gloo's all-reduce latency by message size, and the engine's speed on
 the course model at 1 and 2 ranks.
 
-    python tools/bench_tp_cpu.py docs/benchmarks/tp_cpu_2core.json
+    python tools/bench_tp_cpu.py run docs/benchmarks/tp_cpu_2core.json
 
 On a CPU both ranks share the machine's cores, so two ranks are not expected to be faster: the
 numbers show what a collective costs next to a step (the alpha of chapter 11's model, on this
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchlib import header
+from benchlib import commands, header
 
 SIZES = [256, 4096, 65536, 1 << 20]  # float32 values: 1 KiB to 4 MiB
 REPS = 50
@@ -87,4 +86,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    commands(run=main)

@@ -1,10 +1,13 @@
 """Measure the device copy bandwidth (`y.copy_(x)`, bytes read + written), the ceiling every
-memory-bound benchmark of the course is compared against. Hand-written tool."""
+memory-bound benchmark of the course is compared against. Hand-written tool.
+
+    python tools/copy_bandwidth.py run [OUT.json]
+"""
 import json
-import sys
+from pathlib import Path
 
 import torch
-from benchlib import gpu_ms, header
+from benchlib import commands, gpu_ms, header
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -16,8 +19,12 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
 
 
-if __name__ == "__main__":
+def report(out: str | None = None) -> None:
     res = header(copy_GBps=copy_bandwidth())
     print(json.dumps(res))
-    if len(sys.argv) > 1:
-        open(sys.argv[1], "w").write(json.dumps(res))
+    if out:
+        Path(out).write_text(json.dumps(res))
+
+
+if __name__ == "__main__":
+    commands(run=report)

@@ -3,16 +3,15 @@ weights, float32, Triton kernels, CUDA graphs), served with tensor_parallel_size
 n-gram speculation x logprobs, against one GPU with the same quantization and no speculation: the
 same greedy tokens, log-probabilities within 1e-3, every block back.
 
-    python tools/gpu_compose.py OUT.json
+    python tools/gpu_compose.py run OUT.json
 """
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from benchlib import header
+from benchlib import commands, header
 
 import miniinfer as mi
 from miniinfer.course.parity import make_hf_model
@@ -72,4 +71,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    commands(run=main)

@@ -12,18 +12,18 @@ tensor_parallel_size 1 and 2 (the sums at the norms, in the layers by the one-sh
 transformers, float32, prefix caching and chunked prefill on and a pool small enough that requests are
 preempted; then six requests alone.
 
-    python tools/gpu_parity.py OUT.json [quantized | moe | mla | tp [tp2 tp2_layers tp2_nccl]]   (that part only)
+    python tools/gpu_parity.py all OUT.json    (the dense shapes, then the quantized course model)
+    python tools/gpu_parity.py quantized OUT.json    (or moe, mla: that part only)
+    python tools/gpu_parity.py tp OUT.json [tp2 tp2_layers tp2_nccl]    (the settings named, else all three)
 """
 
-import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 from bench_tp import SETTINGS  # tools/, this file's folder: the same settings as the 8B runs
-from benchlib import header
+from benchlib import Results, commands
 
 import miniinfer as mi  # noqa: E402
 from miniinfer.course.parity import (
@@ -120,20 +120,43 @@ def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
     return {"requests": n, **res}
 
 
+def dense_and_quantized(out: str) -> None:
+    results = Results(out)
+    for kind in SHAPES:
+        for overlap in ("on", "off"):
+            results.save(f"{kind}_overlap_{overlap}", parity(kind, overlap == "on"))
+    quantized_rows(results)
+
+
+def quantized_only(out: str) -> None:
+    quantized_rows(Results(out))
+
+
+def quantized_rows(results: Results) -> None:
+    for fmt in ("int8", "int4", "fp8"):
+        for dtype in (torch.float32, torch.bfloat16):
+            results.save(f"{fmt}_{str(dtype)[6:]}", quantized(fmt, dtype))
+
+
+def overlapped(out: str, kinds: list[str]) -> None:
+    results = Results(out)
+    for kind in kinds:
+        results.save(f"{kind}_overlap_on", parity(kind, True))
+
+
+def moe(out: str) -> None:
+    overlapped(out, MOE_SHAPES)
+
+
+def mla(out: str) -> None:
+    overlapped(out, MLA_SHAPES)
+
+
+def tensor_parallel(out: str, *settings: str) -> None:
+    results = Results(out)
+    for kind in ("course", *SHAPES):  # each saved as it ends: kept if a later shape is cut short
+        results.save(kind, tp_parity(kind, list(settings) or ["tp2", "tp2_layers", "tp2_nccl"]))
+
+
 if __name__ == "__main__":
-    res = header()
-    if sys.argv[2:3] == ["tp"]:
-        for kind in ("course", *SHAPES):
-            res[kind] = tp_parity(kind, sys.argv[3:] or ["tp2", "tp2_layers", "tp2_nccl"])
-            Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")  # kept if a later shape is cut short
-        sys.exit()
-    if sys.argv[2:] in (["moe"], ["mla"]):
-        kinds = MOE_SHAPES if sys.argv[2] == "moe" else MLA_SHAPES
-        res.update({f"{kind}_overlap_on": parity(kind, True) for kind in kinds})
-        Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")
-        sys.exit()
-    if sys.argv[2:] != ["quantized"]:
-        res.update({f"{kind}_overlap_{o}": parity(kind, o == "on") for kind in SHAPES for o in ("on", "off")})
-    res.update({f"{fmt}_{str(dt)[6:]}": quantized(fmt, dt) for fmt in ("int8", "int4", "fp8")
-                for dt in (torch.float32, torch.bfloat16)})
-    Path(sys.argv[1]).write_text(json.dumps(res, indent=1) + "\n")
+    commands(all=dense_and_quantized, quantized=quantized_only, moe=moe, mla=mla, tp=tensor_parallel)
