@@ -95,6 +95,39 @@ def test_exercise_generation_replaces_solutions_and_clears_outputs():
     assert "y = x + 1" in nb["cells"][0]["source"]  # the solution itself is untouched
 
 
+def test_exercise_generation_leaves_a_line_for_each_answer():
+    nb = notebook("x = 1")
+    nb["cells"].append({"cell_type": "markdown", "metadata": {}, "source": [
+        "**Question 1.** Why?\n\n<!-- BEGIN ANSWER -->\n**Answer.** Because\nof this.\n<!-- END ANSWER -->"]})
+    ex = build.make_exercise(nb)
+    assert "".join(ex["cells"][-1]["source"]) == f"**Question 1.** Why?\n\n{build.YOUR_ANSWER}"
+
+
+def closing(cells: list[dict], heading: str) -> str:
+    """The source of the markdown cell that starts with heading (one, or the test fails)."""
+    (text,) = [build.cell_source(c) for c in cells if c["cell_type"] == "markdown"
+               and build.cell_source(c).startswith(heading)]
+    return text
+
+
+@pytest.mark.parametrize("lesson", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_lesson_ends_with_readings_and_questions_answered_in_its_problem_set(lesson):
+    """The lesson's last two cells: 3-5 links, each with what to read it for, then 3-5 numbered
+    questions; its problem set's solution answers each of them, and the exercise leaves each open."""
+    cells = build.read_notebook(lesson)["cells"]
+    reading = closing(cells[-2:], "## Further reading")
+    links = re.findall(r"^- \[[^]]+\]\((https://[^)\s]+)\): \S", reading, re.MULTILINE)
+    assert 3 <= len(links) <= 5 and len(links) == reading.count("\n- ")
+    questions = re.findall(r"^\d+\. (.+)$", closing(cells[-1:], "## Check your understanding"), re.MULTILINE)
+    assert 3 <= len(questions) <= 5
+    for folder, answered in (("solutions", True), ("exercises", False)):
+        cells = build.read_notebook(ROOT / folder / lesson.name)["cells"]
+        asked = [build.cell_source(c) for c in cells if build.cell_source(c).startswith("**Question ")]
+        assert [a.split("\n", 1)[0] for a in asked] == [f"**Question {i}.** {q}" for i, q in enumerate(questions, 1)]
+        for a in asked:
+            assert ("<!-- BEGIN ANSWER -->\n**Answer.** " in a) == answered and (build.YOUR_ANSWER in a) != answered
+
+
 def execute(path: Path) -> dict:
     import nbformat
     from nbclient import NotebookClient

@@ -11,7 +11,9 @@ A class too long for one cell is written in pieces: an exported cell that starts
 `class Name(Name):` adds its methods to the class Name exported before, so a lesson narrates a class
 method by method and the module holds it whole (in the notebook each piece subclasses the last).
 Exercises: every region between `### BEGIN SOLUTION` and `### END SOLUTION` becomes
-`# YOUR CODE HERE` + `raise NotImplementedError()`, and all outputs are cleared.
+`# YOUR CODE HERE` + `raise NotImplementedError()`, and all outputs are cleared. In markdown, the
+answers to a lesson's questions, between `<!-- BEGIN ANSWER -->` and `<!-- END ANSWER -->` (unseen
+when rendered), become a line for the student's own.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 CONTINUATION = re.compile(r"^class (\w+)\(\1\):[^\n]*\n")
 SOLUTION = re.compile(r"^([ \t]*)### BEGIN SOLUTION[^\n]*\n.*?^[ \t]*### END SOLUTION[^\n]*(\n|$)",
                       re.MULTILINE | re.DOTALL)
+ANSWER = re.compile(r"<!-- BEGIN ANSWER -->.*?<!-- END ANSWER -->", re.DOTALL)
+YOUR_ANSWER = "*Your answer here (double-click this cell to write it).*"
 
 
 def read_notebook(path: Path) -> dict:
@@ -117,6 +121,8 @@ def stale_modules(generated: dict[Path, str]) -> list[Path]:
 def make_exercise(nb: dict) -> dict:
     nb = json.loads(json.dumps(nb))
     for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            cell["source"] = ANSWER.sub(YOUR_ANSWER, cell_source(cell)).splitlines(keepends=True)
         if cell["cell_type"] != "code":
             continue
         src = SOLUTION.sub(lambda m: f"{m[1]}# YOUR CODE HERE\n{m[1]}raise NotImplementedError(){m[2]}",
