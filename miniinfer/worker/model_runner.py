@@ -107,7 +107,8 @@ class ModelRunner:
             tokens = r.prompt_token_ids + r.output_token_ids
             row = self.rows.add(sampling[r.request_id])
             self.requests[r.request_id] = CachedRequest(tokens, len(r.prompt_token_ids), list(r.block_ids),
-                                                        r.num_computed_tokens, row)
+                                                        r.num_computed_tokens, row,
+                                                        len(r.prompt_token_ids) + r.params.max_tokens)
             for p in self.processors:
                 p.add(row, r.params, r.prompt_token_ids, r.output_token_ids)
         for rid, blocks in out.new_block_ids.items():

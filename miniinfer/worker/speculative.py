@@ -461,14 +461,17 @@ class SpeculativeRunner(ModelRunner):
                 sampled[rid], r.block_ids[:] = self.keep_accepted(
                     r.token_ids[known[i]:known[i] + m[i]], acc[f:f + m[i]], tok[f:f + m[i] + 1], r.block_ids,
                     known[i], self.config.block_size)
+                left = r.max_len - known[i]  # the room comes whole: guesses may run past max_tokens
+                if len(sampled[rid]) > left:
+                    del sampled[rid][left:], r.block_ids[blocks_needed(known[i] + left - 1, self.config.block_size):]
                 a = len(sampled[rid]) - 1
                 emitted += range(f, f + a + 1)
                 r.token_ids[known[i]:] = sampled[rid]
                 r.num_computed_tokens = known[i] + a
                 self.rows.shorten(r.row, len(r.block_ids))
                 self.proposer.rewind(rid, r.num_computed_tokens)
-                if m[i]:
-                    spec.add(SpecStats(int(m[i]), a, 1))
+                if m[i]:  # the guesses that could be kept
+                    spec.add(SpecStats(min(int(m[i]), left - 1), a, 1))
             else:
                 r.num_computed_tokens = computed[i] + n
                 if computed[i] + n == known[i]:  # it reached the end of its tokens: it samples

@@ -23,6 +23,7 @@ class CachedRequest:
     block_ids: list[int]
     num_computed_tokens: int
     row: int  # in BatchRows: its block table and sampling values
+    max_len: int  # its prompt and max_tokens: no token past them is kept (chapter 09's guesses may reach further)
 
 
 @dataclass
