@@ -110,6 +110,26 @@ def closing(cells: list[dict], heading: str) -> str:
     return text
 
 
+def test_lesson_09_stored_timings_say_what_its_prose_says():
+    """Timings nbval does not compare (NBVAL_IGNORE_OUTPUT) agree with the prose within 20%: the draft's
+    cost c and the verifying cost v, the same cost from the first cell's curve, and the plain engine's
+    time a token against the benchmark the lesson plots."""
+    cells = build.read_notebook(ROOT / "notebooks" / "09_speculative_decoding.ipynb")["cells"]
+    text = "\n".join(build.cell_source(c) for c in cells if c["cell_type"] == "markdown")
+    out = "\n".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c["outputs"])
+
+    def number(pattern: str, where: str) -> float:
+        (found,) = re.findall(pattern, where)
+        return float(found)
+    c, v = number(r"c = ([\d.]+) of a target", out), number(r"verifying 5 tokens v = ([\d.]+)", out)
+    said_c, said_v = number(r"c ≈ ([\d.]+) of the target", text), number(r"v ≈ ([\d.]+) for verifying 5", text)
+    five = number(r"5 tokens take ([\d.]+)x the time of 1", out)
+    per_token_ms = number(r"no speculation: ([\d.]+) ms a token", out)
+    recorded = json.loads((ROOT / "docs/benchmarks/spec_cpu_2core.json").read_text())["draft"]["1"]["off"]
+    for stored, said in ((c, said_c), (v, said_v), (five, said_v), (1e3 / per_token_ms, recorded["tokens_per_s"])):
+        assert abs(stored / said - 1) <= 0.2, (stored, said)
+
+
 @pytest.mark.parametrize("lesson", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_lesson_ends_with_readings_and_questions_answered_in_its_problem_set(lesson):
     """The lesson's last two cells: 3-5 links, each with what to read it for, then 3-5 numbered
