@@ -34,17 +34,18 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 40),
                 policy=st.sampled_from(["fcfs", "priority"]), mode=st.sampled_from(["recompute", "swap"]),
                 cpu_blocks=st.integers(1, 20), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans(),
-                spec=st.integers(0, 3))
+                spec=st.integers(0, 3), context=st.integers(0, 8))
     def setup(self, num_blocks, block_size, max_num_seqs, extra_budget, policy, mode, cpu_blocks, caching,
-              chunked, overlap, spec):
+              chunked, overlap, spec, context):
         self.bm = (mi.PrefixCachingBlockManager if caching else mi.BlockManager)(num_blocks, block_size)
         self.cpu = mi.BlockManager(cpu_blocks, block_size) if mode == "swap" else None
         self.capacity = min(num_blocks * block_size, 24)
         # As LLMEngine: unchunked, the budget holds any admissible request whole (prompt + outputs - 1).
         self.budget = max_num_seqs + extra_budget if chunked else max(max_num_seqs, self.capacity) + extra_budget
         # As LLMEngine: speculation turns the overlap off.
+        # The model's context may be longer than the pool holds: guesses' room reaches to the context.
         self.s = mi.Scheduler(self.bm, max_num_seqs, self.budget, mi.POLICIES[policy], self.cpu, chunked, (),
-                              0 if overlap else spec)
+                              0 if overlap else spec, max_model_len=self.capacity + context)
         self.runner: dict[str, dict] = {}  # the fake runner's copy of each request it knows
         self.seqs: list[mi.Sequence] = []
         self.pool: dict[int, int] = {}  # device slot -> the token whose K/V it holds

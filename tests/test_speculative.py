@@ -339,7 +339,23 @@ def test_the_room_comes_whole_near_the_end(max_tokens):
         assert rounded[0] == rounded[1]
     # every room k, but where the context (34 tokens) cuts it
     assert all(room == min(4, 34 - known) for room, known in rooms), rooms
-    assert max_tokens == 1 or engine.stats.spec.verified > 0
+    # A guess at a request's last token could never be kept: such a step is not counted as verifying.
+    assert (engine.stats.spec.verified > 0) == (max_tokens > 2)
+
+
+@pytest.mark.parametrize("method", [dict(speculative_method="ngram"), dict(speculative_model="pycoder-draft")])
+def test_a_request_that_fills_the_pool_still_finishes(method):
+    """Its prompt and max_tokens fill the pool exactly, and the context is longer: the room for guesses
+    stops at the pool's end, or the request would preempt itself for a block the pool does not have."""
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=8, block_size=4, max_model_len=64, num_speculative_tokens=4,
+                                          **method))
+    engine.add_request(list(range(5, 25)), mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 100:
+        engine.step()
+        steps += 1
+    assert not engine.has_unfinished_requests(), "the request never finished"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_speculation_in_any_batch_when_unbounded():

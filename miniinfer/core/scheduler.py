@@ -189,13 +189,16 @@ class Scheduler:
 
     def _room(self, seq: Sequence) -> int:
         """Guesses seq has room for after its known tokens: once it has outputs (its first token is
-        sampled from the prompt alone) and no step is under way, as many as the context and the budget
-        leave. Near max_tokens too: a guess past it is verified and never kept, and a step where every
-        request has all k replays one CUDA graph (chapter 09) where a shorter room would run eagerly."""
+        sampled from the prompt alone) and no step is under way, as many as the context, the pool and
+        the budget leave. Near max_tokens too: a guess past it is verified and never kept, and a step
+        where every request has all k replays one CUDA graph (chapter 09) where a shorter room would run
+        eagerly. Not past the pool: a request whose tokens fill it would preempt itself for a block
+        that is not there, again and again."""
         if seq.num_pending or not seq.output_token_ids or not self.speculates():
             return 0
+        pool = self.block_manager.num_blocks * self.block_manager.block_size
         left = (seq.params.max_tokens - len(seq.output_token_ids) - 1 if self.max_model_len is None
-                else self.max_model_len - seq.num_tokens)  # the guesses' positions
+                else min(self.max_model_len, pool) - seq.num_tokens)  # the guesses' positions
         return max(0, min(self.num_speculative_tokens, left, self.max_num_batched_tokens - 1))
 
     @staticmethod

@@ -470,8 +470,8 @@ class SpeculativeRunner(ModelRunner):
                 r.num_computed_tokens = known[i] + a
                 self.rows.shorten(r.row, len(r.block_ids))
                 self.proposer.rewind(rid, r.num_computed_tokens)
-                if m[i]:  # the guesses that could be kept
-                    spec.add(SpecStats(min(int(m[i]), left - 1), a, 1))
+                if (could := min(int(m[i]), left - 1)):  # guesses that could be kept: at its last token, none
+                    spec.add(SpecStats(could, a, 1))
             else:
                 r.num_computed_tokens = computed[i] + n
                 if computed[i] + n == known[i]:  # it reached the end of its tokens: it samples
