@@ -79,7 +79,10 @@ class Scheduler:
         self.chunked, self.eos_token_ids = enable_chunked_prefill, list(eos_token_ids)
         self.num_speculative_tokens = num_speculative_tokens
         self.speculative_max_batch = speculative_max_batch
-        self.max_model_len = max_model_len  # the context guesses stay inside (None: max_tokens keeps them in)
+        # Guesses' positions stay inside the context (None: unknown) and the pool: past the pool's end, a
+        # request whose tokens fill it would preempt itself for a block that is not there, again and again.
+        pool = block_manager.num_blocks * block_manager.block_size
+        self.guess_end = pool if max_model_len is None else min(max_model_len, pool)
         # Admissions leave this many blocks free for the running sequences' next blocks (1%, as
         # vLLM): without it, a full pool preempts a newly admitted sequence at the next step.
         self.watermark = block_manager.num_blocks // 100
@@ -189,16 +192,12 @@ class Scheduler:
 
     def _room(self, seq: Sequence) -> int:
         """Guesses seq has room for after its known tokens: once it has outputs (its first token is
-        sampled from the prompt alone) and no step is under way, as many as the context, the pool and
-        the budget leave. Near max_tokens too: a guess past it is verified and never kept, and a step
-        where every request has all k replays one CUDA graph (chapter 09) where a shorter room would run
-        eagerly. Not past the pool: a request whose tokens fill it would preempt itself for a block
-        that is not there, again and again."""
+        sampled from the prompt alone) and no step is under way, as many as guess_end and the budget
+        leave. Near max_tokens too: a guess past it is verified and never kept, and a step where every
+        request has all k replays one CUDA graph (chapter 09) where a shorter room would run eagerly."""
         if seq.num_pending or not seq.output_token_ids or not self.speculates():
             return 0
-        pool = self.block_manager.num_blocks * self.block_manager.block_size
-        left = (seq.params.max_tokens - len(seq.output_token_ids) - 1 if self.max_model_len is None
-                else min(self.max_model_len, pool) - seq.num_tokens)  # the guesses' positions
+        left = self.guess_end - seq.num_tokens
         return max(0, min(self.num_speculative_tokens, left, self.max_num_batched_tokens - 1))
 
     @staticmethod
