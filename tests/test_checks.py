@@ -206,22 +206,21 @@ def test_chapter_12_last_part_fails_on_each_broken_piece(pieces, says):
         testing.check_sampling_engine(pieces)
 
 
-@pytest.mark.parametrize("route_fn, experts_fn", [(ch13.softmax_over_the_top_k_only, None), (None, ch13.halves_swapped),
-                                                   (None, ch13.experts_unweighted)],
-                         ids=["route_tokens", "experts_forward (halves)", "experts_forward (weights)"])
-def test_chapter_13_last_part_fails_on_each_broken_piece(route_fn, experts_fn):
-    """The last part serves the checkpoint through the student's router and experts (the right one
-    where the piece broken is the other): each broken piece fails it, naming the request."""
-    from miniinfer.layers.moe import SparseMoE, experts_reference, route
-    route_fn, experts_fn = route_fn or route, experts_fn or experts_reference
-
-    def your_layers(model):
-        for layer in model.model.layers:
-            if isinstance(layer.mlp, SparseMoE):
-                layer.mlp.route = route_fn
-                layer.mlp.experts.impl = lambda x, weights, ids, w13, w2, first: experts_fn(x, weights, ids, w13, w2)
-    with pytest.raises(AssertionError, match="through your router and experts"):
-        testing.check_your_layers(your_layers)
+@pytest.mark.parametrize("piece, wrong, says", [
+    ("route_tokens", ch13.softmax_over_the_top_k_only, "through your router, align and experts"),
+    ("align_pairs", ch13.pairs_by_token_not_expert, "through your router, align and experts"),
+    ("experts_kernel", ch13.KernelWithHalvesSwapped(), "through your router, align and experts"),
+    ("experts_forward", ch13.experts_unweighted, "through your router, align and experts"),
+    ("YourShard", ch13.SharesDropTheRemainder, "two ranks, each with your share of the experts"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 20 else "")
+def test_chapter_13_last_part_fails_on_each_broken_piece(piece, wrong, says, monkeypatch):
+    """The last part serves the checkpoint through the student's pieces (looked up in the notebook's
+    globals when called), in one process and on two ranks: each one broken fails it, naming the request."""
+    ns = solved("13")
+    monkeypatch.setitem(ns, piece, wrong)
+    last = testing.last_part("13")
+    with pytest.raises(AssertionError, match=says):
+        last.check(*eval(f"({last.argument},)", ns))
 
 
 @pytest.mark.parametrize("broken", [ch14.one_heads_w_uk_for_all, ch14.w_uk_summed_over_heads])

@@ -1,14 +1,15 @@
 """The grader's speed items on the reference solutions, and on deliberately slow variants of them.
 
-    python tools/bench_grade.py run OUT.json    # measure, then draw OUT.png
+    python tools/bench_grade.py run OUT.json [13 ...]  # measure (those problem sets only), then draw OUT.png
     python tools/bench_grade.py plot OUT.json   # draw OUT.png again from the JSON
 
 Each problem set with speed items runs its solution notebook's code (check cells left out) into one
 namespace, as a student's kernel holds it; every speed item is then measured on the solution's answer
 and on a slow variant where there is one (a launcher that upcasts to float32 around the kernel, a
-GEMV without split-K, host code that waits 50 ms a step), as `miniinfer grade` would. The JSON holds each
-item's printed line, status and ratio, with the machine and versions. On the GPU the reference
-solutions must reach full marks and the slow variants less (docs/benchmarks/grade_speed_*.json).
+GEMV without split-K, host code that waits 50 ms a step, an align step that loops over the experts),
+as `miniinfer grade` would. The JSON holds each item's printed line, status and ratio, with the
+machine and versions. On the GPU the reference solutions must reach full marks and the slow variants
+less (docs/benchmarks/grade_speed_*.json).
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ def upcast(launch):
     return run
 
 
+def align_by_loop(ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The align step as a loop over experts that reads each one's count back to the host (a student's
+    first version: right, but one wait for the device per expert, and no CUDA graph can hold it)."""
+    flat = ids.flatten()
+    n = flat.numel()
+    size = -(-(n + num_experts * (block - 1)) // block) * block
+    pairs = torch.full((size,), n, dtype=torch.int32, device=ids.device)
+    expert = torch.full((size // block,), -1, dtype=torch.int32, device=ids.device)
+    start = 0
+    for e in range(num_experts):
+        mine = (flat == e).nonzero().flatten()
+        if len(mine):
+            pairs[start:start + len(mine)] = mine.to(torch.int32)
+            expert[start // block:(start + len(mine) + block - 1) // block] = e
+            start += -(-len(mine) // block) * block
+    return pairs, expert
+
+
 def slow_variants(chapter: str, ns: dict) -> dict:
     """{speed item id: {a name of the solution's namespace: its slow stand-in}}."""
     if chapter == "04":
@@ -47,6 +66,8 @@ def slow_variants(chapter: str, ns: dict) -> dict:
                 "04.rope_kernel.speed": {"apply_rope": upcast(ns["apply_rope"])}}
     if chapter == "10":  # K in one piece: 112 programs for 132 multiprocessors, each walking all of K
         return {"10.int4_gemv_kernel.speed": {"int4_gemv": functools.partial(ns["int4_gemv"], split=1)}}
+    if chapter == "13":
+        return {"13.experts_kernel.speed": {"align_pairs": align_by_loop}}
     if chapter == "06":
         metadata = ns["varlen_metadata"]
 
@@ -68,10 +89,13 @@ def measure(ex, ns: dict) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def main(out: str) -> None:
+SPEED_CHAPTERS = ("04", "05", "06", "09", "10", "13")  # the problem sets with speed items
+
+
+def main(out: str, *chapters: str) -> None:
     result = header(machine=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
                     items={})
-    for chapter in ("04", "05", "06", "09", "10"):
+    for chapter in chapters or SPEED_CHAPTERS:
         ns = build.solution_globals(chapter)
         slow = slow_variants(chapter, ns)
         for ex in (e for e in checks.problem_set(chapter) if e.speed):

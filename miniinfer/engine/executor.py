@@ -41,7 +41,8 @@ class InProcessExecutor:
 
     def __init__(self, config: EngineConfig, components: Components, model: Transformer | None = None,
                  tokenizer=None):
-        self.runner: ModelRunner = components.runner(config, model, processors=components.processors)
+        self.runner: ModelRunner = components.runner(config, model, prepare=components.install,
+                                                     processors=components.processors)
         self.runner.tokenizer = tokenizer
         self.model: Transformer | None = self.runner.model
 

@@ -177,12 +177,11 @@ class SparseMoE(nn.Module):
         return routing(logits, self.moe.top_k, self.moe.renormalize)
 
     def shard(self, shard: Shard, layers: ParallelLayers) -> None:
-        """This rank's part under expert parallelism: experts rank * E // size up to the next rank's
-        (E need not divide), the router whole, the shared expert split by channels (its row-parallel down
+        """This rank's part under expert parallelism: the experts its shard names (consecutive shares, E
+        need not divide), the router whole, the shared expert split by channels (its row-parallel down
         adds its own sum over the ranks), and the experts' sum over the ranks after them."""
-        E, size, hidden = self.moe.num_experts, shard.size, self.gate.in_features
-        ids = range(shard.rank * E // size, (shard.rank + 1) * E // size)
-        self.experts = Experts(ids, E, hidden, self.moe.intermediate_size)
+        E, hidden = self.moe.num_experts, self.gate.in_features
+        self.experts = Experts(shard.experts(E), E, hidden, self.moe.intermediate_size)
         if self.shared_expert is not None:
             n = self.moe.shared_intermediate_size
             channels = shard.part(n)

@@ -38,6 +38,11 @@ class Shard:
         head = self.rank * n // self.size
         return slice(head, head + 1)
 
+    def experts(self, n: int) -> range:
+        """The experts this rank keeps of n (chapter 13): consecutive shares that need not be equal (7
+        on two ranks: 0-2 and 3-6)."""
+        return range(self.rank * n // self.size, (self.rank + 1) * n // self.size)
+
 
 def check_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """ValueError unless a model of this shape splits evenly over `size` ranks (a mixture of experts:

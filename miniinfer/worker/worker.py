@@ -17,6 +17,7 @@ from miniinfer.core.config import EngineConfig
 from miniinfer.kernels.allreduce import OneShotAllReduce
 from miniinfer.layers.parallel import ParallelLayers, cut_row_parallel, shard_model, sum_at_norms, use_one_shot
 from miniinfer.model.loader import checkpoint_config, read_config
+from miniinfer.model.transformer import Transformer
 from miniinfer.worker.components import Components
 
 # NVLink multicast stays off in every rank, set before NCCL starts: on the shared GPU hosts this course
@@ -45,10 +46,14 @@ class Worker:
                                            config.dtype, rows=config.all_reduce == "auto"))
         layers = components.parallel or ParallelLayers()
         shard, whole = layers.shard(rank, size), config.quantization is not None
-        prepare = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
-                                    expert_parallel=config.enable_expert_parallel)
-        self.runner = components.runner(config, prepare=prepare,
-                                        processors=components.processors)
+        cut = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
+                                expert_parallel=config.enable_expert_parallel)
+
+        def prepare(model: Transformer) -> None:
+            cut(model)
+            if components.install is not None:
+                components.install(model)
+        self.runner = components.runner(config, prepare=prepare, processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, read_config(checkpoint_config(config.model)[1]), shard)
         if config.all_reduce == "auto":  # the sums at the norms, before the graphs capture where they are
