@@ -31,6 +31,22 @@ def query_heads_not_kv_heads(cfg, itemsize):
     return 2 * cfg["num_hidden_layers"] * heads * (cfg.get("head_dim") or cfg["hidden_size"] // heads) * itemsize
 
 
+def kv_heads_checked_first(cfg, itemsize):
+    """Reads num_key_value_heads before kv_lora_rank: DeepSeek's config.json names both, and its cache holds latents."""
+    if "num_key_value_heads" in cfg:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * itemsize
+    return cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * itemsize
+
+
+def decompressed_in_float32(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
+    """Upcasts to compute and returns the float32 keys and values: the attention after it runs in the model's dtype."""
+    T, rope = k_rope.shape
+    kv = torch.einsum("tr,hdr->thd", latent.float(), kv_b.float().view(num_heads, nope_dim + v_dim, -1))
+    k_nope, values = kv.split([nope_dim, v_dim], dim=-1)
+    return torch.cat([k_nope, k_rope.float()[:, None].expand(T, num_heads, rope)], dim=-1), values
+
+
 def values_before_keys(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
     """Reads each head's rows as v_dim of W_UV first, then nope_dim of W_UK: the halves swapped."""
     T, rope = k_rope.shape
@@ -98,7 +114,9 @@ MUTANTS = [
     (testing.check_cache_bytes, values_not_counted),
     (testing.check_cache_bytes, latent_without_rotary_key),
     (testing.check_cache_bytes, query_heads_not_kv_heads),
+    (testing.check_cache_bytes, kv_heads_checked_first),
     (testing.check_decompress, values_before_keys),
+    (testing.check_decompress, decompressed_in_float32),
     (testing.check_decompress, rows_split_by_kind_first),
     (testing.check_decompress, rotary_key_first),
     (testing.check_absorb_query, one_heads_w_uk_for_all),

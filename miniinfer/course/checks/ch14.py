@@ -4,27 +4,39 @@ Hand-written module (chapter 14)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from miniinfer.course.checks.harness import as_tensor, check, exercise, randint, saved_checkpoint, serve_through
+from miniinfer.course.checks.harness import DTYPES, as_tensor, check, exercise, randint, saved_checkpoint, serve_through
 
 
 def _config(gen, case) -> dict:
-    """A config.json dict: multi-head (no KV head count), grouped-query, or latent attention (DeepSeek-V2)."""
+    """A whole config.json dict as transformers writes it, every key of its family: Qwen2's multi-head or
+    Mixtral's grouped-query attention (no head_dim: hidden_size // heads), Qwen3's grouped-query with its
+    own head_dim, or DeepSeek-V2's and V3's latent attention (whose dicts also name num_key_value_heads
+    and head_dim, which the latent makes moot)."""
+    import transformers
     heads = randint(gen, 1, 8)
-    cfg = dict(model_type="llama", vocab_size=100, hidden_size=8 * heads, intermediate_size=16,
-               num_hidden_layers=randint(gen, 1, 6), num_attention_heads=heads)
-    kind = case % 3
-    if kind == 1:
-        divisors = [h for h in range(1, heads + 1) if heads % h == 0]
-        cfg.update(num_key_value_heads=divisors[randint(gen, 0, len(divisors) - 1)], head_dim=randint(gen, 4, 40))
+    divisors = [h for h in range(1, heads + 1) if heads % h == 0]
+    kv = divisors[randint(gen, 0, len(divisors) - 1)]
+    common: dict[str, Any] = dict(vocab_size=100, hidden_size=8 * heads, intermediate_size=16,
+                                  num_hidden_layers=randint(gen, 1, 6), num_attention_heads=heads)
+    kind = case % 5
+    config: Any
+    if kind == 0:
+        config = transformers.Qwen2Config(**common, num_key_value_heads=heads)
+    elif kind == 1:
+        config = transformers.MixtralConfig(**common, num_key_value_heads=kv, num_local_experts=4)
     elif kind == 2:
-        cfg.update(model_type="deepseek_v2", kv_lora_rank=randint(gen, 4, 64), q_lora_rank=None,
-                   qk_nope_head_dim=randint(gen, 2, 16), qk_rope_head_dim=2 * randint(gen, 1, 8),
-                   v_head_dim=randint(gen, 2, 16), n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-    return cfg
+        config = transformers.Qwen3Config(**common, num_key_value_heads=kv, head_dim=2 * randint(gen, 2, 20))
+    else:
+        family = transformers.DeepseekV2Config if kind == 3 else transformers.DeepseekV3Config
+        config = family(**common, num_key_value_heads=heads, kv_lora_rank=randint(gen, 4, 64), q_lora_rank=None,
+                        qk_nope_head_dim=randint(gen, 2, 16), qk_rope_head_dim=2 * randint(gen, 1, 8),
+                        v_head_dim=randint(gen, 2, 16), n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=8, n_group=1, topk_group=1)
+    return config.to_dict()
 
 
 def _cache_bytes_ref(cfg: dict, itemsize: int) -> int:
@@ -38,20 +50,23 @@ def check_cache_bytes(fn: Callable) -> None:
     a key and a value per KV head (num_key_value_heads, else one per head; head_dim, else hidden_size //
     heads), or, with latent attention (kv_lora_rank), one latent and one rotary key of qk_rope_head_dim."""
     check("cache_bytes", as_tensor(fn), as_tensor(_cache_bytes_ref),
-          lambda gen, case: (_config(gen, case), (1, 2, 4)[randint(gen, 0, 2)]), cases=24)
+          lambda gen, case: (_config(gen, case), (1, 2, 4)[randint(gen, 0, 2)]), cases=25)
 
 
 def _latent_inputs(gen, case):
+    """A cache's latents and rotary keys and kv_b_proj's weight, in float32, float16 or bfloat16."""
     T, H, r, rope = randint(gen, 1, 7), randint(gen, 1, 5), randint(gen, 2, 24), 2 * randint(gen, 1, 4)
     nope, v = randint(gen, 1, 12), randint(gen, 1, 12)
-    return (torch.randn(T, r, generator=gen), torch.randn(T, rope, generator=gen),
-            torch.randn(H * (nope + v), r, generator=gen) / r ** 0.5, H, nope, v)
+    dtype = DTYPES[case % 3]
+    return (torch.randn(T, r, generator=gen).to(dtype), torch.randn(T, rope, generator=gen).to(dtype),
+            (torch.randn(H * (nope + v), r, generator=gen) / r ** 0.5).to(dtype), H, nope, v)
 
 
 def _decompress_ref(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
+    """In float32, each result rounded once to the inputs' dtype (as a matmul that accumulates in float32)."""
     T, rope = k_rope.shape
-    kv = torch.einsum("tr,hdr->thd", latent, kv_b.view(num_heads, nope_dim + v_dim, -1))
-    k_nope, values = kv.split([nope_dim, v_dim], dim=-1)
+    kv = torch.einsum("tr,hdr->thd", latent.float(), kv_b.float().view(num_heads, nope_dim + v_dim, -1))
+    k_nope, values = kv.to(latent.dtype).split([nope_dim, v_dim], dim=-1)
     return torch.cat([k_nope, k_rope[:, None].expand(T, num_heads, rope)], dim=-1), values
 
 
@@ -60,19 +75,21 @@ def check_decompress(fn: Callable) -> None:
     """fn(latent [T, r], k_rope [T, rope], kv_b [H * (nope + v), r], num_heads, nope_dim, v_dim) ->
     (keys [T, H, nope + rope], values [T, H, v]): kv_b's rows per head are nope_dim rows of W_UK, then
     v_dim rows of W_UV; each head's key is its W_UK times the latent, then the shared rotary key."""
-    check("decompress", fn, _decompress_ref, _latent_inputs, cases=16)
+    check("decompress", fn, _decompress_ref, _latent_inputs, cases=18)
 
 
 @exercise("14", 3, "absorb_query")
 def check_absorb_query(fn: Callable) -> None:
     """fn(q_nope [T, H, nope], w_uk [H, nope, r]) -> [T, H, r]: each head's query times its W_UK, so that
     its product with a latent equals its product with the key W_UK rebuilds from that latent."""
-    from miniinfer.layers.mla import absorb_query
-
     def inputs(gen, case):
         T, H, nope, r = randint(gen, 1, 7), randint(gen, 1, 5), randint(gen, 1, 12), randint(gen, 2, 24)
-        return torch.randn(T, H, nope, generator=gen), torch.randn(H, nope, r, generator=gen)
-    check("absorb_query", fn, absorb_query, inputs, cases=16)
+        dtype = DTYPES[case % 3]
+        return torch.randn(T, H, nope, generator=gen).to(dtype), torch.randn(H, nope, r, generator=gen).to(dtype)
+
+    def reference(q_nope, w_uk):  # in float32, rounded once to the inputs' dtype
+        return torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float()).to(q_nope.dtype)
+    check("absorb_query", fn, reference, inputs, cases=18)
 
 
 def _latent_decode_ref(q_latent, q_rope, latent, k_rope, w_uv, scale):
