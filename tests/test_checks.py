@@ -118,10 +118,23 @@ solved = functools.cache(build.solution_globals)  # one kernel's globals per pro
     ("08", "Detokenizer", ch08.EverythingSoFar, "the events' text is not the tokens' text"),
     ("08", "stream_request", ch08.stream_without_abort, "told to drop 0 requests, expected 1"),
     ("08", "stream_request", ch08.stream_that_always_aborts, "told to drop 2 requests, expected 1"),
-], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 20 else "")
-def test_chapters_01_to_08_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):
+    ("13", "route_tokens", ch13.softmax_over_the_top_k_only, "through your router, align and experts"),
+    ("13", "align_pairs", ch13.pairs_by_token_not_expert, "through your router, align and experts"),
+    ("13", "experts_kernel", ch13.KernelWithHalvesSwapped(), "through your router, align and experts"),
+    ("13", "experts_forward", ch13.experts_unweighted, "through your router, align and experts"),
+    ("13", "YourShard", ch13.SharesDropTheRemainder, "two ranks, each with your share of the experts"),
+    ("14", "decompress", ch14.values_before_keys, "through your decompression, absorption and kernel"),
+    ("14", "absorb_query", ch14.heads_reversed, "through your decompression, absorption and kernel"),
+    ("14", "absorb_output", ch14.w_uv_heads_reversed, "through your decompression, absorption and kernel"),
+    ("14", "latent_decode_kernel", ch14.KernelWithoutScale(), "through your decompression, absorption and kernel"),
+    ("14", "latent_decode", ch14.blocks_in_pool_order, "through your decompression, absorption and kernel"),
+    ("14", "cache_bytes", ch14.kv_heads_checked_first, "the engine's pool holds 480 bytes a token, received"),
+], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 24 else "")
+def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):
     """The last part runs the course model or the engine on the student's pieces (their names looked
-    up in the notebook's globals when called, as in a student's kernel): each one broken fails it."""
+    up in the notebook's globals when called, as in a student's kernel): each one broken fails it. 13's
+    runs in one process and on two ranks, 14's serves prompts through decompress and decodes through
+    the absorption and the kernel, and counts its pool with cache_bytes."""
     ns = solved(chapter)
     monkeypatch.setitem(ns, piece, wrong)
     last = testing.last_part(chapter)
@@ -204,35 +217,6 @@ def test_chapter_12_last_part_fails_on_each_broken_piece(pieces, says):
         pieces += (right,)
     with pytest.raises(AssertionError, match=says):
         testing.check_sampling_engine(pieces)
-
-
-@pytest.mark.parametrize("piece, wrong, says", [
-    ("route_tokens", ch13.softmax_over_the_top_k_only, "through your router, align and experts"),
-    ("align_pairs", ch13.pairs_by_token_not_expert, "through your router, align and experts"),
-    ("experts_kernel", ch13.KernelWithHalvesSwapped(), "through your router, align and experts"),
-    ("experts_forward", ch13.experts_unweighted, "through your router, align and experts"),
-    ("YourShard", ch13.SharesDropTheRemainder, "two ranks, each with your share of the experts"),
-], ids=lambda v: v if isinstance(v, str) and len(v) < 20 else "")
-def test_chapter_13_last_part_fails_on_each_broken_piece(piece, wrong, says, monkeypatch):
-    """The last part serves the checkpoint through the student's pieces (looked up in the notebook's
-    globals when called), in one process and on two ranks: each one broken fails it, naming the request."""
-    ns = solved("13")
-    monkeypatch.setitem(ns, piece, wrong)
-    last = testing.last_part("13")
-    with pytest.raises(AssertionError, match=says):
-        last.check(*eval(f"({last.argument},)", ns))
-
-
-@pytest.mark.parametrize("broken", [ch14.one_heads_w_uk_for_all, ch14.w_uk_summed_over_heads])
-def test_chapter_14_last_part_fails_on_each_broken_piece(broken):
-    """The last part serves the checkpoint through the student's absorb_query: a broken one fails it,
-    naming the request."""
-    def your_attention(model):
-        for layer in model.model.layers:
-            layer.self_attn.absorb_query = lambda q_nope, w_uk: broken(q_nope.flatten(0, -3), w_uk).view(
-                *q_nope.shape[:-1], w_uk.shape[-1])
-    with pytest.raises(AssertionError, match="through your absorbed attention"):
-        testing.check_your_attention(your_attention)
 
 
 @pytest.mark.parametrize("gather, scatter", [(ch15.gather_in_pool_order, None), (None, ch15.scatter_in_pool_order),

@@ -20,7 +20,7 @@ LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "02_static_kv_cache": "02.ca
               "08_serving": "08.stream_request", "09_speculative_decoding": "09.keep_accepted",
               "10_quantization": "10.gptq_columns", "11_tensor_parallelism": "11.YourRow",
               "12_sampling_and_structure": "12.prompt_rows", "13_mixture_of_experts": "13.experts_kernel",
-              "14_latent_attention": "14.absorb_query", "15_disaggregation": "15.after_prefill"}
+              "14_latent_attention": "14.latent_decode_kernel", "15_disaggregation": "15.after_prefill"}
 
 
 def last_part(cells: list) -> int:

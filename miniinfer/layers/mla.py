@@ -70,6 +70,16 @@ def absorb_output(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...hr,hvr->...hv", out, w_uv)
 
 
+def decompress(latent: torch.Tensor, k_rope: torch.Tensor, kv_b: torch.Tensor, num_heads: int, nope_dim: int,
+               v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a prompt rebuilds: every head's keys [T, H, nope + rope] and values [T, H, v] out of T cached
+    latents [T, r] and rotary keys [T, rope], through kv_b_proj's weight [H * (nope + v), r] (per head,
+    its W_UK's rows, then its W_UV's)."""
+    kv = F.linear(latent, kv_b).view(latent.shape[0], num_heads, nope_dim + v_dim)
+    k_nope, values = kv.split([nope_dim, v_dim], dim=-1)
+    return torch.cat([k_nope, k_rope[:, None].expand(-1, num_heads, -1)], dim=-1), values
+
+
 @runtime_checkable
 class SplitCache(Protocol):
     """An attention backend that treats a step's decodes and prompts apart and hands back what it keeps
@@ -105,7 +115,8 @@ class LatentAttention(nn.Module):
         # A plain nn.Linear: its weight is read as the two up-projections, so chapter 10 leaves it whole
         self.kv_b_proj = nn.Linear(r, H * (m.nope_dim + m.v_dim), bias=False)
         self.o_proj = Linear(H * m.v_dim, cfg.hidden_size, bias=False)
-        self.absorb_query, self.absorb_output = absorb_query, absorb_output  # problem set 14 brings its own
+        # problem set 14 brings its own
+        self.absorb_query, self.absorb_output, self.decompress = absorb_query, absorb_output, decompress
 
     def forward(self, qkv, cos, sin, layer: int, attn: AttentionBackend, ops: Ops) -> torch.Tensor:
         B, T, _ = qkv.shape
@@ -151,11 +162,10 @@ class LatentAttention(nn.Module):
         rotary key] [n, block_size, 1, r + rope]; the values padded with zeros to the keys' width
         (chapter 05's kernels take one head size; the padding's outputs are dropped)."""
         m, H = self.m, self.num_heads
-        latent, k_rope = blocks.to(dtype).split([m.kv_lora_rank, m.rope_dim], dim=-1)
-        kv = F.linear(latent, self.kv_b_proj.weight).view(*blocks.shape[:2], H, m.nope_dim + m.v_dim)
-        k_nope, v = kv.split([m.nope_dim, m.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, H, -1)], dim=-1)
-        return k, F.pad(v, (0, m.nope_dim + m.rope_dim - m.v_dim))
+        latent, k_rope = blocks.to(dtype).flatten(0, 2).split([m.kv_lora_rank, m.rope_dim], dim=-1)
+        k, v = self.decompress(latent, k_rope, self.kv_b_proj.weight, H, m.nope_dim, m.v_dim)
+        n, size = blocks.shape[:2]
+        return k.view(n, size, H, -1), F.pad(v, (0, m.nope_dim + m.rope_dim - m.v_dim)).view(n, size, H, -1)
 
 
 @dataclass(frozen=True)

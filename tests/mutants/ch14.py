@@ -3,6 +3,7 @@
 import torch
 
 from miniinfer.course import checks as testing
+from miniinfer.kernels.mla import latent_decode
 
 
 def values_not_counted(cfg, itemsize):
@@ -78,35 +79,64 @@ def rotary_key_first(latent, k_rope, kv_b, num_heads, nope_dim, v_dim):
 
 def one_heads_w_uk_for_all(q_nope, w_uk):
     """Absorbs head 0's W_UK into every head's query."""
-    return torch.einsum("thn,nr->thr", q_nope, w_uk[0])
+    return torch.einsum("...hn,nr->...hr", q_nope, w_uk[0])
 
 
 def w_uk_summed_over_heads(q_nope, w_uk):
     """Sums the heads' W_UK into one matrix before absorbing."""
-    return torch.einsum("thn,nr->thr", q_nope, w_uk.sum(0))
+    return torch.einsum("...hn,nr->...hr", q_nope, w_uk.sum(0))
 
 
 def heads_reversed(q_nope, w_uk):
     """Pairs head h's query with the last-but-h head's W_UK: the heads' order lost."""
-    return torch.einsum("thn,hnr->thr", q_nope, w_uk.flip(0))
+    return torch.einsum("...hn,hnr->...hr", q_nope, w_uk.flip(0))
 
 
-def no_rotary_scores(q_latent, q_rope, latent, k_rope, w_uv, scale):
+def one_heads_w_uv_for_all(out, w_uv):
+    """Takes every head's output out of the latent through head 0's W_UV."""
+    return torch.einsum("...hr,vr->...hv", out, w_uv[0])
+
+
+def w_uv_heads_reversed(out, w_uv):
+    """Pairs head h's weighted sum with the last-but-h head's W_UV."""
+    return torch.einsum("...hr,hvr->...hv", out, w_uv.flip(0))
+
+
+def output_in_float32(out, w_uv):
+    """Upcasts to multiply and returns float32: the output projection after it runs in the model's dtype."""
+    return torch.einsum("...hr,hvr->...hv", out.float(), w_uv.float())
+
+
+def no_rotary_scores(q, kv_cache, block_tables, context_lens, scale):
     """Scores from the latent alone: the rotary query and key, which carry the positions, are left out."""
-    p = (q_latent @ latent.T * scale).softmax(dim=-1)
-    return torch.einsum("hvr,hr->hv", w_uv, p @ latent)
+    R = 1 << (q.shape[-1].bit_length() - 1)
+    return latent_decode(torch.cat([q[..., :R], torch.zeros_like(q[..., R:])], -1), kv_cache, block_tables,
+                         context_lens, scale)
 
 
-def unscaled_scores(q_latent, q_rope, latent, k_rope, w_uv, scale):
+def unscaled_scores(q, kv_cache, block_tables, context_lens, scale):
     """Forgets the scale: the softmax of the raw products, too peaked."""
-    p = (q_latent @ latent.T + q_rope @ k_rope.T).softmax(dim=-1)
-    return torch.einsum("hvr,hr->hv", w_uv, p @ latent)
+    return latent_decode(q, kv_cache, block_tables, context_lens, 1.0)
 
 
-def softmax_over_heads(q_latent, q_rope, latent, k_rope, w_uv, scale):
-    """Normalizes each token's scores across the heads instead of each head's across the tokens."""
-    p = ((q_latent @ latent.T + q_rope @ k_rope.T) * scale).softmax(dim=0)
-    return torch.einsum("hvr,hr->hv", w_uv, p @ latent)
+def blocks_in_pool_order(q, kv_cache, block_tables, context_lens, scale):
+    """Reads each sequence's blocks in the pool's order (its table sorted), not in the order its table gives."""
+    return latent_decode(q, kv_cache, block_tables.sort(dim=1).values, context_lens, scale)
+
+
+def newest_token_left_out(q, kv_cache, block_tables, context_lens, scale):
+    """Stops one token early (a `<=` read as `<`): the newest token's row, stored before the step, is not attended."""
+    return latent_decode(q, kv_cache, block_tables, (context_lens - 1).clamp(min=1), scale)
+
+
+class KernelWithoutScale:
+    """latent_decode_kernel as a student's that forgets the scale (it writes what such a kernel would into
+    `out`): `kernel[grid](...)` as a Triton kernel is called."""
+
+    def __getitem__(self, grid):
+        def launch(q, kv_cache, tables, lens, out, scale, *args, **kwargs):
+            out.copy_(testing.latent_attention_ref(q, kv_cache, tables, lens, 1.0))
+        return launch
 
 
 # (the check, the wrong answer)
@@ -122,7 +152,11 @@ MUTANTS = [
     (testing.check_absorb_query, one_heads_w_uk_for_all),
     (testing.check_absorb_query, w_uk_summed_over_heads),
     (testing.check_absorb_query, heads_reversed),
+    (testing.check_absorb_output, one_heads_w_uv_for_all),
+    (testing.check_absorb_output, w_uv_heads_reversed),
+    (testing.check_absorb_output, output_in_float32),
     (testing.check_latent_decode, no_rotary_scores),
     (testing.check_latent_decode, unscaled_scores),
-    (testing.check_latent_decode, softmax_over_heads),
+    (testing.check_latent_decode, blocks_in_pool_order),
+    (testing.check_latent_decode, newest_token_left_out),
 ]

@@ -197,7 +197,7 @@ def check_your_moe(your_moe: Callable, shard: type) -> None:
     import miniinfer as mi
     from miniinfer.layers.parallel import ParallelLayers
     folder = moe_checkpoint()
-    expected = serve_through("13", folder, your_moe, "through your router, align and experts")
+    expected, _ = serve_through("13", folder, your_moe, "through your router, align and experts")
     config = mi.EngineConfig(model=folder, block_size=4, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=6,
                              enable_chunked_prefill=True, tensor_parallel_size=2, enable_expert_parallel=True)
     params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 
@@ -356,12 +356,15 @@ def saved_checkpoint(name: str, make: Callable) -> str:
 LAST_PART_PROMPTS = [[5, 17, 99, 3, 250], [42] * 9, list(range(100, 120))]
 
 
-def serve_through(chapter: str, folder: str, install: Callable, through: str) -> list[list[int]]:
+def serve_through(chapter: str, folder: str, install: Callable, through: str, **yours) -> tuple[list[list[int]], Any]:
     """A last part on a checkpoint: install(model) puts the student's pieces into an engine's model as it
     is built (before a CUDA graph holds the package's code), which then serves three requests (blocks of
     4, prompts in pieces of a 6-token budget, the pool small enough to preempt) with the package
-    engine's tokens, every block back. Returns those tokens."""
+    engine's tokens, every block back. yours: settings of the student's engine alone (their kernels').
+    Returns the package engine's tokens and the student's engine."""
     __tracebackhide__ = True
+    import dataclasses
+
     import miniinfer as mi
     config = mi.EngineConfig(model=folder, block_size=4, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=6,
                              enable_chunked_prefill=True)
@@ -369,9 +372,9 @@ def serve_through(chapter: str, folder: str, install: Callable, through: str) ->
     prompts = LAST_PART_PROMPTS
     expected = [o.token_ids for o in mi.LLMEngine(config).generate(prompts, params, use_tqdm=False)]
     with your_answers(chapter):
-        engine = engine_with(config, install=install)
+        engine = engine_with(dataclasses.replace(config, **yours), install=install)
         got = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     check_tokens(named([str(p) for p in prompts], through), expected, got)
     blocks_back(engine.block_manager, "three requests")
     print(f"passed: the package engine's tokens {through}, every block back")
-    return expected
+    return expected, engine
