@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Callable, Union
 
+import cloudpickle
+
 from miniinfer.core.config import EngineConfig
 from miniinfer.engine.core import EngineCommand, EngineInfo, EngineOutput, EngineStats, Shutdown, run_engine
 from miniinfer.engine.llm_engine import LLMEngine
@@ -75,11 +77,13 @@ class MultiprocClient(EngineClient):
 
     def __init__(self, config: EngineConfig, receive: Receive, make: Callable[[EngineConfig], LLMEngine] = LLMEngine,
                  name: str = "engine"):
-        """make: builds the engine in its process (picklable: a class, or a partial of one; chapter 15's)."""
+        """make: builds the engine in its process (a class, or a partial of one: chapter 15's; sent by value, so
+        a class defined in a notebook reaches the new process too)."""
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
         self.conn, child = ctx.Pipe()
         # A daemon dies with this process, but may not start processes: chapter 11's workers need that.
-        self.process = ctx.Process(target=engine_process, args=(config, child, make), name=f"miniinfer-{name}",
+        self.process = ctx.Process(target=engine_process, args=(config, child, cloudpickle.dumps(make)),
+                                   name=f"miniinfer-{name}",
                                    daemon=config.executor_kind() == "in_process")
         self.process.start()
         child.close()
@@ -133,14 +137,15 @@ class MultiprocClient(EngineClient):
         self.receiver.join()
 
 
-def engine_process(config: EngineConfig, conn, make: Callable[[EngineConfig], LLMEngine] = LLMEngine) -> None:
-    """The engine's own process: build it, tell the parent what it can serve, then serve commands."""
+def engine_process(config: EngineConfig, conn, make: bytes) -> None:
+    """The engine's own process: build it (make: what builds it, pickled by value), tell the parent what
+    it can serve, then serve commands."""
     # A terminal's Ctrl-C reaches the whole process group, this process too; the front end drains its
     # requests first and then shuts the engine down, so the engine leaves every signal to it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        engine = make(config)
+        engine = cloudpickle.loads(make)(config)
     except Exception as err:  # a bad checkpoint or config: the parent raises it
         conn.send(err)
         return

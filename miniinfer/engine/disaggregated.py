@@ -299,8 +299,12 @@ class Router(EngineClient):
     token, to decode, which then receives its K/V from prefill; decode's outputs are passed on.
     One thread does all of it, from one queue of commands and outputs, in order."""
 
-    def __init__(self, pair: DisaggregatedConfig, receive: Receive):
-        self.pair, self.receive = pair, receive
+    def __init__(self, pair: DisaggregatedConfig, receive: Receive,
+                 engines: tuple[type, type] = (PrefillEngine, DecodeEngine),
+                 rule: Callable = after_prefill):
+        """engines: the classes the two processes run; rule: what to do when the prefill engine answers
+        (after_prefill's signature). Both sent to the processes by value: a problem set's own, too."""
+        self.pair, self.receive, self.rule = pair, receive, rule
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (source, item): the only way in
         self.routes: dict[str, Route] = {}  # by the engines' request id
         self.live: dict[str, str] = {}  # the client's request id -> the engines' (a client may reuse an id)
@@ -312,7 +316,7 @@ class Router(EngineClient):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             started = {role: pool.submit(MultiprocClient, getattr(pair, role), self._from(role),
                                          functools.partial(engine, link=KVLink(rank, self.init_file)), role)
-                       for rank, (role, engine) in enumerate((("prefill", PrefillEngine), ("decode", DecodeEngine)))}
+                       for rank, (role, engine) in enumerate(zip(("prefill", "decode"), engines))}
             try:
                 self.prefill, self.decode = (started[role].result() for role in ("prefill", "decode"))
             except BaseException:
@@ -396,7 +400,7 @@ class Router(EngineClient):
                 continue
             add, actions = route.add, ["client"]
             if source == "prefill":
-                actions = after_prefill(add.params.max_tokens, o.finish_reason, route.aborted)
+                actions = self.rule(add.params.max_tokens, o.finish_reason, route.aborted)
                 if "decode" in actions:
                     route.phase, route.num_cached_tokens = "decode", o.num_cached_tokens
                     decode = dataclasses.replace(add.params, prompt_logprobs=None)  # the prefill engine's answer
@@ -456,7 +460,10 @@ class DisaggregatedEngine:
     stream = LLMEngine.stream
     add_request = LLMEngine.add_request
 
-    def __init__(self, prefill: EngineConfig, decode: EngineConfig):
+    def __init__(self, prefill: EngineConfig, decode: EngineConfig,
+                 engines: tuple[type, type] = (PrefillEngine, DecodeEngine),
+                 rule: Callable = after_prefill):
+        """engines and rule: as Router's (a problem set's own classes and rule)."""
         self.config = DisaggregatedConfig(prefill, decode)  # refused here, before any process starts
         self.checks = build_components(prefill).checks
         try:
@@ -465,7 +472,7 @@ class DisaggregatedEngine:
             self.tokenizer = None
         self.detokenize = self.tokenizer.decode if self.tokenizer is not None else None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.router = Router(self.config, lambda outputs, stats: self.inbox.put((outputs, stats)))
+        self.router = Router(self.config, lambda outputs, stats: self.inbox.put((outputs, stats)), engines, rule)
         self.limits = self.router.info.limits
         self.tokens: dict[str, Tokens] = {}  # unfinished requests
         self.stats = StepStats({}, [], 0, 0.0)

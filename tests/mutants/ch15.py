@@ -2,7 +2,9 @@
 
 import torch
 
+from miniinfer.core.sequence import Status
 from miniinfer.course import checks as testing
+from miniinfer.engine.disaggregated import DecodeEngine, HandoffScheduler
 
 
 def gather_in_pool_order(pools, block_ids):
@@ -74,6 +76,11 @@ def hand_on_every_length(max_tokens, finish_reason, aborted):
     return ["decode"] * handed + ["abort decode"] * (handed and aborted) + ["client"] * (not aborted)
 
 
+def keep_everything_on_the_prefill_side(max_tokens, finish_reason, aborted):
+    """Never hands a request on: every client gets its first token and nothing more."""
+    return [] if aborted else ["client"]
+
+
 def answer_the_client_who_left(max_tokens, finish_reason, aborted):
     """Passes the output on even when the client has left: a reused request id gets another's tokens."""
     handed = finish_reason == "length" and max_tokens > 1
@@ -85,6 +92,76 @@ def no_abort_on_the_decode_side(max_tokens, finish_reason, aborted):
     end for nobody."""
     handed = finish_reason == "length" and max_tokens > 1
     return ["decode"] * handed + ["client"] * (not aborted)
+
+
+class HandsOnAfterAStop(HandoffScheduler):
+    """Holds every handed-on request's blocks, whatever ended it: a stop token's too, never copied out."""
+
+    def finish(self, seq, reason=None):
+        if seq.request_id in self.handoff and seq.finish_reason != "length":
+            seq.finish_reason = "length"
+        super().finish(seq, reason)
+
+
+class ReleaseForgetsTheFork(HandoffScheduler):
+    """Forgets the held table on release but never frees the fork: the blocks are lost to the pool."""
+
+    def release(self, request_id):
+        del self.held[request_id]
+
+
+class HandoffNeverForgets(HandoffScheduler):
+    """Holds as it should but leaves the request in `handoff`: a later request with its id would be held too."""
+
+    def finish(self, seq, reason=None):
+        rid, handed = seq.request_id, seq.request_id in self.handoff
+        super().finish(seq, reason)
+        if handed:
+            self.handoff.add(rid)
+
+
+class LandsWrongly(DecodeEngine):
+    """DecodeEngine.land with one of its rules broken, as each subclass below says."""
+    past_a_blocked_one = any_number_running = lands_the_aborted = blocks_reversed = False
+
+    def land(self, wait):
+        s, bm = self.scheduler, self.block_manager
+        for a in list(self.arrivals):
+            if not a.dropped or self.lands_the_aborted:
+                need = bm.blocks_for(a.seq.num_computed_tokens) + (s.watermark if s.running else 0)
+                full = len(s.running) >= s.max_num_seqs and not self.any_number_running
+                if full or need > bm.num_free_blocks:
+                    if self.past_a_blocked_one:
+                        continue
+                    return
+            a.receiving.wait()
+            self.arrivals.remove(a)
+            if a.dropped and not self.lands_the_aborted:
+                continue
+            table = bm.allocate(a.seq, a.seq.num_computed_tokens)
+            self.scatter(self.pools, table[::-1] if self.blocks_reversed else table, a.kv)
+            a.seq.status, s.requests[a.seq.request_id] = Status.RUNNING, a.seq
+            s.running.append(a.seq)
+
+
+class LandsPastABlockedOne(LandsWrongly):
+    """Lets later arrivals land past one that does not fit yet: their K/V came in order, their landing must too."""
+    past_a_blocked_one = True
+
+
+class LandsPastMaxNumSeqs(LandsWrongly):
+    """Checks the free blocks but not max_num_seqs: more requests run than the engine was sized for."""
+    any_number_running = True
+
+
+class LandsTheAborted(LandsWrongly):
+    """Lands an arrival that was aborted before it landed: blocks for a request no one waits for."""
+    lands_the_aborted = True
+
+
+class ScattersIntoItsTableReversed(LandsWrongly):
+    """Scatters the message into the request's new blocks in reverse order: each block holds another's K/V."""
+    blocks_reversed = True
 
 
 # (the check, the wrong answer)
@@ -99,7 +176,15 @@ MUTANTS = [
     (testing.check_transfer_time, keys_without_values),
     (testing.check_transfer_time, gigabytes_as_gibibytes),
     (testing.check_transfer_time, latency_forgotten),
+    (testing.check_handoff, HandsOnAfterAStop),
+    (testing.check_handoff, ReleaseForgetsTheFork),
+    (testing.check_handoff, HandoffNeverForgets),
+    (testing.check_land, LandsPastABlockedOne),
+    (testing.check_land, LandsPastMaxNumSeqs),
+    (testing.check_land, LandsTheAborted),
+    (testing.check_land, ScattersIntoItsTableReversed),
     (testing.check_after_prefill, hand_on_every_length),
+    (testing.check_after_prefill, keep_everything_on_the_prefill_side),
     (testing.check_after_prefill, answer_the_client_who_left),
     (testing.check_after_prefill, no_abort_on_the_decode_side),
 ]
