@@ -184,6 +184,19 @@ def test_exercises_fail_unfilled(solution):
             f"exercise cell {i}: its check (cell {check}) does not fail unanswered: {failed or 'it passes'}"
 
 
+def solution_lines(path: Path) -> int:
+    """The lines a student writes in a problem set: those between its solution markers, blank ones aside."""
+    text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+    return sum(len([line for line in m.group(1).splitlines() if line.strip()])
+               for m in re.finditer(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", text, re.S))
+
+
+@pytest.mark.parametrize("chapter", ["13", "14", "15"])
+def test_the_third_editions_problem_sets_build_their_mechanism(chapter):
+    """Problem sets 13-15 as the third edition rebuilt them: 30 lines or more of the student's own."""
+    assert solution_lines(next((ROOT / "solutions").glob(f"{chapter}_*.ipynb"))) >= 30
+
+
 def test_notebooks_are_clean():
     # One nbstripout for all of them: its start-up (2 s) once per notebook came to two minutes of CI.
     paths = [str(p) for p in NOTEBOOKS + SOLUTIONS + sorted((ROOT / "exercises").glob("*.ipynb"))]
