@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15  # noqa: E402
+from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch99  # noqa: E402
 from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch99)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.

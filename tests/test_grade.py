@@ -179,3 +179,35 @@ def test_speed_items_are_graded_against_the_package(tmp_path):
     grade.write_html(rows, tmp_path / "grades.html")
     page = (tmp_path / "grades.html").read_text()
     assert page.count("class='bar'") == 2 and "needs GPU" in page
+
+
+def test_the_capstone_grades_a_class_of_four(tmp_path):
+    """The capstone graded end to end: correct and fast (the solution), correct and slow (its steps slowed
+    on purpose, each about four times its own length on any machine), wrong (int8 weights: other tokens)
+    and unanswered; each row's status, and a leaderboard that ranks the two timed ones, fastest first."""
+    solution = (ROOT / "solutions" / "99_capstone.ipynb").read_text()
+    (tmp_path / "fast.ipynb").write_text(solution)
+    for name, body in (("slow", "return Slowed(config)"),
+                       ("wrong", "return mi.LLMEngine(dataclasses.replace(config, quantization='int8'))")):
+        nb = json.loads(solution)
+        answer = cell(nb, "exercise", "99.your_engine")
+        answer["source"] = (
+            "import time\n\n\nclass Slowed(mi.LLMEngine):\n    def step(self):\n        t0 = time.perf_counter()\n"
+            "        out = super().step()\n        time.sleep(3 * (time.perf_counter() - t0))\n        return out\n\n\n"
+            f"def your_engine(config):\n    {body}\n")
+        (tmp_path / f"{name}.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "unanswered.ipynb").write_text((ROOT / "exercises" / "99_capstone.ipynb").read_text())
+    rows = grade.grade([tmp_path], timeout=300, jobs=2)
+    got = {(Path(r.notebook).stem, r.exercise): r for r in rows}
+    status = {(n, e.removeprefix("99.your_engine") or "check"): r.status for (n, e), r in got.items()}
+    assert status == {("fast", "check"): "passed", ("fast", ".speed"): status["fast", ".speed"],
+                      ("slow", "check"): "passed", ("slow", ".speed"): "slow",
+                      ("wrong", "check"): "failed", ("wrong", ".speed"): "failed",
+                      ("unanswered", "check"): "unanswered", ("unanswered", ".speed"): "unanswered"}, status
+    fast, slow = got["fast", "99.your_engine.speed"], got["slow", "99.your_engine.speed"]
+    assert fast.status in ("passed", "slow") and float(fast.speed) > 1.5 * float(slow.speed), (fast, slow)
+    assert "the tokens differ" in got["wrong", "99.your_engine"].message
+    grade.write_html(rows, tmp_path / "grades.html")
+    page = (tmp_path / "grades.html").read_text()
+    board = page[page.index("the reference's time over the student's"):]
+    assert board.count("class='bar'") == 2 and board.index("fast.ipynb") < board.index("slow.ipynb")

@@ -29,7 +29,7 @@ def test_reset_keeps_the_old_copy_and_takes_the_course_version(tmp_path):
     assert mine.read_bytes() == (ROOT / "exercises" / mine.name).read_bytes()
     assert [p.read_text() for p in (tmp_path / "backup").glob("exercises-05_*")] == ["my work"]
     with pytest.raises(SystemExit, match="NB is one of 01"):
-        lab.reset("99", tmp_path)
+        lab.reset("98", tmp_path)
 
 
 def test_make_lab_serves_lessons_problem_sets_and_the_landing_page(tmp_path):
