@@ -6,15 +6,16 @@
 Each problem set with speed items runs its solution notebook's code (check cells left out) into one
 namespace, as a student's kernel holds it; every speed item is then measured on the solution's answer
 and on a slow variant where there is one (a launcher that upcasts to float32 around the kernel, a
-GEMV without split-K, host code that waits 50 ms a step, an align step that loops over the experts),
-as `miniinfer grade` would. The JSON holds each item's printed line, status and ratio, with the
-machine and versions. On the GPU the reference solutions must reach full marks and the slow variants
-less (docs/benchmarks/grade_speed_*.json).
+GEMV without split-K, host code that waits 50 ms a step, an align step that loops over the experts,
+an engine that serves one request at a time), as `miniinfer grade` would. The JSON holds each item's
+printed line, status and ratio, with the machine and versions. On the GPU the reference solutions
+must reach full marks and the slow variants less (docs/benchmarks/grade_speed_*.json).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -68,6 +69,9 @@ def slow_variants(chapter: str, ns: dict) -> dict:
         return {"10.int4_gemv_kernel.speed": {"int4_gemv": functools.partial(ns["int4_gemv"], split=1)}}
     if chapter == "13":
         return {"13.experts_kernel.speed": {"align_pairs": align_by_loop}}
+    if chapter == "99":  # one request at a time: the step's fixed cost paid by each request alone
+        return {"99.your_engine.speed": {"your_engine": lambda config: ns["mi"].LLMEngine(
+            dataclasses.replace(config, max_num_seqs=1))}}
     if chapter == "14":  # the cache read in float32: twice the bytes, and no tensor cores
         return {"14.latent_decode_kernel.speed": {"latent_decode": upcast(ns["latent_decode"])}}
     if chapter == "06":
@@ -91,7 +95,7 @@ def measure(ex, ns: dict) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-SPEED_CHAPTERS = ("04", "05", "06", "09", "10", "13", "14")  # the problem sets with speed items
+SPEED_CHAPTERS = ("04", "05", "06", "09", "10", "13", "14", "99")  # the problem sets with speed items
 
 
 def main(out: str, *chapters: str) -> None:
