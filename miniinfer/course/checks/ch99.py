@@ -30,13 +30,14 @@ def workload() -> tuple:
     """The capstone's workload: (the package engine's config, the prompts, their sampling). On a GPU 64
     requests of 64 tokens, on a CPU 16 of 24; greedy, every request its full length. The config is the
     engine as the package builds it by default, kept small: 4 requests at a time, prompts in pieces of 32
-    tokens, no prefix cache."""
+    tokens, no prefix cache, a pool of 1,024 blocks."""
     import miniinfer as mi
     gpu = torch.cuda.is_available()
     prompts = [HEADER + line for line in FIRST_LINES] * (8 if gpu else 2)
     params = mi.SamplingParams(temperature=0, max_tokens=64 if gpu else 24, ignore_eos=True)
+    # A pool of its own size, not a share of the device's memory: the check holds two engines at once
     config = mi.EngineConfig(device=device(), max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=True,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, num_blocks=1024)
     return config, prompts, params
 
 
