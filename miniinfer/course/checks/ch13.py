@@ -198,8 +198,13 @@ def check_your_moe(your_moe: Callable, shard: type) -> None:
     from miniinfer.layers.parallel import ParallelLayers
     folder = moe_checkpoint()
     expected, _ = serve_through("13", folder, your_moe, "through your router, align and experts")
-    config = mi.EngineConfig(model=folder, block_size=4, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=6,
-                             enable_chunked_prefill=True, tensor_parallel_size=2, enable_expert_parallel=True)
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        print("needs two GPUs: the two ranks' part runs each rank's kernel on a GPU of its own (on a machine "
+              "without CUDA, on two CPU processes in Triton's interpreter)")
+        return
+    config = mi.EngineConfig(model=folder, device=device(), block_size=4, num_blocks=12, max_num_seqs=3,
+                             max_num_batched_tokens=6, enable_chunked_prefill=True, tensor_parallel_size=2,
+                             enable_expert_parallel=True)
     params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with your_answers("13"):
         try:

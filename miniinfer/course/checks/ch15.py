@@ -19,6 +19,7 @@ from miniinfer.course.checks.harness import (
     blocks_back,
     check,
     check_tokens,
+    device,
     exercise,
     named,
     randint,
@@ -263,7 +264,7 @@ def check_your_pair(prefill_cls: type, decode_cls: type, after: Callable, transf
     import miniinfer as mi
     from miniinfer.engine.disaggregated import DisaggregatedEngine, serve_in_process
     from miniinfer.model.loader import checkpoint_config
-    base = mi.EngineConfig(block_size=4, num_blocks=24)
+    base = mi.EngineConfig(device=device(), block_size=4, num_blocks=24)
     prefill_config = dataclasses.replace(base, enable_prefix_caching=True, enable_chunked_prefill=True,
                                          max_num_batched_tokens=6)
     decode_config = dataclasses.replace(base, num_blocks=12, max_num_seqs=3)
@@ -291,6 +292,12 @@ def check_your_pair(prefill_cls: type, decode_cls: type, after: Callable, transf
                              f"{sorted(link.sizes)} bytes, received {sorted(counted.values())}")
     print("passed: one engine's tokens through your pair in one process, every block back on both sides, "
           "each message the size transfer_time counts")
+    if torch.cuda.is_available():  # each engine process on a GPU of its own
+        if torch.cuda.device_count() < 2:
+            print("needs two GPUs: the two processes' part runs each engine on a GPU of its own")
+            return
+        prefill_config, decode_config = (dataclasses.replace(c, device=f"cuda:{i}")
+                                         for i, c in enumerate((prefill_config, decode_config)))
     with your_answers("15"):
         try:
             pair: Any = DisaggregatedEngine(prefill_config, decode_config, engines=(prefill_cls, decode_cls),

@@ -366,8 +366,8 @@ def serve_through(chapter: str, folder: str, install: Callable, through: str, **
     import dataclasses
 
     import miniinfer as mi
-    config = mi.EngineConfig(model=folder, block_size=4, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=6,
-                             enable_chunked_prefill=True)
+    config = mi.EngineConfig(model=folder, device=device(), block_size=4, num_blocks=12, max_num_seqs=3,
+                             max_num_batched_tokens=6, enable_chunked_prefill=True)
     params = mi.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = LAST_PART_PROMPTS
     expected = [o.token_ids for o in mi.LLMEngine(config).generate(prompts, params, use_tqdm=False)]
