@@ -39,6 +39,7 @@ PUBLIC = {
     **dict.fromkeys(["LLMEngine", "StepStats"], "engine.llm_engine"),
     "AsyncLLMEngine": "engine.async_engine",
     **dict.fromkeys(["DisaggregatedConfig", "DisaggregatedEngine"], "engine.disaggregated"),
+    "ReplicatedEngine": "engine.data_parallel",
     "IncrementalDetokenizer": "serving.detokenize",
     **dict.fromkeys(["StaticBatchGenerator", "StaticKVCache", "benchmark_lengths", "generate_cached",
                      "generate_static_batch", "left_pad", "static_batch_waste", "static_utilization", "write_kv"],

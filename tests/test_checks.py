@@ -144,6 +144,10 @@ def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypa
     runs in one process and on two ranks, 14's serves prompts through decompress and decodes through
     the absorption and the kernel, and counts its pool with cache_bytes; 15's pair runs in one process
     (where a broken piece shows first), then in two."""
+    if piece == "YourShard" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("the two ranks' part needs two GPUs on a GPU machine")
+    if torch.cuda.is_available():  # a piece that reads the device on the host may fail the engine's graph first
+        says = f"{says}|as a CUDA graph failed"
     ns = solved(chapter)
     monkeypatch.setitem(ns, piece, wrong)
     last = testing.last_part(chapter)

@@ -74,6 +74,12 @@ class EngineConfig:
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
                                            "each rank its share of the experts (chapter 13)")
     all_reduce: str = setting("auto", "parallel", "the ranks' sums (chapter 11)", ("auto", "one_shot", "nccl"))
+    data_parallel_size: int = setting(1, "parallel", "engines, each in its own process with the whole model, that "
+                                      "share the requests behind a router (chapter 16; each its own GPU where there "
+                                      "are enough, else a share of one)")
+    router: str = setting("least_loaded", "parallel", "which replica takes a request: in turn, the one with the "
+                          "fewest unfinished, or the one whose cache holds the longest prefix of the prompt "
+                          "(chapter 16)", ("round_robin", "least_loaded", "prefix"))
 
     def __post_init__(self):
         """Checked when made, before any model is loaded: a typo fails in a millisecond, not after a
@@ -85,7 +91,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "num_cpu_blocks", "num_speculative_tokens", "speculative_max_batch", "tensor_parallel_size"):
+                     "num_cpu_blocks", "num_speculative_tokens", "speculative_max_batch", "tensor_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -19,7 +19,12 @@ from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutp
 from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient, Receive
 from miniinfer.engine.llm_engine import LLMEngine, check_request
 from miniinfer.model.loader import load_tokenizer
+from miniinfer.model.registry import Registry
 from miniinfer.worker.components import build_components
+
+# The client of an EngineConfig, by whether it asks for several replicas: chapter 16's routes among them.
+CLIENTS = Registry("client for data_parallel_size > 1",
+                   {False: MultiprocClient, True: "miniinfer.engine.data_parallel:ReplicaRouter"})
 
 
 @dataclass
@@ -88,7 +93,7 @@ class AsyncLLMEngine:
         else:  # the engine's process builds the same components from the same config
             self.checks = build_components(engine.config if isinstance(engine, Connects) else engine).checks
             self.client = (engine.connect(self._receive) if isinstance(engine, Connects)
-                           else MultiprocClient(engine, self._receive))
+                           else CLIENTS[engine.data_parallel_size > 1](engine, self._receive))
             try:
                 self.tokenizer = load_tokenizer(engine.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only

@@ -286,56 +286,39 @@ def serve_in_process(prefill: PrefillEngine, decode: DecodeEngine, prompts: list
 
 @dataclass
 class Route:
-    """Where one request is: "prefill" until its first token, then "decode"."""
-    add: AddRequest  # as the client sent it (its seed drawn, so that both engines sample alike)
-    phase: str = "prefill"
+    """A request behind a router, and which engine has it: "prefill" until its first token, then "decode"
+    (chapter 16's replicas: the replica's number)."""
+    add: AddRequest  # as the client sent it (the pair's: its seed drawn, so that both engines sample alike)
+    where: Any = "prefill"
     aborted: bool = False  # by the client, while in the prefill engine: it is dropped when that one answers
     num_cached_tokens: int = 0  # the prefill engine's prefix cache hit
 
 
-class Router(EngineClient):
-    """The front end's line to a prefill engine and a decode engine, each in its own process: a
-    request goes to prefill; its first output is passed on, and the request, with its first
-    token, to decode, which then receives its K/V from prefill; decode's outputs are passed on.
-    One thread does all of it, from one queue of commands and outputs, in order."""
+class Fanout(EngineClient):
+    """A front end's line to several engines, each in its own process (chapter 08's MultiprocClient):
+    one thread takes the client's commands and the engines' outputs from one queue, in order. The
+    client's request ids are mapped to ids of its own, so a client may reuse an id while the old
+    request's last messages are still on their way."""
+    clients: dict[Any, MultiprocClient]  # by source: what the engine's outputs arrive marked with
+    _command: Callable[[EngineCommand], None]  # the router's own: where a request goes,
+    _outputs: Callable[[Any, list[EngineOutput]], None]  # and what an engine's outputs set off
 
-    def __init__(self, pair: DisaggregatedConfig, receive: Receive,
-                 engines: tuple[type, type] = (PrefillEngine, DecodeEngine),
-                 rule: Callable = after_prefill):
-        """engines: the classes the two processes run; rule: what to do when the prefill engine answers
-        (after_prefill's signature). Both sent to the processes by value: a problem set's own, too."""
-        self.pair, self.receive, self.rule = pair, receive, rule
+    def __init__(self, receive: Receive):
+        self.receive = receive
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (source, item): the only way in
         self.routes: dict[str, Route] = {}  # by the engines' request id
-        self.live: dict[str, str] = {}  # the client's request id -> the engines' (a client may reuse an id)
+        self.live: dict[str, str] = {}  # the client's request id -> the engines'
         self.ids = itertools.count()
         self.failure: str | None = None
-        fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-pd-")
-        os.close(fd)
-        # Both start at once: each engine's link waits for the other's while it starts.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            started = {role: pool.submit(MultiprocClient, getattr(pair, role), self._from(role),
-                                         functools.partial(engine, link=KVLink(rank, self.init_file)), role)
-                       for rank, (role, engine) in enumerate(zip(("prefill", "decode"), engines))}
-            try:
-                self.prefill, self.decode = (started[role].result() for role in ("prefill", "decode"))
-            except BaseException:
-                for future in started.values():  # the one that started would wait for its peer forever
-                    if future.done() and future.exception() is None:
-                        future.result().process.kill()
-                Path(self.init_file).unlink(missing_ok=True)
-                raise
-        p, d = self.prefill.info, self.decode.info
-        self.stats = {"prefill": p.stats, "decode": d.stats}  # each engine's latest
-        # A request must fit both: the prompt in prefill's pool, all of it in decode's.
-        self.info = EngineInfo(Limits(p.limits.vocab_size, min(p.limits.max_model_len, d.limits.max_model_len),
-                                      min(p.limits.num_blocks, d.limits.num_blocks), p.limits.block_size),
-                               p.eos_token_ids, d.max_num_seqs, self._stats("prefill"))
+
+    def _start(self) -> None:
+        """Once the clients run: their state as they started, and the thread."""
+        self.stats = {source: client.info.stats for source, client in self.clients.items()}  # each one's latest
         self.thread = threading.Thread(target=self._run, daemon=True, name="miniinfer-router")
         self.thread.start()
 
-    def _from(self, role: str) -> Receive:
-        return lambda outputs, stats: self.inbox.put((role, (outputs, stats)))
+    def _from(self, source: Any) -> Receive:
+        return lambda outputs, stats: self.inbox.put((source, (outputs, stats)))
 
     def send(self, command: EngineCommand) -> None:
         self.inbox.put(("client", command))
@@ -346,11 +329,10 @@ class Router(EngineClient):
     def close(self) -> None:
         self.send(Shutdown())
         self.thread.join()
-        for client in (self.prefill, self.decode):
+        for client in self.clients.values():
             client.process.join(timeout=30)
             if client.process.is_alive():
                 client.process.kill()
-        Path(self.init_file).unlink(missing_ok=True)
 
     def _run(self) -> None:
         while True:
@@ -370,6 +352,82 @@ class Router(EngineClient):
             except Exception as err:  # a fault of the router's own: its requests fail with it, not silently
                 self._fail(f"the router failed: {type(err).__name__}: {err}")
 
+    def _stats(self, source: Any) -> EngineStats:
+        """Every engine's state, summed, and what this message's steps (source's) did."""
+        summed = ("running", "waiting", "swapped", "blocks_used", "blocks_total")
+        return dataclasses.replace(self.stats[source],
+                                   **{name: sum(getattr(s, name) for s in self.stats.values()) for name in summed})
+
+    def _fail_routes(self, rids: list[str], error: str, fault: str) -> None:
+        """These requests end with `error` (but those the client aborted: it is no longer listening)."""
+        routes = [self.routes.pop(rid) for rid in rids]
+        for rid, route in zip(rids, routes):
+            if self.live.get(route.add.request_id) == rid:
+                del self.live[route.add.request_id]
+        failed = [EngineOutput(route.add.request_id, [], "error" if fault == "engine" else "abort", error=error,
+                               fault=fault) for route in routes if not route.aborted]
+        self.receive(failed, self._stats(next(iter(self.stats))))
+
+    def _died(self, source: Any) -> None:
+        """An engine's process ended: all of them end (the pair's requests need both)."""
+        if self.failure is not None:  # another one, ended by us
+            return
+        process = self.clients[source].process
+        process.join(timeout=2)
+        self._fail(f"the {source} engine ended (exit code {process.exitcode})")
+
+    def _fail(self, failure: str) -> None:
+        """Every engine ends, and every request with `failure`; later ones fail with it at once."""
+        self.failure = failure
+        for client in self.clients.values():
+            client.process.kill()
+        self._fail_routes(list(self.routes), failure, "engine")
+
+    def _shut_down(self) -> None:
+        for client in self.clients.values() if self.failure is None else ():  # else they are gone
+            client.send(Shutdown())
+        self._fail_routes(list(self.routes), "the engine was closed", "closed")
+
+
+class Router(Fanout):
+    """The front end's line to a prefill engine and a decode engine, each in its own process: a
+    request goes to prefill; its first output is passed on, and the request, with its first
+    token, to decode, which then receives its K/V from prefill; decode's outputs are passed on."""
+
+    def __init__(self, pair: DisaggregatedConfig, receive: Receive,
+                 engines: tuple[type, type] = (PrefillEngine, DecodeEngine),
+                 rule: Callable = after_prefill):
+        """engines: the classes the two processes run; rule: what to do when the prefill engine answers
+        (after_prefill's signature). Both sent to the processes by value: a problem set's own, too."""
+        super().__init__(receive)
+        self.pair, self.rule = pair, rule
+        fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-pd-")
+        os.close(fd)
+        # Both start at once: each engine's link waits for the other's while it starts.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            started = {role: pool.submit(MultiprocClient, getattr(pair, role), self._from(role),
+                                         functools.partial(engine, link=KVLink(rank, self.init_file)), role)
+                       for rank, (role, engine) in enumerate(zip(("prefill", "decode"), engines))}
+            try:
+                self.prefill, self.decode = (started[role].result() for role in ("prefill", "decode"))
+            except BaseException:
+                for future in started.values():  # the one that started would wait for its peer forever
+                    if future.done() and future.exception() is None:
+                        future.result().process.kill()
+                Path(self.init_file).unlink(missing_ok=True)
+                raise
+        self.clients = {"prefill": self.prefill, "decode": self.decode}
+        self._start()
+        p, d = self.prefill.info, self.decode.info
+        # A request must fit both: the prompt in prefill's pool, all of it in decode's.
+        self.info = EngineInfo(Limits(p.limits.vocab_size, min(p.limits.max_model_len, d.limits.max_model_len),
+                                      min(p.limits.num_blocks, d.limits.num_blocks), p.limits.block_size),
+                               p.eos_token_ids, d.max_num_seqs, self._stats("prefill"))
+
+    def close(self) -> None:
+        super().close()
+        Path(self.init_file).unlink(missing_ok=True)
+
     def _command(self, command: EngineCommand) -> None:
         if isinstance(command, AddRequest):
             if self.failure is not None:
@@ -385,7 +443,7 @@ class Router(EngineClient):
         elif isinstance(command, AbortRequest) and command.request_id in self.live:
             rid = self.live.pop(command.request_id)
             route = self.routes[rid]
-            if route.phase == "prefill":  # the prefill engine answers: a handoff already under way must land
+            if route.where == "prefill":  # the prefill engine answers: a handoff already under way must land
                 route.aborted = True
                 self.prefill.send(AbortRequest(rid))
             else:
@@ -402,7 +460,7 @@ class Router(EngineClient):
             if source == "prefill":
                 actions = self.rule(add.params.max_tokens, o.finish_reason, route.aborted)
                 if "decode" in actions:
-                    route.phase, route.num_cached_tokens = "decode", o.num_cached_tokens
+                    route.where, route.num_cached_tokens = "decode", o.num_cached_tokens
                     decode = dataclasses.replace(add.params, prompt_logprobs=None)  # the prefill engine's answer
                     self.decode.send(AddRequest(o.request_id, add.prompt_token_ids + o.new_token_ids, decode, add.turn))
                     o = dataclasses.replace(o, finish_reason=None)
@@ -419,60 +477,24 @@ class Router(EngineClient):
                                               num_cached_tokens=route.num_cached_tokens or o.num_cached_tokens))
         self.receive(passed, self._stats(source))
 
-    def _stats(self, source: str) -> EngineStats:
-        """Both engines' state, and what this message's steps (source's) did."""
-        p, d = self.stats["prefill"], self.stats["decode"]
-        return dataclasses.replace(self.stats[source], running=p.running + d.running, waiting=p.waiting + d.waiting,
-                                   swapped=p.swapped + d.swapped, blocks_used=p.blocks_used + d.blocks_used,
-                                   blocks_total=p.blocks_total + d.blocks_total)
 
-    def _fail_all(self, error: str, fault: str) -> None:
-        failed = [EngineOutput(route.add.request_id, [], "error" if fault == "engine" else "abort", error=error,
-                               fault=fault) for route in self.routes.values() if not route.aborted]
-        self.routes.clear()
-        self.live.clear()
-        self.receive(failed, self._stats("prefill"))
-
-    def _died(self, source: str) -> None:
-        if self.failure is not None:  # the other one, ended by us
-            return
-        process = getattr(self, source).process
-        process.join(timeout=2)
-        self._fail(f"the {source} engine ended (exit code {process.exitcode})")
-
-    def _fail(self, failure: str) -> None:
-        """Both engines end, and every request with `failure`; later ones fail with it at once."""
-        self.failure = failure
-        for client in (self.prefill, self.decode):
-            client.process.kill()
-        self._fail_all(failure, "engine")
-
-    def _shut_down(self) -> None:
-        for client in (self.prefill, self.decode) if self.failure is None else ():  # else both are gone
-            client.send(Shutdown())
-        self._fail_all("the engine was closed", "closed")
-
-
-class DisaggregatedEngine:
-    """LLMEngine's interface over a prefill engine and a decode engine in processes of their own
-    (a Router): outputs come as the two engines' steps make them."""
+class ClientEngine:
+    """LLMEngine's interface over a front end's client (chapter 08's EngineClient) whose engines run in
+    processes of their own: outputs come as their steps make them. The pair's, and chapter 16's replicas'."""
     generate = LLMEngine.generate  # over check_request, enqueue, step, stats and abort, as LLMEngine's
     stream = LLMEngine.stream
     add_request = LLMEngine.add_request
 
-    def __init__(self, prefill: EngineConfig, decode: EngineConfig,
-                 engines: tuple[type, type] = (PrefillEngine, DecodeEngine),
-                 rule: Callable = after_prefill):
-        """engines and rule: as Router's (a problem set's own classes and rule)."""
-        self.config = DisaggregatedConfig(prefill, decode)  # refused here, before any process starts
-        self.checks = build_components(prefill).checks
+    def __init__(self, config: EngineConfig, connect: Callable[[Receive], EngineClient]):
+        """config: an engine's, whose components check requests at the door; connect(receive): the client."""
+        self.checks = build_components(config).checks
         try:
-            self.tokenizer = load_tokenizer(prefill.model)
+            self.tokenizer = load_tokenizer(config.model)
         except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only
             self.tokenizer = None
         self.detokenize = self.tokenizer.decode if self.tokenizer is not None else None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.router = Router(self.config, lambda outputs, stats: self.inbox.put((outputs, stats)), engines, rule)
+        self.router = connect(lambda outputs, stats: self.inbox.put((outputs, stats)))
         self.limits = self.router.info.limits
         self.tokens: dict[str, Tokens] = {}  # unfinished requests
         self.stats = StepStats({}, [], 0, 0.0)
@@ -487,7 +509,7 @@ class DisaggregatedEngine:
         if request_id in self.tokens:
             raise ValueError(f"request id {request_id!r} is already in use")
         if priority:
-            raise ValueError("a disaggregated pair serves first come, first served: priority must be 0")
+            raise ValueError("engines behind a router serve first come, first served: priority must be 0")
         self.tokens[request_id] = Tokens(list(token_ids))
         self.router.send(AddRequest(request_id, list(token_ids), params, turn))
         return request_id
@@ -530,3 +552,15 @@ class DisaggregatedEngine:
 
     def close(self) -> None:
         self.router.close()
+
+
+class DisaggregatedEngine(ClientEngine):
+    """LLMEngine's interface over a prefill engine and a decode engine in processes of their own (a Router)."""
+
+    def __init__(self, prefill: EngineConfig, decode: EngineConfig,
+                 engines: tuple[type, type] = (PrefillEngine, DecodeEngine),
+                 rule: Callable = after_prefill):
+        """engines and rule: as Router's (a problem set's own classes and rule)."""
+        pair = DisaggregatedConfig(prefill, decode)  # refused here, before any process starts
+        super().__init__(prefill, lambda receive: Router(pair, receive, engines, rule))
+        self.config = pair

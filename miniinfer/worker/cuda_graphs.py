@@ -36,8 +36,15 @@ class DecodeGraphs:
             n = b * query_len
             self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)  # warm-up, compiles
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)[0]
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[b] = self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)[0]
+            except RuntimeError as err:  # CUDA's own words name neither the cause nor the way out
+                raise RuntimeError(
+                    f"recording the decode step of {b} sequences as a CUDA graph failed: something in the model "
+                    "waits for the device on the host (.item(), .tolist(), .cpu(), an `if` on a tensor's value) "
+                    "or allocates with a size read from one, which a graph cannot hold; keep that work on the "
+                    "device, or set cuda_graph=False") from err
             self.graphs[b] = graph
 
     def _use(self, b: int) -> None:

@@ -28,6 +28,7 @@ from miniinfer.course.checks.harness import (
     failing,
     randint,
     run_answer,
+    saved_checkpoint,
     shape_differs,
     unanswered,
     your_answers,
@@ -391,25 +392,18 @@ def check_shard(cls: type) -> None:
           "(rank, size, KV heads)")
 
 
-@functools.cache
 def small_checkpoint(kv_heads: int) -> str:
     """A Llama-shaped checkpoint with random weights, 4 query heads and `kv_heads` KV heads (one: each of
     two ranks must keep it whole, replicated; four: two a rank), biases on every projection (the
     row-parallel ones' join once) and a vocabulary of 301 rows (151 a rank, one of padding)."""
+    return saved_checkpoint(f"{kv_heads}-kv-heads", functools.partial(_llama, kv_heads))
+
+
+def _llama(kv_heads: int):
     import transformers
-    config = transformers.LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
-                                      attention_bias=True, mlp_bias=True, initializer_range=0.2)
-    torch.manual_seed(0)
-    folder = tempfile.mkdtemp(prefix=f"miniinfer-{kv_heads}-kv-heads-")
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar: noise in the check's output
-    try:
-        transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
-    return folder
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, head_dim=16, attention_bias=True, mlp_bias=True, initializer_range=0.2))
 
 
 # The models of the last part: the course model's 2 KV heads are one a rank; the small ones have fewer

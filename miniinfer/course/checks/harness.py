@@ -337,20 +337,39 @@ def as_tensor(fn: Callable) -> Callable:
 
 @functools.cache
 def saved_checkpoint(name: str, make: Callable) -> str:
-    """make()'s transformers model (random weights, seed 0) saved to a temporary folder, once per name."""
+    """make()'s transformers model (random weights, seed 0) saved once to a folder that every later
+    process reuses (named by `name`, make's source and the torch and transformers versions, so a changed
+    model or library saves anew): a folder a process made for itself would outlive a killed kernel."""
+    import hashlib
+    import inspect
+    import os
+    import shutil
     import tempfile
+    from pathlib import Path
 
+    import transformers
     from transformers.utils import logging as hf_logging
+    made = inspect.getsource(getattr(make, "func", make)) + repr(getattr(make, "args", ()))
+    key = hashlib.sha256(f"{made}{torch.__version__}{transformers.__version__}".encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / "miniinfer-checkpoints" / f"{name}-{key}"
+    if folder.is_dir():
+        return str(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent)
     torch.manual_seed(0)
-    folder = tempfile.mkdtemp(prefix=f"miniinfer-{name}-")
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its bar is a widget in a notebook's output
     try:
-        make().save_pretrained(folder)
+        make().save_pretrained(staging)
+        os.rename(staging, folder)  # whole or absent: another process may be saving the same one
+    except OSError:
+        if not folder.is_dir():
+            raise
     finally:
         if shown:
             hf_logging.enable_progress_bar()
-    return folder
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(folder)
 
 
 LAST_PART_PROMPTS = [[5, 17, 99, 3, 250], [42] * 9, list(range(100, 120))]
