@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch99  # noqa: E402
+from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch99  # noqa: E402
 from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch99)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch99)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
-LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 16)}
+LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 17)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -137,13 +137,16 @@ solved = functools.cache(build.solution_globals)  # one kernel's globals per pro
     ("15", "YourDecode", ch15.ScattersIntoItsTableReversed, "through your pair, in one process"),
     ("15", "after_prefill", ch15.keep_everything_on_the_prefill_side, "through your pair, in one process"),
     ("15", "transfer_time", ch15.keys_without_values, "the link carried"),
+    ("16", "cache_aware", ch16.balance_ignored, "the loads differed by 24 requests"),
+    ("16", "YourGuess", ch16.KeepsTheLastPromptOnly, "of the prompt tokens cached"),
+    ("16", "replica_configs", ch16.replicas_keep_data_parallel_size, "starting them raised ValueError"),
 ], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 24 else "")
 def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):
     """The last part runs the course model or the engine on the student's pieces (their names looked
     up in the notebook's globals when called, as in a student's kernel): each one broken fails it. 13's
     runs in one process and on two ranks, 14's serves prompts through decompress and decodes through
     the absorption and the kernel, and counts its pool with cache_bytes; 15's pair runs in one process
-    (where a broken piece shows first), then in two."""
+    (where a broken piece shows first), then in two; 16's replicas route chats and one hot prefix."""
     if piece == "YourShard" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("the two ranks' part needs two GPUs on a GPU machine")
     if torch.cuda.is_available():  # a piece that reads the device on the host may fail the engine's graph first

@@ -204,7 +204,8 @@ def test_a_fault_in_the_router_fails_its_requests_and_stops_both_engines(monkeyp
     pair = DisaggregatedEngine(mi.EngineConfig(num_blocks=32), mi.EngineConfig(num_blocks=32))
     try:
         out = pair.generate(["def f(x):"], mi.SamplingParams(max_tokens=4), use_tqdm=False)[0]
-        assert out.finish_reason == "error" and out.error == "the router failed: KeyError: 'a bug'"
+        assert out.finish_reason == "error" and out.error == "the router failed: KeyError: 'a bug' (in " \
+            "test_a_fault_in_the_router_fails_its_requests_and_stops_both_engines.<locals>.broken)"
         for client in (pair.router.prefill, pair.router.decode):
             client.process.join(10)
             assert not client.process.is_alive()

@@ -85,11 +85,13 @@ class ReplicaRouter(Fanout):
     """The front end's line to R engines with the whole model each, in processes of their own: a
     request goes to the replica the policy picks, and all its outputs come from there. A replica
     that dies fails its own requests; the others serve on."""
+    guess_class = CacheGuess  # what it believes each replica caches
+    plan = staticmethod(replica_configs)  # where each replica runs
 
     def __init__(self, config: EngineConfig, receive: Receive, policy: Callable | None = None):
         """policy(matched, loads, n) -> replica: the config's router unless given (a problem set's own)."""
         super().__init__(receive)
-        configs = replica_configs(config)
+        configs = self.plan(config)
         self.policy = policy or POLICIES[config.router]
         # On one shared GPU each starts after the last, which must hold its pool by then.
         shared = len({c.device for c in configs}) < len(configs) and configs[0].device != "cpu"
@@ -105,9 +107,10 @@ class ReplicaRouter(Fanout):
                 raise
         self._start()
         info, limits = self.clients[0].info, self.clients[0].info.limits
-        self.caches = [CacheGuess(limits.block_size, c.info.limits.num_blocks) for c in self.clients.values()]
+        self.caches = [self.guess_class(limits.block_size, c.info.limits.num_blocks) for c in self.clients.values()]
         self.loads = [0] * len(configs)  # each replica's unfinished requests, counted here
         self.placed = [0] * len(configs)  # and all it was sent
+        self.widest = 0  # the widest gap between two live replicas' loads, seen as requests were placed
         self.dead: set[int] = set()
         # The smallest pool: a request must fit whichever replica it goes to.
         smallest = min(c.info.limits.num_blocks for c in self.clients.values())
@@ -115,12 +118,14 @@ class ReplicaRouter(Fanout):
                                sum(c.info.max_num_seqs for c in self.clients.values()), self._stats(0))
 
     def pick(self, prompt: list[int]) -> int:
-        """The replica for a prompt, among those alive."""
+        """The replica for a prompt, among those alive, counted in its load."""
         alive = [r for r in self.clients if r not in self.dead]
         keys = self.caches[0].keys(prompt)
         matched = [self.caches[r].matched(keys) for r in alive]
         chosen = alive[self.policy(matched, [self.loads[r] for r in alive], sum(self.placed))]
         self.placed[chosen] += 1
+        self.loads[chosen] += 1
+        self.widest = max(self.widest, max(self.loads[r] for r in alive) - min(self.loads[r] for r in alive))
         self.caches[chosen].add(keys)
         return chosen
 
@@ -133,7 +138,6 @@ class ReplicaRouter(Fanout):
             r, rid = self.pick(command.prompt_token_ids), str(next(self.ids))
             self.routes[rid] = Route(command, where=r)
             self.live[command.request_id] = rid
-            self.loads[r] += 1
             self.clients[r].send(dataclasses.replace(command, request_id=rid))
         elif isinstance(command, AbortRequest) and command.request_id in self.live:
             rid = self.live.pop(command.request_id)

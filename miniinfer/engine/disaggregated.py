@@ -11,6 +11,7 @@ import os
 import queue
 import tempfile
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -350,7 +351,12 @@ class Fanout(EngineClient):
                         self.stats[source] = stats
                         self._outputs(source, outputs)
             except Exception as err:  # a fault of the router's own: its requests fail with it, not silently
-                self._fail(f"the router failed: {type(err).__name__}: {err}")
+                where = [frame.f_code.co_qualname for frame, _ in traceback.walk_tb(err.__traceback__)][-1]
+                lost = source == "client" and isinstance(item, AddRequest) and item.request_id not in self.live
+                self._fail(f"the router failed: {type(err).__name__}: {err} (in {where})")
+                if lost:  # it failed before it had a route: answered here, or never
+                    self.receive([EngineOutput(item.request_id, [], "error", error=self.failure, fault="engine")],
+                                 self._stats(next(iter(self.stats))))
 
     def _stats(self, source: Any) -> EngineStats:
         """Every engine's state, summed, and what this message's steps (source's) did."""
