@@ -96,10 +96,8 @@ class LLMEngine:
         one to use (default: the checkpoint's, when the engine loads it); components: what runs around
         the model (default: `build_components(config)`)."""
         config = config or EngineConfig()
-        if config.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={config.data_parallel_size} runs that many engines behind a router: "
-                             "miniinfer.ReplicatedEngine(config) (or AsyncLLMEngine(config), `miniinfer serve "
-                             "--data-parallel-size`) starts them; LLMEngine is one engine")
+        if config.data_parallel_size > 1:  # chapter 16's replicas: an engine each, behind a router
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: ReplicatedEngine(config) runs replicas")
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
         executor = EXECUTORS[config.executor_kind()]
         self.config, self.components = config, components or build_components(config)
