@@ -114,6 +114,35 @@ def test_the_server_serves_through_replicas():
     assert asyncio.run(serve()) == want
 
 
+def test_served_by_replicas_the_openai_client_gets_one_engines_text(tmp_path):
+    """`miniinfer serve --data-parallel-size 2 --router prefix`: whole and streamed completions equal one
+    engine's greedy text; SIGTERM leaves no process and no traceback."""
+    import openai
+    import psutil
+    from test_server import start_server
+
+    log = tmp_path / "server.log"
+    proc, url = start_server(log, "--data-parallel-size", "2", "--router", "prefix", "--num-blocks", "200",
+                             "--block-size", "8", "--enable-prefix-caching")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+        one = mi.LLMEngine(mi.EngineConfig(num_blocks=200, block_size=8))
+        want = [o.text for o in one.generate(prompts, mi.SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)]
+        whole = [client.completions.create(model="pycoder", prompt=p, max_tokens=20, temperature=0).choices[0].text
+                 for p in prompts]
+        streamed = ["".join(c.choices[0].text for c in client.completions.create(
+            model="pycoder", prompt=p, max_tokens=20, temperature=0, stream=True)) for p in prompts]
+        assert whole == want and streamed == want
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # the two replicas (and multiprocessing's resource tracker)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    psutil.wait_procs(children, timeout=10)
+    assert not [c for c in children if c.is_running()] and "Traceback" not in log.read_text(), log.read_text()
+
+
 def test_bad_replica_setups_are_refused_with_the_knob_to_turn(monkeypatch):
     with pytest.raises(ValueError, match="data_parallel_size must be a positive int"):
         mi.EngineConfig(data_parallel_size=0)
