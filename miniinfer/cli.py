@@ -155,6 +155,13 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt
 
 
+def cmd_route(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from miniinfer.serving.route import route_app
+    uvicorn.run(route_app(args.worker, args.router), host=args.host, port=args.port, log_level="warning")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     prompt = read_prompt(args)
     if not prompt:
@@ -266,7 +273,7 @@ def cmd_grade(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="miniinfer", description="miniinfer: serve, generate, chat, bench, grade")
+    ap = argparse.ArgumentParser(prog="miniinfer", description="miniinfer: serve, route, generate, chat, bench, grade")
     sub = ap.add_subparsers(dest="command", required=True)
     command = lambda name, text: sub.add_parser(name, help=text, description=text, formatter_class=Help)  # noqa: E731
 
@@ -294,6 +301,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-device", default=None,
                    help="with --disaggregated: the decode engine's device (default: the GPU after --device's, or cpu)")
     p.set_defaults(run=cmd_serve)
+
+    p = command("route", "route OpenAI requests to miniinfer servers over HTTP, by a replica rule (chapter 16)")
+    p.add_argument("--worker", action="append", required=True, metavar="URL",
+                   help="a `miniinfer serve` to send requests to, e.g. http://10.0.0.2:8000 (give it once per worker)")
+    p.add_argument("--router", default="least_loaded", choices=("round_robin", "least_loaded", "prefix"),
+                   help="which worker takes a request: in turn, the one with the fewest answers under way, or the "
+                        "one that most likely holds the prompt's prefix")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.set_defaults(run=cmd_route)
 
     p = command("generate", "complete a prompt, streaming to the terminal")
     p.add_argument("prompt", nargs="?", default=None, help="the prompt; - or none: read it from stdin")

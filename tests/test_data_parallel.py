@@ -3,7 +3,9 @@ give every block back, keep serving when one replica dies, and refuse what they 
 
 import dataclasses
 import os
+import re
 import signal
+import time
 
 import pytest
 import torch
@@ -117,23 +119,14 @@ def test_the_server_serves_through_replicas():
 def test_served_by_replicas_the_openai_client_gets_one_engines_text(tmp_path):
     """`miniinfer serve --data-parallel-size 2 --router prefix`: whole and streamed completions equal one
     engine's greedy text; SIGTERM leaves no process and no traceback."""
-    import openai
     import psutil
-    from test_server import start_server
+    from test_server import gives_one_engines_text, start_server
 
     log = tmp_path / "server.log"
     proc, url = start_server(log, "--data-parallel-size", "2", "--router", "prefix", "--num-blocks", "200",
                              "--block-size", "8", "--enable-prefix-caching")
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
-        one = mi.LLMEngine(mi.EngineConfig(num_blocks=200, block_size=8))
-        want = [o.text for o in one.generate(prompts, mi.SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)]
-        whole = [client.completions.create(model="pycoder", prompt=p, max_tokens=20, temperature=0).choices[0].text
-                 for p in prompts]
-        streamed = ["".join(c.choices[0].text for c in client.completions.create(
-            model="pycoder", prompt=p, max_tokens=20, temperature=0, stream=True)) for p in prompts]
-        assert whole == want and streamed == want
+        gives_one_engines_text(url, num_blocks=200, block_size=8)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 2  # the two replicas (and multiprocessing's resource tracker)
     finally:
@@ -192,3 +185,56 @@ def test_the_cache_guess_holds_the_newest_blocks_and_matches_whole_prefixes(prom
     held = guess.matched(last)
     assert last[:held] == [k for k in last[:held] if k in guess.hashes]
     assert held == len(last) or last[held] not in guess.hashes
+
+
+def test_routed_over_http_two_servers_give_one_engines_text_and_survive_one_dying(tmp_path):
+    """`miniinfer route` in front of two `miniinfer serve` (two "machines" on this one): whole and streamed
+    completions and chats equal one engine's text; the prefix rule sends a prompt's longer versions to the
+    worker its first went to; with one worker killed, every later request is answered by the other."""
+    import subprocess
+    import sys
+
+    import httpx
+    from test_server import free_port, gives_one_engines_text, start_server
+
+    workers = [start_server(tmp_path / f"worker{i}.log", "--num-blocks", "200", "--block-size", "8",
+                            "--enable-prefix-caching") for i in range(2)]
+    port = free_port()
+    route = subprocess.Popen([sys.executable, "-m", "miniinfer", "route", "--port", str(port), "--router", "prefix",
+                              *[a for _, url in workers for a in ("--worker", url)]],
+                             stdout=open(tmp_path / "route.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = gives_one_engines_text(url, 16, num_blocks=200, block_size=8)
+        prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+        chat = client.chat.completions.create(model="pycoder", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content is not None
+        assert [m.id for m in client.models.list().data] == ["pycoder"]
+
+        def served() -> list[int]:
+            return [int(re.search(r"^miniinfer_prompt_tokens_total (\d+)", httpx.get(u + "/metrics").text, re.M)[1])
+                    for _, u in workers]
+        head = "# a long shared head, more than one block of text: " + "x = 1\n" * 30
+        before = served()
+        for i in range(4):
+            client.completions.create(model="pycoder", prompt=head + f"y{i} = ", max_tokens=2)
+        grew = [a - b for a, b in zip(served(), before)]
+        assert sorted(g > 0 for g in grew) == [False, True], grew  # all four where the first went
+        os.killpg(workers[0][0].pid, signal.SIGKILL)
+        later = [client.completions.create(model="pycoder", prompt=p, max_tokens=4).choices[0].finish_reason
+                 for p in prompts * 2]
+        assert later == ["length"] * 6
+    finally:
+        route.terminate()
+        route.wait(30)
+        for proc, _ in workers:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(60)

@@ -169,21 +169,13 @@ def test_served_disaggregated_the_openai_client_streams_one_engines_text(tmp_pat
     hostile values get a 400, and SIGTERM leaves no process and no traceback."""
     import openai
     import psutil
-    from test_server import start_server
+    from test_server import gives_one_engines_text, start_server
 
     log = tmp_path / "server.log"
     proc, url = start_server(log, "--disaggregated", "--num-blocks", "200", "--block-size", "8",
                              "--enable-prefix-caching")
     try:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
-        one = mi.LLMEngine(mi.EngineConfig(num_blocks=200, block_size=8))
-        want = [o.text for o in one.generate(prompts, mi.SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)]
-        whole = [client.completions.create(model="pycoder", prompt=p, max_tokens=20, temperature=0).choices[0].text
-                 for p in prompts]
-        streamed = ["".join(c.choices[0].text for c in client.completions.create(
-            model="pycoder", prompt=p, max_tokens=20, temperature=0, stream=True)) for p in prompts]
-        assert whole == want and streamed == want
+        client = gives_one_engines_text(url, num_blocks=200, block_size=8)
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.completions.create(model="pycoder", prompt="x", max_tokens=10**6)
         children = psutil.Process(proc.pid).children(recursive=True)

@@ -58,6 +58,22 @@ def start_server(log, *args: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+def gives_one_engines_text(url: str, max_tokens: int = 20, **config) -> openai.OpenAI:
+    """Whole and streamed completions through the server at url equal one in-process engine's greedy text
+    (that engine built of EngineConfig(**config)); the client, for more."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"]
+    one = mi.LLMEngine(mi.EngineConfig(**config))
+    greedy = mi.SamplingParams(max_tokens=max_tokens, temperature=0)
+    want = [o.text for o in one.generate(prompts, greedy, use_tqdm=False)]
+    whole = [client.completions.create(model="pycoder", prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+             for p in prompts]
+    streamed = ["".join(c.choices[0].text for c in client.completions.create(
+        model="pycoder", prompt=p, max_tokens=max_tokens, temperature=0, stream=True)) for p in prompts]
+    assert whole == want and streamed == want
+    return client
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
