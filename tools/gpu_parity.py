@@ -11,10 +11,13 @@ fused kernels and CUDA graphs), overlap on; `mla` on the tests' DeepSeek-V2 and 
 tensor_parallel_size 1 and 2 (the sums at the norms, in the layers by the one-shot, by NCCL alone) against
 transformers, float32, prefix caching and chunked prefill on and a pool small enough that requests are
 preempted; then six requests alone.
+`replicas` (chapter 16): the tests' three shapes served by two replicas sharing the one GPU (each its own
+process and pool), under the prefix rule and round robin, against transformers.
 
     python tools/gpu_parity.py all OUT.json    (the dense shapes, then the quantized course model)
     python tools/gpu_parity.py quantized OUT.json    (or moe, mla: that part only)
     python tools/gpu_parity.py tp OUT.json [tp2 tp2_layers tp2_nccl]    (the settings named, else all three)
+    python tools/gpu_parity.py replicas OUT.json
 """
 
 import tempfile
@@ -120,6 +123,39 @@ def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
     return {"requests": n, **res}
 
 
+def replica_parity(kind: str, n: int = 48) -> dict:
+    """Two rounds of the shared workload (the second finds its prefixes cached where the rule sent them)
+    through two replicas on one GPU, under two rules: outputs against transformers', the cache hits,
+    the requests per replica, every block back on each."""
+    prompts, params = shared_workload(n)
+    res: dict = {"requests": n}
+    with tempfile.TemporaryDirectory() as folder:
+        hf = make_hf_model(kind)
+        hf.save_pretrained(folder)
+        hf = hf.cuda()
+        expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+        for rule in ("prefix", "round_robin"):
+            engine = mi.ReplicatedEngine(mi.EngineConfig(
+                model=folder, device="cuda", dtype=torch.float32, block_size=16, num_blocks=512, max_num_seqs=16,
+                max_num_batched_tokens=64, enable_prefix_caching=True, enable_chunked_prefill=True,
+                data_parallel_size=2, router=rule))
+            rounds = [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+            router = engine.router
+            res[rule] = {"same_per_round": [sum(o.token_ids == e for o, e in zip(outs, expected)) for outs in rounds],
+                         "cached_tokens_per_round": [sum(o.num_cached_tokens for o in outs) for outs in rounds],
+                         "placed": router.placed,
+                         "all_blocks_back": all(s.blocks_used == 0 for s in router.stats.values())}
+            engine.close()
+            print(f"{kind} {rule}: {res[rule]}", flush=True)
+    return res
+
+
+def replicas(out: str) -> None:
+    results = Results(out)
+    for kind in SHAPES:
+        results.save(kind, replica_parity(kind))
+
+
 def dense_and_quantized(out: str) -> None:
     results = Results(out)
     for kind in SHAPES:
@@ -159,4 +195,4 @@ def tensor_parallel(out: str, *settings: str) -> None:
 
 
 if __name__ == "__main__":
-    commands(all=dense_and_quantized, quantized=quantized_only, moe=moe, mla=mla, tp=tensor_parallel)
+    commands(all=dense_and_quantized, quantized=quantized_only, moe=moe, mla=mla, tp=tensor_parallel, replicas=replicas)
