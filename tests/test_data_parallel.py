@@ -17,6 +17,7 @@ import miniinfer as mi
 from miniinfer.engine.data_parallel import (
     POLICIES,
     CacheGuess,
+    Replicas,
     ReplicatedEngine,
     cache_aware,
     least_loaded,
@@ -96,7 +97,7 @@ def test_a_killed_replica_fails_its_own_requests_and_the_others_serve_on():
 
 
 def test_the_server_serves_through_replicas():
-    """AsyncLLMEngine starts a router for data_parallel_size > 1 (as `miniinfer serve` does)."""
+    """AsyncLLMEngine serves Replicas(config) through a router (as `miniinfer serve --data-parallel-size` does)."""
     import asyncio
 
     config = mi.EngineConfig(num_blocks=64, block_size=4, data_parallel_size=2, router="least_loaded")
@@ -106,7 +107,7 @@ def test_the_server_serves_through_replicas():
     want = [o.text for o in one.generate(prompts, greedy, use_tqdm=False)]
 
     async def serve() -> list[str]:
-        engine = mi.AsyncLLMEngine(config)
+        engine = mi.AsyncLLMEngine(Replicas(config))
         try:
             async def text(p):
                 return [o async for o in engine.generate(p, greedy)][-1].text

@@ -19,12 +19,7 @@ from miniinfer.engine.core import FAILURES, AbortRequest, AddRequest, EngineOutp
 from miniinfer.engine.core_client import EngineClient, InprocClient, MultiprocClient, Receive
 from miniinfer.engine.llm_engine import LLMEngine, check_request
 from miniinfer.model.loader import load_tokenizer
-from miniinfer.model.registry import Registry
 from miniinfer.worker.components import build_components
-
-# The client of an EngineConfig, by whether it asks for several replicas: chapter 16's routes among them.
-CLIENTS = Registry("client for data_parallel_size > 1",
-                   {False: MultiprocClient, True: "miniinfer.engine.data_parallel:ReplicaRouter"})
 
 
 @dataclass
@@ -61,7 +56,8 @@ def advance(tokens: Tokens | Stream, o: EngineOutput, detokenize=None) -> Reques
 
 @runtime_checkable
 class Connects(Protocol):
-    """A config that starts its engines and their client itself (chapter 15's prefill and decode pair)."""
+    """A config that starts its engines and their client itself (chapter 15's prefill and decode pair,
+    chapter 16's replicas)."""
     model: str | Path | None
     config: EngineConfig  # the one whose components check requests at the door
 
@@ -93,7 +89,7 @@ class AsyncLLMEngine:
         else:  # the engine's process builds the same components from the same config
             self.checks = build_components(engine.config if isinstance(engine, Connects) else engine).checks
             self.client = (engine.connect(self._receive) if isinstance(engine, Connects)
-                           else CLIENTS[engine.data_parallel_size > 1](engine, self._receive))
+                           else MultiprocClient(engine, self._receive))
             try:
                 self.tokenizer = load_tokenizer(engine.model)
             except (OSError, ValueError):  # a checkpoint without tokenizer files: token ids only

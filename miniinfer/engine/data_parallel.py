@@ -6,6 +6,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -193,3 +194,17 @@ class ReplicatedEngine(ClientEngine):
                              "LLMEngine(config) is one engine")
         super().__init__(config, lambda receive: ReplicaRouter(config, receive, policy))
         self.config = config
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """config.data_parallel_size engines, as AsyncLLMEngine (and so `miniinfer serve`) takes them: a config
+    that starts its engines and their router itself (chapter 08's Connects, as chapter 15's pair)."""
+    config: EngineConfig
+
+    @property
+    def model(self):
+        return self.config.model
+
+    def connect(self, receive: Receive) -> ReplicaRouter:
+        return ReplicaRouter(self.config, receive)

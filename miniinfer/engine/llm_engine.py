@@ -97,7 +97,8 @@ class LLMEngine:
         the model (default: `build_components(config)`)."""
         config = config or EngineConfig()
         if config.data_parallel_size > 1:  # chapter 16's replicas: an engine each, behind a router
-            raise ValueError(f"data_parallel_size={config.data_parallel_size}: ReplicatedEngine(config) runs replicas")
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: ReplicatedEngine(config) or "
+                             "AsyncLLMEngine(Replicas(config)) runs replicas")
         block_manager = BLOCK_MANAGERS[config.enable_prefix_caching]  # before anything is loaded
         executor = EXECUTORS[config.executor_kind()]
         self.config, self.components = config, components or build_components(config)
