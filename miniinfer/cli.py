@@ -137,11 +137,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServerOptions(args.chat_max_tokens, args.max_body_mb, args.max_seqs_per_request,
                             args.max_tokens_per_request, args.shutdown_timeout, args.header_timeout)
     config = engine_config(args)
-    if config.data_parallel_size > 1:
-        from miniinfer.engine.data_parallel import Replicas
-        config = Replicas(config)
     if args.disaggregated:
         config = disaggregated(args, config)
+    elif config.data_parallel_size > 1:
+        from miniinfer.engine.data_parallel import Replicas
+        config = Replicas(config)
     serve(config, name, host=args.host, port=args.port, options=options)
 
 

@@ -120,21 +120,9 @@ def test_the_server_serves_through_replicas():
 def test_served_by_replicas_the_openai_client_gets_one_engines_text(tmp_path):
     """`miniinfer serve --data-parallel-size 2 --router prefix`: whole and streamed completions equal one
     engine's greedy text; SIGTERM leaves no process and no traceback."""
-    import psutil
-    from test_server import gives_one_engines_text, start_server
+    from test_server import serves_one_engines_text_and_ends_cleanly
 
-    log = tmp_path / "server.log"
-    proc, url = start_server(log, "--data-parallel-size", "2", "--router", "prefix", "--num-blocks", "200",
-                             "--block-size", "8", "--enable-prefix-caching")
-    try:
-        gives_one_engines_text(url, num_blocks=200, block_size=8)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 2  # the two replicas (and multiprocessing's resource tracker)
-    finally:
-        proc.terminate()
-        assert proc.wait(60) in (0, -signal.SIGTERM)
-    psutil.wait_procs(children, timeout=10)
-    assert not [c for c in children if c.is_running()] and "Traceback" not in log.read_text(), log.read_text()
+    serves_one_engines_text_and_ends_cleanly(tmp_path / "server.log", "--data-parallel-size", "2", "--router", "prefix")
 
 
 def test_bad_replica_setups_are_refused_with_the_knob_to_turn(monkeypatch):
@@ -146,6 +134,9 @@ def test_bad_replica_setups_are_refused_with_the_knob_to_turn(monkeypatch):
         mi.LLMEngine(mi.EngineConfig(data_parallel_size=2))
     with pytest.raises(ValueError, match="data_parallel_size >= 2"):
         ReplicatedEngine(mi.EngineConfig())
+    from miniinfer.engine.disaggregated import DisaggregatedConfig
+    with pytest.raises(ValueError, match="speculation and replicas are not supported"):
+        DisaggregatedConfig(mi.EngineConfig(data_parallel_size=2), mi.EngineConfig())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match="would take the same GPUs"):
         replica_configs(mi.EngineConfig(device="cuda", data_parallel_size=2, tensor_parallel_size=2))

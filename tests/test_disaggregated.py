@@ -168,23 +168,12 @@ def test_served_disaggregated_the_openai_client_streams_one_engines_text(tmp_pat
     """`miniinfer serve --disaggregated`: whole and streamed completions equal one engine's greedy text,
     hostile values get a 400, and SIGTERM leaves no process and no traceback."""
     import openai
-    import psutil
-    from test_server import gives_one_engines_text, start_server
+    from test_server import serves_one_engines_text_and_ends_cleanly
 
-    log = tmp_path / "server.log"
-    proc, url = start_server(log, "--disaggregated", "--num-blocks", "200", "--block-size", "8",
-                             "--enable-prefix-caching")
-    try:
-        client = gives_one_engines_text(url, num_blocks=200, block_size=8)
+    def hostile_values_get_400(client) -> None:
         with pytest.raises(openai.BadRequestError, match="max_tokens"):
             client.completions.create(model="pycoder", prompt="x", max_tokens=10**6)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 2  # the two engines (and multiprocessing's resource tracker)
-    finally:
-        proc.terminate()
-        assert proc.wait(60) in (0, -signal.SIGTERM)
-    psutil.wait_procs(children, timeout=10)
-    assert not [c for c in children if c.is_running()] and "Traceback" not in log.read_text(), log.read_text()
+    serves_one_engines_text_and_ends_cleanly(tmp_path / "server.log", "--disaggregated", then=hostile_values_get_400)
 
 
 def test_a_fault_in_the_router_fails_its_requests_and_stops_both_engines(monkeypatch):

@@ -74,6 +74,22 @@ def gives_one_engines_text(url: str, max_tokens: int = 20, **config) -> openai.O
     return client
 
 
+def serves_one_engines_text_and_ends_cleanly(log, *flags: str, then=lambda client: None) -> None:
+    """`miniinfer serve` with flags (and a pool of 200 blocks of 8, prefix caching) gives one engine's greedy
+    text (then(client) asks more); its engines' processes are at least two, and SIGTERM leaves none of them
+    and no traceback."""
+    proc, url = start_server(log, *flags, "--num-blocks", "200", "--block-size", "8", "--enable-prefix-caching")
+    try:
+        then(gives_one_engines_text(url, num_blocks=200, block_size=8))
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # the engines (and multiprocessing's resource tracker)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    psutil.wait_procs(children, timeout=10)
+    assert not [c for c in children if c.is_running()] and "Traceback" not in log.read_text(), log.read_text()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"

@@ -193,7 +193,6 @@ class ReplicatedEngine(ClientEngine):
             raise ValueError(f"ReplicatedEngine runs data_parallel_size >= 2 engines, got {config.data_parallel_size}: "
                              "LLMEngine(config) is one engine")
         super().__init__(config, lambda receive: ReplicaRouter(config, receive, policy))
-        self.config = config
 
 
 @dataclass(frozen=True)

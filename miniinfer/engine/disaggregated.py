@@ -55,10 +55,11 @@ class DisaggregatedConfig:
             config = getattr(self, role)
             if not isinstance(config, EngineConfig):
                 raise ValueError(f"{role} must be an EngineConfig, got {type(config).__name__}")
-            if config.executor_kind() != "in_process" or config.speculative_method is not None:
+            if (config.executor_kind() != "in_process" or config.speculative_method is not None
+                    or config.data_parallel_size > 1):
                 raise ValueError(f"the {role} engine: a disaggregated pair moves one pool's blocks, in the engine's "
-                                 "own process: tensor parallelism, worker processes and speculation are not "
-                                 "supported in it")
+                                 "own process: tensor parallelism, worker processes, speculation and replicas "
+                                 "are not supported in it")
         for name in SHARED:
             p, d = getattr(self.prefill, name), getattr(self.decode, name)
             if name == "model":
@@ -493,6 +494,7 @@ class ClientEngine:
 
     def __init__(self, config: EngineConfig, connect: Callable[[Receive], EngineClient]):
         """config: an engine's, whose components check requests at the door; connect(receive): the client."""
+        self.config: Any = config
         self.checks = build_components(config).checks
         try:
             self.tokenizer = load_tokenizer(config.model)
