@@ -137,6 +137,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServerOptions(args.chat_max_tokens, args.max_body_mb, args.max_seqs_per_request,
                             args.max_tokens_per_request, args.shutdown_timeout, args.header_timeout)
     config = engine_config(args)
+    if config.node_rank > 0:  # another machine's share of the ranks (chapter 16): the engine is on node 0
+        from miniinfer.engine.pipeline import serve_node
+        return serve_node(config)
     if args.disaggregated:
         config = disaggregated(args, config)
     elif config.data_parallel_size > 1:

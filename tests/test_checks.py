@@ -140,13 +140,16 @@ solved = functools.cache(build.solution_globals)  # one kernel's globals per pro
     ("16", "cache_aware", ch16.balance_ignored, "the loads differed by 24 requests"),
     ("16", "YourGuess", ch16.KeepsTheLastPromptOnly, "of the prompt tokens cached"),
     ("16", "replica_configs", ch16.replicas_keep_data_parallel_size, "starting them raised ValueError"),
+    ("16", "split_layers", ch16.equal_counts, "through your split_layers the stages held"),
+    ("16", "keep_stage", ch16.head_on_every_stage, "through your keep_stage, stage 0"),
 ], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 24 else "")
 def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):
     """The last part runs the course model or the engine on the student's pieces (their names looked
     up in the notebook's globals when called, as in a student's kernel): each one broken fails it. 13's
     runs in one process and on two ranks, 14's serves prompts through decompress and decodes through
     the absorption and the kernel, and counts its pool with cache_bytes; 15's pair runs in one process
-    (where a broken piece shows first), then in two; 16's replicas route chats and one hot prefix."""
+    (where a broken piece shows first), then in two; 16's pipeline runs two stages, then its replicas route
+    chats and one hot prefix."""
     if piece == "YourShard" and torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("the two ranks' part needs two GPUs on a GPU machine")
     if torch.cuda.is_available():  # a piece that reads the device on the host may fail the engine's graph first

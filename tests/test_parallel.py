@@ -132,12 +132,18 @@ def test_the_course_model_on_two_ranks_equals_one():
 
 
 def test_a_rank_that_dies_fails_the_requests_and_leaves_no_process():
-    engine = mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2))
+    rank_dies(mi.EngineConfig(tensor_parallel_size=2), "tensor parallelism failed: rank 1 died")
+
+
+def rank_dies(config: mi.EngineConfig, says: str) -> None:
+    """Rank 1 killed while a request runs: the engine fails it with `says`, gives every block back, leaves no
+    process, and refuses to go on, clearly (chapter 16's stages too)."""
+    engine = mi.LLMEngine(config)
     procs = engine.executor.procs
     long = engine.add_request([7] * 10, mi.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     engine.step()
     os.kill(procs[1].pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match="rank 1 died"):
+    with pytest.raises(RuntimeError, match=says):
         for _ in range(200):
             engine.step()
     assert long not in engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -180,20 +186,25 @@ def test_a_rank_that_fails_to_load_says_why(tmp_path):
 
 @pytest.mark.parametrize("config, match", [
     (dict(tensor_parallel_size=4), "do not split evenly"),  # the course model's 2 KV heads
-    (dict(tensor_parallel_size=2, device="cuda"), "needs 2 GPUs"),
+    (dict(tensor_parallel_size=2, device="cuda"), "need 2 GPUs"),
     (dict(tensor_parallel_size=0), "positive int"),
     (dict(tensor_parallel_size=2, quantization="int4"), "rank's 192 of the attention output's 384 inputs"),
-    (dict(tensor_parallel_size=2, executor="in_process"), "needs a process per rank"),
+    (dict(tensor_parallel_size=2, executor="in_process"), "need a process per rank"),
     (dict(executor="threads"), "executor"),
 ])
 def test_bad_configurations_are_refused_before_any_process_starts(config, match):
+    refused_before_any_process(config, match)
+    with pytest.raises(ValueError, match="not a model object"):
+        mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2), model=mi.load_model())
+
+
+def refused_before_any_process(config: dict, match: str) -> None:
+    """EngineConfig(**config) makes no engine: ValueError matching `match`, and no process was started."""
     if "cuda" in config.values() and torch.cuda.device_count() >= 2:
         pytest.skip("this machine has the GPUs")
     with pytest.raises(ValueError, match=match):
         mi.LLMEngine(mi.EngineConfig(**config))
     assert not multiprocessing.active_children()
-    with pytest.raises(ValueError, match="not a model object"):
-        mi.LLMEngine(mi.EngineConfig(tensor_parallel_size=2), model=mi.load_model())
 
 
 def test_executors_are_chosen_by_kind():

@@ -303,7 +303,7 @@ def test_speculation_only_in_small_batches():
     schedule, log = engine.scheduler.schedule, []
 
     def logged():
-        running, ahead = len(engine.scheduler.running), engine.in_flight is not None
+        running, ahead = len(engine.scheduler.running), bool(engine.in_flight)
         out = schedule()
         log.append((running, bool(out.num_spec_tokens), ahead))
         return out

@@ -68,9 +68,18 @@ class EngineConfig:
                                                 "speculation; None: any number)")
     tensor_parallel_size: int = setting(1, "parallel", "GPUs (on a CPU: processes) that split the model, one "
                                         "process each (chapter 11; default: one, in this process)")
-    executor: str | None = setting(None, "parallel", "what runs the ranks: one runner in the engine's process, or "
-                                   "a worker process per rank (default: in_process for one rank, else "
-                                   "multiprocess)", (None, "in_process", "multiprocess"))
+    pipeline_parallel_size: int = setting(1, "parallel", "stages that split the model's layers, each stage "
+                                          "tensor_parallel_size processes (chapter 16; world = tensor x pipeline)")
+    nnodes: int = setting(1, "parallel", "machines the ranks run on, an equal share each (chapter 16): node 0 runs the "
+                          "engine, each other runs `miniinfer serve` with the same settings and its --node-rank")
+    node_rank: int = setting(0, "parallel", "this machine's number among nnodes (0: the engine's)")
+    master_addr: str = setting("127.0.0.1", "parallel", "node 0's address: the ranks meet there (torch.distributed's "
+                               "TCP rendezvous) and take the engine's calls from there")
+    master_port: int = setting(29500, "parallel", "the rendezvous' port on node 0; the engine's calls use the next one")
+    executor: str | None = setting(None, "parallel", "what runs the ranks: one runner in the engine's process, a "
+                                   "worker process per rank, or per rank of a pipeline (default: in_process for one "
+                                   "rank, pipeline for stages, else multiprocess)",
+                                   (None, "in_process", "multiprocess", "pipeline"))
     enable_expert_parallel: bool = setting(False, "parallel", "a mixture of experts over tensor_parallel_size ranks, "
                                            "each rank its share of the experts (chapter 13)")
     all_reduce: str = setting("auto", "parallel", "the ranks' sums (chapter 11)", ("auto", "one_shot", "nccl"))
@@ -92,7 +101,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                      "num_cpu_blocks", "num_speculative_tokens", "speculative_max_batch", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "pipeline_parallel_size", "data_parallel_size", "nnodes", "master_port"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -107,9 +116,20 @@ class EngineConfig:
             raise ValueError(f"speculative_method={self.speculative_method!r} " + (
                 "needs a speculative_model (a draft checkpoint, or pycoder-draft)" if self.speculative_model is None
                 else f"uses no model, got speculative_model={str(self.speculative_model)!r}"))
-        if self.executor == "in_process" and self.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs a process per rank: "
-                             "executor='multiprocess' (or leave it unset)")
+        if self.executor == "in_process" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} and pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} need a process per rank: leave executor unset")
+        if (self.pipeline_parallel_size > 1 or self.nnodes > 1) != (self.executor_kind() == "pipeline"):
+            raise ValueError(f"executor='pipeline' runs pipeline_parallel_size >= 2 stages or ranks on nnodes >= 2 "
+                             f"machines (got {self.pipeline_parallel_size} and {self.nnodes} with executor="
+                             f"{self.executor!r}): leave executor unset")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"{world} ranks (tensor x pipeline) over nnodes={self.nnodes}: each machine needs an "
+                             f"equal share, and node_rank in 0..{self.nnodes - 1} (got {self.node_rank})")
+        if self.pipeline_parallel_size > 1 and self.speculative_method is not None:
+            raise ValueError("pipeline_parallel_size > 1 with speculation: the stages run one token a request a "
+                             "step (chapter 16); turn one of them off")
         if self.enable_expert_parallel and (self.tensor_parallel_size == 1 or self.quantization is not None):
             raise ValueError("enable_expert_parallel splits a mixture of experts over tensor_parallel_size >= 2 ranks, "
                              f"in full precision; got tensor_parallel_size={self.tensor_parallel_size}, "
@@ -124,5 +144,9 @@ class EngineConfig:
                                  "quantization='int8', 'int4' or 'fp8', which every rank quantizes as one GPU would")
 
     def executor_kind(self) -> str:
-        """What runs the ranks: the executor named, else a worker process per rank where there are several."""
-        return self.executor or ("multiprocess" if self.tensor_parallel_size > 1 else "in_process")
+        """What runs the ranks: the executor named, else a process per rank where there are several (of a
+        pipeline's stages, or of one model split by tensor parallelism)."""
+        if self.executor is not None:
+            return self.executor
+        return "pipeline" if self.pipeline_parallel_size > 1 or self.nnodes > 1 else \
+            "multiprocess" if self.tensor_parallel_size > 1 else "in_process"

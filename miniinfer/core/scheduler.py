@@ -71,7 +71,7 @@ class Scheduler:
                  policy: SchedulingPolicy = POLICIES["fcfs"], cpu_block_manager: BlockManager | None = None,
                  enable_chunked_prefill: bool = False, eos_token_ids: list[int] | tuple = (),
                  num_speculative_tokens: int = 0, speculative_max_batch: int | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, micro_batches: int = 1):
         # A preempted request is swapped to cpu_block_manager's pool while it has room, else recomputed.
         self.block_manager, self.cpu_block_manager = block_manager, cpu_block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -93,6 +93,9 @@ class Scheduler:
         self.swapped: list[Sequence] = []
         self.sent: dict[str, int] = {}  # requests the runner knows -> blocks of their table it has
         self.finished_ids: list[str] = []  # forgotten since the last step
+        # A pipeline's stages each run a step of their own (chapter 16): a request sits in one step at a
+        # time (busy until its step is read), and a step takes its share of the unfinished requests.
+        self.micro_batches, self.busy, self.share = micro_batches, set[str](), 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -126,8 +129,12 @@ class Scheduler:
         self.running.sort(key=self.policy.key)
         self._preempt_for_urgent(out)
         todo, self.running, urgent = self.running, [], len(out.preempted_ids)
+        self.share = -(-len(self.requests) // self.micro_batches)
         while todo:
             seq = todo.pop(0)
+            if self._waits(seq, out):  # in a pipeline's step under way, or this step has its share
+                self._run(seq, 0, out)
+                continue
             n = self._within(self._to_compute(seq), self._room(seq), budget)
             if self._slots(seq, n, todo, out):
                 self._run(seq, n, out)
@@ -150,6 +157,10 @@ class Scheduler:
                 if victim is seq:
                     return False
 
+    def _waits(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Whether seq sits this step out: only between a pipeline's steps (chapter 16)."""
+        return self.micro_batches > 1 and (seq.request_id in self.busy or len(out.num_new_tokens) >= self.share)
+
     def _run(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """seq runs; it computes n tokens this step (0: the budget is spent, it keeps its blocks)."""
         seq.status = Status.RUNNING
@@ -158,6 +169,8 @@ class Scheduler:
             return
         rid, table = seq.request_id, self.block_manager.tables[seq]
         out.num_new_tokens[rid] = n
+        if self.micro_batches > 1:
+            self.busy.add(rid)
         known = seq.num_tokens + seq.num_pending
         if seq.num_computed_tokens + n > known:  # it reaches past its last token: room for guesses
             out.num_spec_tokens[rid] = seq.num_computed_tokens + n - known
@@ -230,7 +243,8 @@ class Scheduler:
         while self.swapped and cpu is not None:
             seq = self.swapped[0]
             n = self._within(self._to_compute(seq), self._room(seq), budget)
-            if seq.num_pending or not self._fits(bm.blocks_for(seq.num_computed_tokens + n), n):
+            blocks = bm.blocks_for(seq.num_computed_tokens + n)
+            if seq.num_pending or self._waits(seq, out) or not self._fits(blocks, n):
                 break
             self.swapped.pop(0)
             out.swap_in += zip(cpu.block_table(seq), bm.allocate(seq, seq.num_computed_tokens))
@@ -242,7 +256,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits, n = self._admission(seq, budget)
             cached = len(hits) * bm.block_size
-            if seq.num_pending or not self._fits(bm.blocks_to_allocate(cached + n, hits), n):
+            if seq.num_pending or self._waits(seq, out) or not self._fits(bm.blocks_to_allocate(cached + n, hits), n):
                 break
             self.waiting.pop(0)
             bm.allocate(seq, cached + n, hits)
@@ -289,6 +303,7 @@ class Scheduler:
         logits processors report by request id, then kind (chapter 12's log-probabilities)."""
         changed, bm = [], self.block_manager
         reports = reports or {}
+        self.busy.difference_update(out.num_new_tokens)
         for rid in out.num_new_tokens:
             seq, new = self.requests.get(rid), sampled.get(rid)
             if seq is None:  # aborted in the meantime

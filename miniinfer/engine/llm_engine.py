@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections import abc
@@ -28,7 +29,8 @@ BLOCK_MANAGERS = Registry("block manager for enable_prefix_caching",
                           {False: BlockManager, True: "miniinfer.core.prefix_cache:PrefixCachingBlockManager"})
 # The executor of each kind (EngineConfig.executor): chapter 11's runs a worker process per rank.
 EXECUTORS = Registry("executor", {"in_process": InProcessExecutor,
-                                  "multiprocess": "miniinfer.engine.multiprocess:MultiProcessExecutor"})
+                                  "multiprocess": "miniinfer.engine.multiprocess:MultiProcessExecutor",
+                                  "pipeline": "miniinfer.engine.pipeline:PipelineExecutor"})
 
 
 
@@ -121,15 +123,18 @@ class LLMEngine:
                                    BlockManager(cpu_blocks, config.block_size) if cpu_blocks else None,
                                    config.enable_chunked_prefill, list(self.info.eos_token_ids),
                                    config.num_speculative_tokens if config.speculative_method else 0,
-                                   config.speculative_max_batch, self.info.max_model_len)
+                                   config.speculative_max_batch, self.info.max_model_len,
+                                   config.pipeline_parallel_size)
         # Guesses follow the step before's last token, so a step with room for them is not scheduled
         # before the one under way is read (Scheduler.speculates); a draft reads every token the
         # model computes, so it turns the overlap off.
         self.overlap = config.overlap and config.speculative_method != "draft"
+        # Steps under way at once: one, two with overlap, or one a stage of a pipeline (chapter 16).
+        self.depth = config.pipeline_parallel_size if config.pipeline_parallel_size > 1 else 1 + self.overlap
         self.spec = SpecStats() if config.speculative_method else None  # chapter 09's counts so far
         self.stats = StepStats({}, [], num_blocks, 0.0)
         self._arrivals = itertools.count()
-        self.in_flight: InFlight | None = None  # the step the device runs while the host goes on
+        self.in_flight: collections.deque[InFlight] = collections.deque()  # steps the device runs, oldest first
 
     @property
     def block_manager(self) -> BlockManager:
@@ -189,17 +194,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run, update: an output for every request that got tokens, finished or failed.
         With overlap the next step is scheduled and launched before this one's tokens are read, so
-        that the device never waits for the host (the first call launches two)."""
+        that the device never waits for the host (the first call launches two; a pipeline keeps a
+        step for each of its stages under way)."""
         t0 = time.perf_counter()
         failed: list[Sequence] = []
-        if self.in_flight is None:
-            self.in_flight = self._launch(failed)
-        ahead = self.overlap and not self.scheduler.speculates()
-        done, self.in_flight = self.in_flight, self._launch(failed) if ahead else None
+        if not self.in_flight:
+            self.in_flight.append(self._launch(failed))
+        while len(self.in_flight) < self.depth and not self.scheduler.speculates():
+            self.in_flight.append(self._launch(failed))
+        done = self.in_flight.popleft()
         try:
             result = self.executor.collect(done.launched)
-        except BaseException:
-            self._abort_step(done.out)
+        except BaseException:  # nothing of the steps under way will be read: their requests end
+            for step in (done, *self.in_flight):
+                self._abort_step(step.out)
+            self.in_flight.clear()
             raise
         changed = self.scheduler.update_from_output(done.out, result.sampled, result.reports)
         if self.spec is not None and result.spec is not None:
@@ -232,9 +241,8 @@ class LLMEngine:
     def _drop_if_idle(self) -> None:
         """With every request gone, the step under way has nothing to give: wait for it now, so
         that the next step starts afresh."""
-        if self.in_flight is not None and not self.has_unfinished_requests():
-            self.executor.collect(self.in_flight.launched)
-            self.in_flight = None
+        while self.in_flight and not self.has_unfinished_requests():
+            self.executor.collect(self.in_flight.popleft().launched)
 
     def _abort_step(self, out: SchedulerOutput) -> None:
         for rid in out.num_new_tokens:  # nothing of this step happened: give its blocks back

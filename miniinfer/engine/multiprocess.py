@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import abc
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +34,8 @@ class MultiProcessExecutor:
     from the same gathered logits, so each keeps its own copy of the requests; rank 0's are the
     engine's."""
     model = None  # each rank holds its part
+    target = staticmethod(run_worker)  # what each rank's process runs (chapter 16's stages: their own)
+    what = "tensor parallelism"  # what fails when a rank does
 
     def __init__(self, config: EngineConfig, components: Components, model: Transformer | None = None,
                  tokenizer=None):
@@ -42,17 +45,23 @@ class MultiProcessExecutor:
             raise ValueError("a worker process per rank loads the model in each: give the "
                              "checkpoint (EngineConfig.model), not a model object")
         cfg = read_config(checkpoint_config(config.model)[1])
-        size = config.tensor_parallel_size
-        check_parallel(cfg, size, config.enable_expert_parallel)
-        check_quantized_split(cfg, size, config.quantization)
+        tp = config.tensor_parallel_size
+        check_parallel(cfg, tp, config.enable_expert_parallel)
+        check_quantized_split(cfg, tp, config.quantization)
+        size = tp * config.pipeline_parallel_size
         if torch.device(config.device).type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; this machine has "
+            raise ValueError(f"{size} ranks (tensor_parallel_size={tp}, pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size}) need {size} GPUs; this machine has "
                              f"{torch.cuda.device_count()}")
+        self.answering = size - tp  # the last stage's first rank: its tokens are every rank's
         self.vocab_size = cfg.vocab_size
         self.runner_class = components.runner  # the ranks' own, for checking steps here
         self.failure: str | None = None
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-tp-")
         os.close(fd)
+        # Where the ranks meet: a file on this machine, or node 0's TCP port when chapter 16 spreads them.
+        init_method = (f"file://{self.init_file}" if config.nnodes == 1
+                       else f"tcp://{config.master_addr}:{config.master_port}")
         # Triton's CPU interpreter copies its module's globals, __file__ among them, into those of a kernel
         # defined in __main__ (a notebook's): spawn would then run interpreter.py as each child's main.
         main = sys.modules["__main__"]
@@ -61,34 +70,40 @@ class MultiProcessExecutor:
         ctx = multiprocessing.get_context("spawn")
         payload = cloudpickle.dumps(components)
         self.conns, self.procs = [], []
-        for rank in range(size):
+        for rank in range(size // config.nnodes):  # this machine's (chapter 16 puts the others elsewhere)
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=run_worker, args=(rank, config, payload, self.init_file, child), daemon=True,
-                               name=f"miniinfer-tp{rank}")
+            proc = ctx.Process(target=self.target, args=(rank, config, payload, init_method, child), daemon=True,
+                               name=f"miniinfer-rank{rank}")
             proc.start()
             child.close()
             self.conns.append(conn)
             self.procs.append(proc)
+        self.conns += self.elsewhere(config, payload, init_method)
         self._finalizer = weakref.finalize(self, _end, self.conns, self.procs, self.init_file)
-        self._read(size)  # each worker's "ready"
+        self._read(range(size))  # each worker's "ready"
 
-    def _read(self, ranks: int) -> list:
-        """The reply of each of the first `ranks` ranks (the others answer only with an error). A rank
-        that fails or dies meanwhile, any rank, ends them all with the reason: its pipe says so, an
-        error or, when it died, its end."""
+    def elsewhere(self, config: EngineConfig, payload: bytes, init_method: str) -> list:
+        """The lines to ranks on other machines, in rank order: none here (chapter 16 has them)."""
+        return []
+
+    def _read(self, ranks: abc.Collection[int]) -> list:
+        """The reply of each of `ranks` (the others answer only with an error). A rank that fails or
+        dies meanwhile, any rank, ends them all with the reason: its pipe says so, an error or, when it
+        died, its end."""
         values: dict[int, Any] = {}
-        while len(values) < ranks:
+        while not values.keys() >= set(ranks):
             watched = {conn: rank for rank, conn in enumerate(self.conns) if rank not in values}
             for conn in multiprocessing.connection.wait(list(watched)):
                 rank = watched[cast(multiprocessing.connection.Connection, conn)]
                 try:
                     status, value = cast(multiprocessing.connection.Connection, conn).recv()
                 except (EOFError, OSError):
-                    status, value = "error", f"the process ended (exit code {self.procs[rank].exitcode})"
+                    code = self.procs[rank].exitcode if rank < len(self.procs) else "unknown: on another machine"
+                    status, value = "error", f"the process ended (exit code {code})"
                 if status == "error":
                     self._fail(rank, value)
                 values[rank] = value
-        return [values[rank] for rank in range(ranks)]
+        return [values[rank] for rank in ranks]
 
     def _fail(self, rank: int, error: str):
         # A rank that died outright is the cause: the others' errors are its echo in their collectives.
@@ -98,7 +113,7 @@ class MultiProcessExecutor:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         died = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs)
                 if p.exitcode not in (None, 0, 1)]
-        self.failure = "tensor parallelism failed: " + "; ".join(died + [f"rank {rank}: {error}"])
+        self.failure = f"{self.what} failed: " + "; ".join(died + [f"rank {rank}: {error}"])
         for proc in self.procs:  # the others may wait in a collective with the failed rank
             proc.kill()
         self._finalizer()
@@ -112,12 +127,12 @@ class MultiProcessExecutor:
             for conn in self.conns:
                 conn.send_bytes(message)
         except OSError:  # a rank is gone: its last reply says why
-            self._read(len(self.conns))
+            self._read(range(len(self.conns)))
 
     def _call(self, method: str, *args) -> list:
         """Every rank's answer to a call."""
         self._send(method, *args)
-        return self._read(len(self.conns))
+        return self._read(range(len(self.conns)))
 
     def num_blocks_that_fit(self) -> int:
         return min(self._call("num_blocks_that_fit"))  # the pool every rank can hold
@@ -135,7 +150,7 @@ class MultiProcessExecutor:
 
     def collect(self, launched: SchedulerOutput) -> ModelRunnerOutput:
         self._send("collect")
-        return self._read(1)[0]  # rank 0's tokens: the other ranks sampled the same
+        return self._read([self.answering])[0]  # the other ranks of its stage sampled the same
 
     def kv_pools(self) -> tuple[torch.Tensor, ...]:
         raise ValueError("the K/V pools live in the ranks' processes: copying blocks in and out of them "

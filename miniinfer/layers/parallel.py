@@ -104,6 +104,7 @@ class OneShot(Protocol):
 
 
 _one_shot: OneShot | None = None  # this process's, once its worker made one (`use_one_shot`)
+_group: dist.ProcessGroup | None = None  # the ranks that share the model: all (None), or one pipeline stage's
 
 
 def use_one_shot(one_shot: OneShot | None) -> None:
@@ -111,12 +112,18 @@ def use_one_shot(one_shot: OneShot | None) -> None:
     _one_shot = one_shot
 
 
+def use_group(group: dist.ProcessGroup | None) -> None:
+    """The ranks this process's layers sum and gather over: a pipeline stage's (chapter 16)."""
+    global _group
+    _group = group
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """x summed over the ranks, in place: by the one-shot kernel where this process has one and x is
     small enough for it, else by NCCL (gloo between CPU processes)."""
     if _one_shot is not None and _one_shot.serves(x):
         return _one_shot(x)
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=_group)
     return x
 
 
@@ -204,8 +211,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's logits, side by side, cut to the vocabulary."""
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local)
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(_group))]
+        dist.all_gather(parts, local, group=_group)
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 

@@ -112,7 +112,8 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         if quant is not None:
             quant.prepare(model)
     params = model.state_dict()
-    if cfg.tie_word_embeddings:
+    tied = cfg.tie_word_embeddings and "lm_head.weight" in params  # a pipeline stage may hold no head (chapter 16)
+    if tied:
         params.pop("lm_head.weight")
     pieces: dict[str, dict[int, Any]] = {}
     packed = model.packed_modules_mapping
@@ -148,7 +149,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
                     f"{folder}: tensor {names} has shape {' + '.join(str(tuple(t.get_shape())) for t in parts)}, "
                     f"the config implies {tuple(params[name].shape)}{cut}")
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers were built on meta with the parameters: compute them for real.
     model.inv_freq = rope_inv_freq(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)

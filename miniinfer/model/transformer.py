@@ -238,6 +238,16 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, x, n2, ops)  # x += attention
 
 
+class Stage(Protocol):
+    """A pipeline stage's two ends (chapter 16): this process holds some of the layers, receives the
+    stream from the stage before (unless first) and sends it on to the next (unless last)."""
+    first: bool
+    last: bool
+
+    def receive(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]: ...  # h, x for input ids of shape
+    def send(self, h: torch.Tensor, x: torch.Tensor) -> None: ...
+
+
 class Backbone(nn.Module):
     """The embedding, the decoder layers and the final norm, under Hugging Face's names."""
 
@@ -269,14 +279,15 @@ class Transformer(nn.Module):
                                                        cfg.rope_scaling), persistent=False)
         self.rope_factor = rope_factor(cfg)
         self.ops = TORCH_OPS
+        self.stage: Stage | None = None  # the whole model (chapter 16 runs a pipeline stage's part)
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device  # the final norm's: every pipeline stage keeps it (chapter 16)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.norm.weight.dtype
 
     def use_ops(self, name: str) -> "Transformer":
         """Select the implementation of the elementwise ops by name (see OPS_BACKENDS)."""
@@ -292,14 +303,21 @@ class Transformer(nn.Module):
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         attn = attn or CausalAttention()
-        h = self.model.embed_tokens(input_ids)
-        x = torch.zeros_like(h)  # the residual stream before the embeddings join it
+        stage = self.stage
+        if stage is None or stage.first:
+            h = self.model.embed_tokens(input_ids)
+            x = torch.zeros_like(h)  # the residual stream before the embeddings join it
+        else:  # a later stage of a pipeline (chapter 16): the stream as the stage before left it
+            h, x = stage.receive(input_ids.shape)
         cos, sin = rope_cos_sin(positions, self.inv_freq)  # once, not per layer
         if self.rope_factor != 1.0:  # YaRN's
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for i, layer in enumerate(self.model.layers):
             h, x = layer(h, x, cos, sin, i, attn, self.ops)
+        if stage is not None and not stage.last:  # the next stage goes on from here: no logits
+            stage.send(h, x)
+            return h.new_empty(0, self.cfg.vocab_size)
         if logits_at is not None:
             # Generation needs only the last token's logits: the lm_head of every other token of
             # a long prompt would be the largest matmul of the forward, and [T, vocab] of memory.

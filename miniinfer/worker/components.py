@@ -38,6 +38,7 @@ class Components:
     prepares: tuple[Callable, ...]  # before the first step: fn(params, tokenizer, info, config) -> work, or None
     processors: tuple[Callable, ...]  # the runner's logits processors: fn(runner) -> LogitsProcessor
     parallel: Any = None  # chapter 11's ParallelLayers, a rank's part is built of (None: the package's)
+    pipeline: Any = None  # chapter 16's PipelineParts: how a pipeline's stages are planned and cut (None: ours)
     # fn(model) on the empty model before its tensors are read (after chapter 11's cut, on every rank):
     # the caller's own pieces in the model, a problem set's router or attention, before any graph holds them
     install: Callable | None = None

@@ -210,15 +210,21 @@ class ModelRunner:
         self.last_token[step.rows_on_device] = tokens.to(self.last_token.dtype)
         if dead is not None:  # -1: the row had no token to sample (update_from_output fails its request)
             tokens = tokens.masked_fill(dead, -1)
-        at = [len(reqs[i].token_ids) for i in step.ends]
-        for i in step.ends:
-            reqs[i].token_ids.append(-1)  # until collect reads it
+        at = self.placeholders(step)
         if self.device.type != "cuda":
             return Launched(step, at, tokens, None, reports)
         host, reports = to_host(tokens), [(p, to_host(data)) for p, data in reports]
         ready = torch.cuda.Event()
         ready.record()
         return Launched(step, at, host, ready, reports)
+
+    @staticmethod
+    def placeholders(step: StepBatch) -> list[int]:
+        """Where each request that samples will keep its token: a -1 there until `collect` reads it."""
+        at = [len(step.requests[i].token_ids) for i in step.ends]
+        for i in step.ends:
+            step.requests[i].token_ids.append(-1)
+        return at
 
     def close(self) -> None:
         """Nothing to release: this runner lives in the engine's process (chapter 11's does not)."""

@@ -8,7 +8,7 @@ import os
 import pickle
 import signal
 from collections import deque
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -29,41 +29,56 @@ class Worker:
     """One rank: its part of the model in the runner the config names, doing the executor's calls in
     order (rank 0's collect answers for all: every rank samples the same tokens)."""
 
-    def __init__(self, rank: int, config: EngineConfig, components: Components, init_file: str):
-        os.environ.update(NCCL_ENV)
-        size, cuda = config.tensor_parallel_size, torch.device(config.device).type == "cuda"
-        if cuda:
-            torch.cuda.set_device(rank)
-        else:  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=size)
-        config = dataclasses.replace(config, device=f"cuda:{rank}" if cuda else config.device)
-        self.rank = rank
+    def __init__(self, rank: int, config: EngineConfig, components: Components, init_method: str):
+        size = config.tensor_parallel_size
+        config = self.join(rank, size, config, init_method)
         # Before the runner captures its graphs: they capture whichever all-reduce the layers call.
-        if cuda and size == 2 and config.all_reduce != "nccl" and torch.cuda.can_device_access_peer(rank, 1 - rank):
+        if config.device.startswith("cuda") and size == 2 and config.all_reduce != "nccl" \
+                and torch.cuda.can_device_access_peer(rank, 1 - rank):
             use_one_shot(OneShotAllReduce(cast(dist.ProcessGroup, dist.group.WORLD), torch.device(config.device),
                                            config.dtype, rows=config.all_reduce == "auto"))
+        self.build(rank, size, config, components, components.runner)
+        if config.all_reduce == "auto":  # the sums at the norms, before the graphs capture where they are
+            sum_at_norms(self.runner.model)
+
+    def join(self, rank: int, world: int, config: EngineConfig, init_method: str) -> EngineConfig:
+        """Join the `world` ranks' process group; the config with this rank's device (its machine's
+        GPU rank % ranks a machine: chapter 16 spreads the ranks over nnodes machines)."""
+        os.environ.update(NCCL_ENV)
+        cuda, here = torch.device(config.device).type == "cuda", world // config.nnodes
+        if cuda:
+            torch.cuda.set_device(rank % here)
+        else:  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
+        self.rank, self.launched = rank, deque[Any]()
+        self.answers = rank == 0  # its collect's reply is the engine's (chapter 16: the last stage's first)
+        return dataclasses.replace(config, device=f"cuda:{rank % here}" if cuda else config.device)
+
+    def build(self, t: int, size: int, config: EngineConfig, components: Components, runner: type,
+              also: Callable[[Transformer], None] | None = None) -> None:
+        """The runner over this rank's part of the model: tensor rank t of size (one: all of it), and
+        what `also` keeps of that (chapter 16's stage)."""
         layers = components.parallel or ParallelLayers()
-        shard, whole = layers.shard(rank, size), config.quantization is not None
+        shard, whole = layers.shard(t, size), config.quantization is not None and size > 1
         cut = functools.partial(shard_model, shard=shard, whole_rows=whole, layers=layers,
                                 expert_parallel=config.enable_expert_parallel)
 
         def prepare(model: Transformer) -> None:
-            cut(model)
+            if size > 1:
+                cut(model)
+            if also is not None:
+                also(model)
             if components.install is not None:
                 components.install(model)
-        self.runner = components.runner(config, prepare=prepare, processors=components.processors)
+        self.runner = runner(config, prepare=prepare, processors=components.processors)
         if whole:
             cut_row_parallel(self.runner.model, read_config(checkpoint_config(config.model)[1]), shard)
-        if config.all_reduce == "auto":  # the sums at the norms, before the graphs capture where they are
-            sum_at_norms(self.runner.model)
-        self.launched: deque = deque()
 
     def replies(self, method: str) -> bool:
         """Whether a call's success is answered: not a step's launch, and its collect by rank 0 alone (its
         tokens are every rank's): one message back a step. An error is always answered."""
-        return method != "launch" and (method != "collect" or self.rank == 0)
+        return method != "launch" and (method != "collect" or self.answers)
 
     def call(self, method: str, args: tuple) -> Any:
         if method == "launch":
@@ -86,15 +101,20 @@ def failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" + (f" (in {where})" if where else "")
 
 
-def run_worker(rank: int, config: EngineConfig, components: bytes, init_file: str, conn) -> None:
-    """A worker process: ("ok", value) to each call that wants it (`Worker.replies`), ("error", why) to
-    one that fails. components: the engine's, pickled (by value: `MultiProcessExecutor`)."""
+def run_worker(rank: int, config: EngineConfig, components: bytes, init_method: str, conn) -> None:
+    """A worker process. components: the engine's, pickled (by value: `MultiProcessExecutor`)."""
+    serve_calls(lambda: Worker(rank, config, pickle.loads(components), init_method), conn)
+
+
+def serve_calls(make: Callable[[], Worker], conn) -> None:
+    """Make the worker, then do the executor's calls: ("ok", value) to each that wants it
+    (`Worker.replies`), ("error", why) to one that fails."""
     # Ended by the executor, never by a signal: a terminal's Ctrl-C reaches every rank, and the front
     # end may still be draining its requests (chapter 08's engine process does the same).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        worker = Worker(rank, config, pickle.loads(components), init_file)
+        worker = make()
     except BaseException as err:
         conn.send(("error", failure(err)))
         return

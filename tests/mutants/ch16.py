@@ -3,8 +3,10 @@
 import dataclasses
 
 import torch
+from torch import nn
 
 from miniinfer.course import checks as testing
+from miniinfer.distributed.pipeline import split_layers
 from miniinfer.engine.data_parallel import CacheGuess
 
 
@@ -104,6 +106,56 @@ def tensor_parallel_allowed(config):
     return _plan(config, tensor_parallel_shares=True)
 
 
+def equal_counts(costs, head, stages):
+    """As many layers a stage, the head forgotten: the last stage of a small model reads the most."""
+    n = len(costs)
+    bounds = [round(s * n / stages) for s in range(stages + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def head_ignored(costs, head, stages):
+    """The layers balanced as if the last stage held no LM head."""
+    return split_layers(costs, 0.0, stages)
+
+
+def fill_to_the_average(costs, head, stages):
+    """Greedy: each stage takes layers until it reaches the average share, the rest to the last."""
+    share, plan, start = (sum(costs) + head) / stages, [], 0
+    for s in range(stages - 1):
+        end, cost = start + 1, costs[start]
+        while end < len(costs) - (stages - 1 - s) and cost + costs[end] <= share:
+            cost, end = cost + costs[end], end + 1
+        plan.append(range(start, end))
+        start = end
+    return plan + [range(start, len(costs))]
+
+
+def _keep(model, layers, first, last, head_everywhere=False, untie=False, one_more=False):
+    """The exercise's answer, with one of the mistakes below switched on."""
+    for i in range(len(model.model.layers)):
+        if i not in layers and not (one_more and i == layers.stop):
+            model.model.layers[i] = nn.Module()
+    if not first and not (last and model.cfg.tie_word_embeddings and not untie):
+        model.model.embed_tokens = nn.Module()
+    if not last and not head_everywhere:
+        model.lm_head = nn.Module()
+
+
+def head_on_every_stage(model, layers, first, last):
+    """Every stage keeps the LM head: each reads the largest matrix of a small model for nothing."""
+    _keep(model, layers, first, last, head_everywhere=True)
+
+
+def tied_head_dropped(model, layers, first, last):
+    """The last stage drops the embedding even where the head is the embedding (tied): it holds no head."""
+    _keep(model, layers, first, last, untie=True)
+
+
+def one_layer_too_many(model, layers, first, last):
+    """Keeps the layer after its range too (layers.stop as if it were inside): read twice, by two stages."""
+    _keep(model, layers, first, last, one_more=True)
+
+
 # (the check, the wrong answer)
 MUTANTS = [
     (testing.check_cache_aware, balance_ignored),
@@ -118,4 +170,10 @@ MUTANTS = [
     (testing.check_replica_configs, equal_shares_of_one_gpu),
     (testing.check_replica_configs, a_gpu_each_even_when_named),
     (testing.check_replica_configs, tensor_parallel_allowed),
+    (testing.check_split_layers, equal_counts),
+    (testing.check_split_layers, head_ignored),
+    (testing.check_split_layers, fill_to_the_average),
+    (testing.check_keep_stage, head_on_every_stage),
+    (testing.check_keep_stage, tied_head_dropped),
+    (testing.check_keep_stage, one_layer_too_many),
 ]

@@ -1,12 +1,13 @@
 """The checks of problem set 16 (scaling out): each answer against the reference, on random inputs or the
 same calls made on the package's class, and the last part: replicas in processes of their own behind a
-router on the student's pieces.
+router on the student's pieces, then a pipeline of two stages planned and cut by them.
 
 Hand-written module (chapter 16)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import unittest.mock
 from typing import Any, Callable
@@ -22,8 +23,10 @@ from miniinfer.course.checks.harness import (
     failing,
     randint,
     run_answer,
+    saved_checkpoint,
     your_answers,
 )
+from miniinfer.worker.model_runner import ModelRunner
 
 
 def _loads(gen: torch.Generator, case: int) -> tuple:
@@ -113,6 +116,100 @@ def _show(configs) -> str:
         " as (device, data_parallel_size, gpu_memory_utilization)"
 
 
+def _stage_cost(costs: list[float], head: float, plan: list[range]) -> float:
+    """What the costliest stage of a plan costs (the last one's head counted)."""
+    return max(sum(costs[i] for i in p) + head * (k == len(plan) - 1) for k, p in enumerate(plan))
+
+
+def _valid_plan(plan: Any, n: int, stages: int) -> str | None:
+    """Why a returned plan is not `stages` runs of layers, in order, one at least each (None: it is)."""
+    if not isinstance(plan, list) or not all(isinstance(p, range) and p.step == 1 for p in plan):
+        return f"a list of ranges, one a stage; received {plan!r}"
+    if len(plan) != stages:
+        return f"{stages} ranges, one a stage; received {len(plan)}: {plan}"
+    if [i for p in plan for i in p] != list(range(n)) or not all(plan):
+        return f"the layers 0-{n - 1} in order, one at least a stage; received {plan}"
+    return None
+
+
+def _split_cases() -> list[tuple[list[float], float, int]]:
+    """Random costs (few values: ties often) and heads from nothing to heavier than every layer together;
+    then Llama-3.2-1B's (16 layers of 60.8 M parameters, a head of 262.7 M) over 2, 4 and 8 stages."""
+    rng, cases = random.Random(16), []
+    for _ in range(48):
+        n = rng.randint(1, 10)
+        cases.append(([float(rng.choice([1, 2, 3, 5, 8])) for _ in range(n)], float(rng.choice([0, 1, 4, 30])),
+                      rng.randint(1, n)))
+    return cases + [([60.821504e6] * 16, 262.670336e6, s) for s in (2, 4, 8)]
+
+
+@exercise("16", 4, "split_layers")
+def check_split_layers(fn: Callable) -> None:
+    """fn(costs, head, stages) -> each stage's layers as a list of ranges: in order, one layer at least a
+    stage, and the costliest stage (the last one's head counted) as cheap as the package's split makes it
+    (a plan of the same cost is as good)."""
+    from miniinfer.distributed.pipeline import split_layers
+    cases = _split_cases()
+    for i, (costs, head, stages) in enumerate(cases):
+        where = f"case {i + 1}: split_layers(costs of {len(costs)} layers, head {head:g}, stages {stages})"
+        got = run_answer(fn, (list(costs), head, stages), where, (costs, head, stages))
+        if (wrong := _valid_plan(got, len(costs), stages)) is not None:
+            raise AssertionError(failing(where, (costs, head, stages)) + f"\n  expected {wrong}")
+        best = split_layers(costs, head, stages)
+        if _stage_cost(costs, head, got) > _stage_cost(costs, head, best) * (1 + 1e-9):
+            raise AssertionError(failing(where, (costs, head, stages)) +
+                                 f"\n  expected a costliest stage of {_stage_cost(costs, head, best):g} (as {best})"
+                                 f"\n  received {_stage_cost(costs, head, got):g} ({got})")
+    print(f"passed: split_layers plans {len(cases)} pipelines as cheaply as the package's, Llama-3.2-1B's among them")
+
+
+def _skeleton(tied: bool) -> Any:
+    """A 4-layer model's skeleton on the meta device (no memory), its head tied to its embedding or not."""
+    import miniinfer as mi
+    with torch.device("meta"):
+        return mi.Transformer(mi.ModelConfig.from_hf(dict(
+            model_type="qwen3" if tied else "llama", vocab_size=301, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)))
+
+
+@exercise("16", 5, "keep_stage")
+def check_keep_stage(fn: Callable) -> None:
+    """fn(model, layers, first, last) makes a model's skeleton one stage's: the tensors it still holds (its
+    state_dict's names, which the loader reads) must be the package's, for every stage of pipelines of 1-4
+    stages over a model of 4 layers, its head tied to its embedding (Qwen3's) or not (Llama's)."""
+    from miniinfer.distributed.pipeline import keep_stage, split_layers
+    cases = 0
+    for tied in (False, True):
+        for stages in (1, 2, 3, 4):
+            plan = split_layers([1.0] * 4, 0.0, stages)
+            for s, layers in enumerate(plan):
+                first, last = s == 0, s == stages - 1
+                ref, yours = _skeleton(tied), _skeleton(tied)
+                keep_stage(ref, layers, first, last)
+                where = (f"stage {s} of {stages} ({'tied' if tied else 'untied'} head): keep_stage(model, "
+                         f"layers={layers}, first={first}, last={last})")
+                run_answer(fn, (yours, layers, first, last), where)
+                want, got = set(ref.state_dict()), set(yours.state_dict())
+                if got != want:
+                    raise AssertionError(f"{where}\n  the model still holds {sorted(got - want)[:4]} (should not)"
+                                         f"\n  and no longer holds {sorted(want - got)[:4]} (should)")
+                cases += 1
+    print(f"passed: keep_stage leaves each of {cases} stages the package's tensors")
+
+
+def _head_heavy():
+    import transformers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=3001, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, tie_word_embeddings=False, initializer_range=0.2))
+
+
+def head_heavy_checkpoint() -> str:
+    """A Llama of 4 layers whose LM head (3,001 x 48) weighs as much as nine of them: where the stages split
+    matters."""
+    return saved_checkpoint("head-heavy", _head_heavy)
+
+
 def _chats(n: int, turns: int) -> list[list[list[int]]]:
     rng = random.Random(16)
     return [[[rng.randrange(10, 4000) for _ in range(rng.randint(8, 24))] for _ in range(turns)] for _ in range(n)]
@@ -136,13 +233,24 @@ def _serve_chats(engine: Any, conversations, params) -> tuple[list[list[int]], f
     return [a for _, a in sorted(answers)], cached / sent
 
 
-@exercise("16", 4, "your_replicas", "cache_aware, YourGuess, replica_configs")
-def check_your_replicas(rule: Callable, guess: type, plan: Callable) -> None:
+@exercise("16", 6, "your_scale_out", "cache_aware, YourGuess, replica_configs, split_layers, keep_stage")
+def check_your_scale_out(rule: Callable, guess: type, plan: Callable, split: Callable, keep: Callable) -> None:
     """The last part: two replicas of the course model, each a process, placed by your replica_configs,
     behind a router with your rule (and the package's bound) and your guess of their caches. A chat
     workload (12 conversations of 3 turns, each turn of all of them sent at once) must get one engine's
     greedy answers and find as many cache hits as one engine; then 24 requests over one shared head, sent
-    at once, must keep the loads within the bound; every block comes back."""
+    at once, must keep the loads within the bound; every block comes back. Before them, a pipeline of two
+    stages of a head-heavy model, planned by your split_layers and cut by your keep_stage: one engine's
+    tokens, each stage holding what the package's cut of your plan holds, the plan as cheap as the package's."""
+    __tracebackhide__ = True
+    _your_pipeline(split, keep)  # the quicker: a broken piece of it shows first
+    _your_replicas(rule, guess, plan)
+    print("passed: two stages planned and cut by your pieces give one engine's tokens, each holding its own "
+          "layers; two replicas through yours give one engine's answers, find as many cache hits and keep their "
+          "loads within the bound; every block back")
+
+
+def _your_replicas(rule: Callable, guess: type, plan: Callable) -> None:
     __tracebackhide__ = True
     import miniinfer as mi
     from miniinfer.engine.data_parallel import BALANCE, ReplicaRouter
@@ -188,5 +296,64 @@ def check_your_replicas(rule: Callable, guess: type, plan: Callable) -> None:
                 raise AssertionError(f"after every request: blocks still held by each replica {used}\n  expected none")
         finally:
             engine.close()
-    print("passed: two replicas through your pieces give one engine's answers, find as many cache hits and keep "
-          "their loads within the bound; every block back")
+
+
+class _Holding(ModelRunner):
+    """The package's runner, asked by the check which tensors its rank holds."""
+
+    def held(self) -> list[str]:
+        return sorted(self.model.state_dict())
+
+
+def _your_pipeline(split: Callable, keep: Callable) -> None:
+    __tracebackhide__ = True
+    import miniinfer as mi
+    from miniinfer.distributed.pipeline import PipelineParts, compact_stage, keep_stage, layer_costs, split_layers
+    from miniinfer.worker.components import build_components
+    config = mi.EngineConfig(model=head_heavy_checkpoint(), num_blocks=256, block_size=4)
+    staged = dataclasses.replace(config, pipeline_parallel_size=2)
+    prompts = [[5, 17, 99, 3, 250], [42] * 9, list(range(100, 120)), list(range(700, 713))]
+    params = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in mi.LLMEngine(config).generate(prompts, params, use_tqdm=False)]
+    parts = PipelineParts(split=split, keep=keep)
+    components = dataclasses.replace(build_components(staged), runner=_Holding, pipeline=parts)
+    with your_answers("16"):
+        try:
+            engine: Any = mi.LLMEngine(staged, components=components)
+        except Exception as err:
+            raise AnswerError(failing("two stages planned by your split_layers and cut by your keep_stage", (staged,))
+                              + f"\n  starting them raised {type(err).__name__}: {err}") from err
+        try:
+            got = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+            held = engine.executor._call("held")
+            free = engine.block_manager.num_free_blocks
+        finally:
+            engine.close()
+    check_tokens([f"prompt {i + 1} through two stages" for i in range(len(prompts))], want, got)
+    if free != engine.block_manager.num_blocks:
+        raise AssertionError(f"after every request: {free} of {engine.block_manager.num_blocks} blocks free")
+    skeleton = functools.partial(_meta_model, config.model)
+    costs, head = layer_costs(skeleton())
+    counts = [len({n.split(".")[2] for n in names if n.startswith("model.layers.")}) for names in held]
+    yours = [range(sum(counts[:s]), sum(counts[:s + 1])) for s in range(2)]
+    for s, (layers, names) in enumerate(zip(yours, held)):
+        model = skeleton()
+        keep_stage(model, layers, s == 0, s == 1)
+        compact_stage(model, layers)
+        want_names = set(model.state_dict())
+        if set(names) != want_names:
+            raise AssertionError(f"through your keep_stage, stage {s} (layers {layers.start}-{layers.stop - 1}) held "
+                                 f"{sorted(set(names) - want_names)[:4]} (should not) and not "
+                                 f"{sorted(want_names - set(names))[:4]} (should)")
+    best = split_layers(costs, head, 2)
+    if _stage_cost(costs, head, yours) > _stage_cost(costs, head, best) * (1 + 1e-9):
+        raise AssertionError(f"through your split_layers the stages held {counts} layers: the costliest reads "
+                             f"{_stage_cost(costs, head, yours):,.0f} parameters\n  expected "
+                             f"{_stage_cost(costs, head, best):,.0f} (as {[len(p) for p in best]} layers)")
+
+
+def _meta_model(folder: str) -> Any:
+    import miniinfer as mi
+    from miniinfer.model.loader import checkpoint_config
+    with torch.device("meta"):
+        return mi.Transformer(mi.read_config(checkpoint_config(folder)[1]))
