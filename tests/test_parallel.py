@@ -186,7 +186,7 @@ def test_a_rank_that_fails_to_load_says_why(tmp_path):
 
 @pytest.mark.parametrize("config, match", [
     (dict(tensor_parallel_size=4), "do not split evenly"),  # the course model's 2 KV heads
-    (dict(tensor_parallel_size=2, device="cuda"), "need 2 GPUs"),
+    (dict(tensor_parallel_size=2, device="cuda"), "need 2 GPU"),
     (dict(tensor_parallel_size=0), "positive int"),
     (dict(tensor_parallel_size=2, quantization="int4"), "rank's 192 of the attention output's 384 inputs"),
     (dict(tensor_parallel_size=2, executor="in_process"), "need a process per rank"),
@@ -200,8 +200,8 @@ def test_bad_configurations_are_refused_before_any_process_starts(config, match)
 
 def refused_before_any_process(config: dict, match: str) -> None:
     """EngineConfig(**config) makes no engine: ValueError matching `match`, and no process was started."""
-    if "cuda" in config.values() and torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has the GPUs")
+    if "cuda" in config.values() and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: on it the setup may be fine")
     with pytest.raises(ValueError, match=match):
         mi.LLMEngine(mi.EngineConfig(**config))
     assert not multiprocessing.active_children()

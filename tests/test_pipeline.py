@@ -4,7 +4,6 @@ prefill), stages compose with tensor ranks, the scheduler keeps the stages' step
 balanced, a stage that dies ends the engine's requests with the reason, and bad setups are refused
 before any process starts."""
 
-import dataclasses
 import itertools
 
 import pytest
@@ -20,40 +19,36 @@ from miniinfer.course.parity import shared_workload
 from miniinfer.distributed.pipeline import compact_stage, keep_stage, split_layers
 
 
-def test_two_stages_equal_transformers(hf_checkpoint):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_stages_equal_transformers(hf_checkpoint, tp):
     """Llama, Qwen2, Qwen3 (tied embeddings: the last stage keeps the embedding as its head), one layer a
-    stage: two rounds of a shared-prefix workload under preemption (swap), prefix caching and chunked
-    prefill; every block back, no process left."""
+    stage, alone and of two tensor ranks each: two rounds of a shared-prefix workload under preemption
+    (swap), prefix caching and chunked prefill; every block back, no process left."""
     kind, folder, hf = hf_checkpoint
     prompts, params = shared_workload()
+    served_twice_by_stages(folder, prompts, params, oracle((kind, "shared"), hf, prompts, params), tp)
+
+
+def test_the_course_model_on_two_stages_of_two_tensor_ranks_equals_one_engine():
+    prompts, params = shared_workload(n=8, vocab=4096)
+    want = [o.token_ids for o in mi.LLMEngine(mi.EngineConfig()).generate(prompts, params, use_tqdm=False)]
+    served_twice_by_stages(None, prompts, params, want, tp=2)
+
+
+def served_twice_by_stages(folder, prompts, params, expected, tp: int) -> None:
     num_blocks = max(blocks_needed(len(p) + sp.max_tokens, 4) for p, sp in zip(prompts, params)) * 3 // 2
     engine = mi.LLMEngine(mi.EngineConfig(
-        model=folder, pipeline_parallel_size=2, block_size=4, num_blocks=num_blocks, max_num_seqs=4,
-        max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True, enable_chunked_prefill=True))
+        model=folder, pipeline_parallel_size=2, tensor_parallel_size=tp, block_size=4, num_blocks=num_blocks,
+        max_num_seqs=4, max_num_batched_tokens=5, preemption_mode="swap", enable_prefix_caching=True,
+        enable_chunked_prefill=True))
     try:
         assert type(engine.executor).__name__ == "PipelineExecutor" and engine.depth == 2
-        preempted, cached = serve_twice(engine, prompts, params, oracle((kind, "shared"), hf, prompts, params))
+        assert len(engine.executor.procs) == 2 * tp and engine.executor.answering == tp
+        preempted, cached = serve_twice(engine, prompts, params, expected)
         assert preempted > 0 and cached > 0
     finally:
         engine.close()
     assert not any(p.is_alive() for p in engine.executor.procs)
-
-
-def test_stages_of_tensor_ranks_give_one_engines_tokens():
-    """The course model over 2 stages of 2 tensor ranks each (4 processes), sampled and greedy: one engine's
-    tokens, every block back."""
-    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):"] * 2
-    each = [mi.SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=12) for i in range(len(prompts))]
-    config = mi.EngineConfig(num_blocks=256, block_size=4)
-    want = [o.token_ids for o in mi.LLMEngine(config).generate(prompts, each, use_tqdm=False)]
-    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=256, block_size=4, pipeline_parallel_size=2,
-                                          tensor_parallel_size=2))
-    try:
-        assert len(engine.executor.procs) == 4 and engine.executor.answering == 2
-        assert [o.token_ids for o in engine.generate(prompts, each, use_tqdm=False)] == want
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    finally:
-        engine.close()
 
 
 def test_a_stage_keeps_and_loads_only_its_layers(hf_checkpoint):
@@ -115,7 +110,7 @@ def test_a_stage_that_dies_fails_the_requests_and_leaves_no_process():
 
 @pytest.mark.parametrize("config, match", [
     (dict(pipeline_parallel_size=7), "7 pipeline stages for a model of 6 layers"),
-    (dict(pipeline_parallel_size=2, device="cuda"), "need 2 GPUs"),
+    (dict(pipeline_parallel_size=2, device="cuda"), "this one has 0"),
     (dict(pipeline_parallel_size=2, executor="multiprocess"), "executor='pipeline' runs"),
     (dict(executor="pipeline"), "executor='pipeline' runs"),
     (dict(pipeline_parallel_size=2, speculative_method="ngram"), "with speculation"),
@@ -131,11 +126,6 @@ def test_bad_pipelines_are_refused_before_any_process_starts(config, match):
         mi.DisaggregatedConfig(prefill=mi.EngineConfig(pipeline_parallel_size=2), decode=mi.EngineConfig())
 
 
-def test_served_by_two_stages_the_openai_client_gets_one_engines_text(tmp_path):
-    from test_server import serves_one_engines_text_and_ends_cleanly
-    serves_one_engines_text_and_ends_cleanly(tmp_path / "server.log", "--pipeline-parallel-size", "2")
-
-
 def free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -143,38 +133,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_machines_as_two_process_trees_give_one_engines_tokens_and_fail_cleanly():
-    """Node 1 is `miniinfer serve --nnodes 2 --node-rank 1` (its stage's rank only), node 0 the engine with
-    stage 0: they meet over TCP and give one engine's tokens; the engine's close ends node 1. Then node 1
-    killed mid-run: the engine's requests fail with the reason, every block comes back."""
+def node(port: int, rank: int, *more: str):
+    """`miniinfer serve` as machine `rank` of two, one stage each, meeting at this machine's `port`."""
     import subprocess
     import sys
+    return subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--pipeline-parallel-size", "2",
+                             "--nnodes", "2", "--node-rank", str(rank), "--master-port", str(port), *more])
 
+
+def test_two_machines_served_give_the_openai_client_one_engines_text(tmp_path):
+    """Two 'machines' as two process trees here: `miniinfer serve --nnodes 2 --node-rank 1` (its stage's rank
+    alone) and node 0's server, which the openai client asks for whole and streamed completions; node 0's
+    SIGTERM leaves no process there, and node 1 ends by itself."""
+    from test_server import serves_one_engines_text_and_ends_cleanly
+    port = free_port()
+    other = node(port, 1)
+    serves_one_engines_text_and_ends_cleanly(tmp_path / "server.log", "--pipeline-parallel-size", "2", "--nnodes", "2",
+                                             "--node-rank", "0", "--master-port", str(port))
+    assert other.wait(30) == 0
+
+
+def test_a_machine_that_dies_fails_the_engines_requests_cleanly():
+    """Node 1's rank killed mid-run: the engine on node 0 fails its requests with the reason, gives every block
+    back and leaves no process of its own."""
     import psutil
-    prompts = ["def add(a, b):\n", "import os\n", "class Stack:\n"] * 2
-    greedy = mi.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    config = mi.EngineConfig(num_blocks=256, block_size=4)
-    want = [o.token_ids for o in mi.LLMEngine(config).generate(prompts, greedy, use_tqdm=False)]
-    for kill in (False, True):
-        port = free_port()
-        node1 = subprocess.Popen([sys.executable, "-m", "miniinfer", "serve", "--pipeline-parallel-size", "2",
-                                  "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)])
-        engine = mi.LLMEngine(dataclasses.replace(config, pipeline_parallel_size=2, nnodes=2, master_port=port))
-        try:
-            assert len(engine.executor.procs) == 1 and len(engine.executor.conns) == 2
-            if not kill:
-                assert [o.token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)] == want
-            else:
-                engine.add_request([7] * 10, mi.SamplingParams(max_tokens=500, ignore_eos=True))
+    port = free_port()
+    other = node(port, 1)
+    engine = mi.LLMEngine(mi.EngineConfig(pipeline_parallel_size=2, nnodes=2, master_port=port))
+    try:
+        assert len(engine.executor.procs) == 1 and len(engine.executor.conns) == 2
+        engine.add_request([7] * 10, mi.SamplingParams(max_tokens=500, ignore_eos=True))
+        engine.step()
+        for child in psutil.Process(other.pid).children():
+            child.kill()
+        with pytest.raises(RuntimeError, match="rank 1: the process ended"):
+            for _ in range(500):
                 engine.step()
-                for child in psutil.Process(node1.pid).children():
-                    child.kill()
-                with pytest.raises(RuntimeError, match="rank 1: the process ended"):
-                    for _ in range(500):
-                        engine.step()
-                assert not engine.requests
-                assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-        finally:
-            engine.close()
-        assert node1.wait(30) == (1 if kill else 0) or kill
-        assert not any(p.is_alive() for p in engine.executor.procs)
+        assert not engine.requests and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()
+    other.wait(30)
+    assert not any(p.is_alive() for p in engine.executor.procs)

@@ -11,15 +11,17 @@ fused kernels and CUDA graphs), overlap on; `mla` on the tests' DeepSeek-V2 and 
 tensor_parallel_size 1 and 2 (the sums at the norms, in the layers by the one-shot, by NCCL alone) against
 transformers, float32, prefix caching and chunked prefill on and a pool small enough that requests are
 preempted; then six requests alone.
-`replicas` (chapter 16): the tests' three shapes served by two replicas sharing the one GPU (each its own
-process and pool), under the prefix rule and round robin, against transformers.
+`scale_out` (chapter 16): the tests' three shapes served by two replicas sharing the one GPU (each its own
+process and pool), under the prefix rule and round robin, and by two pipeline stages sharing it (over gloo),
+against transformers.
 
     python tools/gpu_parity.py all OUT.json    (the dense shapes, then the quantized course model)
     python tools/gpu_parity.py quantized OUT.json    (or moe, mla: that part only)
     python tools/gpu_parity.py tp OUT.json [tp2 tp2_layers tp2_nccl]    (the settings named, else all three)
-    python tools/gpu_parity.py replicas OUT.json
+    python tools/gpu_parity.py scale_out OUT.json
 """
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -123,10 +125,10 @@ def tp_parity(kind: str, settings: list[str], n: int = 48) -> dict:
     return {"requests": n, **res}
 
 
-def replica_parity(kind: str, n: int = 48) -> dict:
-    """Two rounds of the shared workload (the second finds its prefixes cached where the rule sent them)
-    through two replicas on one GPU, under two rules: outputs against transformers', the cache hits,
-    the requests per replica, every block back on each."""
+def scale_out_parity(kind: str, n: int = 48) -> dict:
+    """Two rounds of the shared workload (the second finds its prefixes cached) through chapter 16's engines
+    on one GPU, each part two processes sharing it: two replicas under two rules, and two pipeline stages.
+    Outputs against transformers', the cache hits, every block back (on each replica)."""
     prompts, params = shared_workload(n)
     res: dict = {"requests": n}
     with tempfile.TemporaryDirectory() as folder:
@@ -134,26 +136,29 @@ def replica_parity(kind: str, n: int = 48) -> dict:
         hf.save_pretrained(folder)
         hf = hf.cuda()
         expected = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
-        for rule in ("prefix", "round_robin"):
-            engine = mi.ReplicatedEngine(mi.EngineConfig(
-                model=folder, device="cuda", dtype=torch.float32, block_size=16, num_blocks=512, max_num_seqs=16,
-                max_num_batched_tokens=64, enable_prefix_caching=True, enable_chunked_prefill=True,
-                data_parallel_size=2, router=rule))
+        base = mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16, num_blocks=512,
+                               max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=True,
+                               enable_chunked_prefill=True)
+        for part in ("prefix", "round_robin", "pipeline"):
+            engine = (mi.LLMEngine(dataclasses.replace(base, pipeline_parallel_size=2)) if part == "pipeline" else
+                      mi.ReplicatedEngine(dataclasses.replace(base, data_parallel_size=2, router=part)))
             rounds = [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
-            router = engine.router
-            res[rule] = {"same_per_round": [sum(o.token_ids == e for o, e in zip(outs, expected)) for outs in rounds],
+            router = getattr(engine, "router", None)
+            res[part] = {"same_per_round": [sum(o.token_ids == e for o, e in zip(outs, expected)) for outs in rounds],
                          "cached_tokens_per_round": [sum(o.num_cached_tokens for o in outs) for outs in rounds],
-                         "placed": router.placed,
-                         "all_blocks_back": all(s.blocks_used == 0 for s in router.stats.values())}
+                         "all_blocks_back": all(s.blocks_used == 0 for s in router.stats.values()) if router else
+                         engine.block_manager.num_free_blocks == engine.block_manager.num_blocks}
+            if router is not None:
+                res[part]["placed"] = router.placed
             engine.close()
-            print(f"{kind} {rule}: {res[rule]}", flush=True)
+            print(f"{kind} {part}: {res[part]}", flush=True)
     return res
 
 
-def replicas(out: str) -> None:
+def scale_out(out: str) -> None:
     results = Results(out)
     for kind in SHAPES:
-        results.save(kind, replica_parity(kind))
+        results.save(kind, scale_out_parity(kind))
 
 
 def dense_and_quantized(out: str) -> None:
@@ -195,4 +200,5 @@ def tensor_parallel(out: str, *settings: str) -> None:
 
 
 if __name__ == "__main__":
-    commands(all=dense_and_quantized, quantized=quantized_only, moe=moe, mla=mla, tp=tensor_parallel, replicas=replicas)
+    commands(all=dense_and_quantized, quantized=quantized_only, moe=moe, mla=mla, tp=tensor_parallel,
+             scale_out=scale_out)

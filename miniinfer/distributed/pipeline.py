@@ -91,11 +91,14 @@ class StageLink:
         self.hidden, self.dtype, self.device = hidden, dtype, device
         self.sending: tuple[dist.Work, torch.Tensor] | None = None  # the send under way and its tensor
         self.quiet = False  # measuring alone: nothing received (zeros), nothing sent
+        # Stages sharing a GPU meet over gloo (NCCL takes one rank a GPU), which moves host memory.
+        self.via_host = device.type == "cuda" and dist.get_backend() == "gloo"
 
     def receive(self, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.zeros(2, *shape, self.hidden, dtype=self.dtype, device=self.device)
+        both = torch.zeros(2, *shape, self.hidden, dtype=self.dtype, device="cpu" if self.via_host else self.device)
         if not self.quiet:
             dist.recv(both, src=self.prev)
+        both = both.to(self.device)
         return both[0], both[1]
 
     def send(self, h: torch.Tensor, x: torch.Tensor) -> None:
@@ -103,7 +106,7 @@ class StageLink:
             return
         if self.sending is not None:  # long done: the next stage received it before this step began
             self.sending[0].wait()
-        both = torch.stack([h, x])
+        both = torch.stack([h, x]).to("cpu" if self.via_host else self.device)
         work = dist.isend(both, dst=self.next)
         assert work is not None  # None only for a rank outside the group
         self.sending = (work, both)  # kept until sent: the send reads it after this returns

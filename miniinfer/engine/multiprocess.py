@@ -49,10 +49,13 @@ class MultiProcessExecutor:
         check_parallel(cfg, tp, config.enable_expert_parallel)
         check_quantized_split(cfg, tp, config.quantization)
         size = tp * config.pipeline_parallel_size
-        if torch.device(config.device).type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"{size} ranks (tensor_parallel_size={tp}, pipeline_parallel_size="
-                             f"{config.pipeline_parallel_size}) need {size} GPUs; this machine has "
-                             f"{torch.cuda.device_count()}")
+        here = size // config.nnodes
+        # Chapter 16's stages may share GPUs (to try a pipeline on one); tensor ranks may not: NCCL takes one a GPU.
+        gpus = torch.cuda.device_count()
+        if torch.device(config.device).type == "cuda" and (gpus == 0 or here > gpus and tp > 1):
+            raise ValueError(f"{here} ranks (tensor_parallel_size={tp}, pipeline_parallel_size="
+                             f"{config.pipeline_parallel_size}, over {config.nnodes} machine(s)) need "
+                             f"{here if tp > 1 else 1} GPU(s) a machine; this one has {gpus}")
         self.answering = size - tp  # the last stage's first rank: its tokens are every rank's
         self.vocab_size = cfg.vocab_size
         self.runner_class = components.runner  # the ranks' own, for checking steps here
@@ -70,7 +73,7 @@ class MultiProcessExecutor:
         ctx = multiprocessing.get_context("spawn")
         payload = cloudpickle.dumps(components)
         self.conns, self.procs = [], []
-        for rank in range(size // config.nnodes):  # this machine's (chapter 16 puts the others elsewhere)
+        for rank in range(here):  # this machine's (chapter 16 puts the others elsewhere)
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=self.target, args=(rank, config, payload, init_method, child), daemon=True,
                                name=f"miniinfer-rank{rank}")

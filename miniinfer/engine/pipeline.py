@@ -44,6 +44,7 @@ class StageRunner(ModelRunner):
     """A pipeline stage's runner, put before the engine's own runner class (`stage_runner`): only the
     last stage samples; the others learn each token when the engine sends the next step."""
     link: StageLink
+    sharing = 1  # the stages on this rank's GPU
 
     def sample(self, step: StepBatch, logits: torch.Tensor) -> Launched:
         if self.link.last:
@@ -65,7 +66,8 @@ class StageRunner(ModelRunner):
 
     def num_blocks_that_fit(self) -> int:
         with self.link.alone():  # the sizing forward runs this stage's layers alone
-            return super().num_blocks_that_fit()
+            # Stages sharing a GPU measure its free memory at once: each takes its share of it.
+            return super().num_blocks_that_fit() // self.sharing
 
 
 def stage_runner(runner: type[ModelRunner]) -> type[StageRunner]:
@@ -94,6 +96,8 @@ class StageWorker(Worker):
         self.runner.link = StageLink(stage, stages, rank, tp, self.runner.model.cfg.hidden_size,
                                      self.runner.model.dtype, self.runner.model.device)
         self.runner.model.stage = self.runner.link
+        if self.runner.device.type == "cuda":
+            self.runner.sharing = -(-tp * stages // config.nnodes // torch.cuda.device_count())
         self.answers = last and t == 0
         # On a CPU a launch runs the step to its end, and the engine's collect for it waits in this rank's
         # pipe behind the next step's launch (which waits for the stage before): the tokens go back at once.

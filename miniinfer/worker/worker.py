@@ -46,14 +46,16 @@ class Worker:
         GPU rank % ranks a machine: chapter 16 spreads the ranks over nnodes machines)."""
         os.environ.update(NCCL_ENV)
         cuda, here = torch.device(config.device).type == "cuda", world // config.nnodes
-        if cuda:
-            torch.cuda.set_device(rank % here)
+        gpus = torch.cuda.device_count() if cuda else 0
+        if cuda:  # a GPU each, or in turn where chapter 16's stages share them (over gloo: NCCL takes one a GPU)
+            torch.cuda.set_device(rank % here % gpus)
         else:  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
+        backend = "nccl" if cuda and here <= gpus else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
         self.rank, self.launched = rank, deque[Any]()
         self.answers = rank == 0  # its collect's reply is the engine's (chapter 16: the last stage's first)
-        return dataclasses.replace(config, device=f"cuda:{rank % here}" if cuda else config.device)
+        return dataclasses.replace(config, device=f"cuda:{rank % here % gpus}" if cuda else config.device)
 
     def build(self, t: int, size: int, config: EngineConfig, components: Components, runner: type,
               also: Callable[[Transformer], None] | None = None) -> None:
