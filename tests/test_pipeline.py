@@ -19,17 +19,18 @@ from miniinfer.course.parity import shared_workload
 from miniinfer.distributed.pipeline import compact_stage, keep_stage, split_layers
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_two_stages_equal_transformers(hf_checkpoint, tp):
-    """Llama, Qwen2, Qwen3 (tied embeddings: the last stage keeps the embedding as its head), one layer a
-    stage, alone and of two tensor ranks each: two rounds of a shared-prefix workload under preemption
-    (swap), prefix caching and chunked prefill; every block back, no process left."""
+def test_two_stages_equal_transformers(hf_checkpoint):
+    """Llama (one layer a stage), Qwen2 and Qwen3 (tied embeddings: the last stage keeps the embedding as its
+    head; two tensor ranks a stage for both): two rounds of a shared-prefix workload under preemption (swap),
+    prefix caching and chunked prefill; every block back, no process left."""
     kind, folder, hf = hf_checkpoint
     prompts, params = shared_workload()
+    tp = 1 if kind == "llama" else 2
     served_twice_by_stages(folder, prompts, params, oracle((kind, "shared"), hf, prompts, params), tp)
 
 
 def test_the_course_model_on_two_stages_of_two_tensor_ranks_equals_one_engine():
+    """The course model on 2 x 2 ranks (on two stages of one rank: the dying-stage and two-machine tests)."""
     prompts, params = shared_workload(n=8, vocab=4096)
     want = [o.token_ids for o in mi.LLMEngine(mi.EngineConfig()).generate(prompts, params, use_tqdm=False)]
     served_twice_by_stages(None, prompts, params, want, tp=2)

@@ -62,9 +62,7 @@ class MultiProcessExecutor:
         self.failure: str | None = None
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-tp-")
         os.close(fd)
-        # Where the ranks meet: a file on this machine, or node 0's TCP port when chapter 16 spreads them.
-        init_method = (f"file://{self.init_file}" if config.nnodes == 1
-                       else f"tcp://{config.master_addr}:{config.master_port}")
+        init_method = self.meeting_place(config)
         # Triton's CPU interpreter copies its module's globals, __file__ among them, into those of a kernel
         # defined in __main__ (a notebook's): spawn would then run interpreter.py as each child's main.
         main = sys.modules["__main__"]
@@ -84,6 +82,10 @@ class MultiProcessExecutor:
         self.conns += self.elsewhere(config, payload, init_method)
         self._finalizer = weakref.finalize(self, _end, self.conns, self.procs, self.init_file)
         self._read(range(size))  # each worker's "ready"
+
+    def meeting_place(self, config: EngineConfig) -> str:
+        """Where the ranks meet: a file on this machine, or node 0's TCP port where chapter 16 spreads them."""
+        return f"file://{self.init_file}" if config.nnodes == 1 else f"tcp://{config.master_addr}:{config.master_port}"
 
     def elsewhere(self, config: EngineConfig, payload: bytes, init_method: str) -> list:
         """The lines to ranks on other machines, in rank order: none here (chapter 16 has them)."""
