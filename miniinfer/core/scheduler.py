@@ -130,9 +130,10 @@ class Scheduler:
         self._preempt_for_urgent(out)
         todo, self.running, urgent = self.running, [], len(out.preempted_ids)
         self.share = -(-len(self.requests) // self.micro_batches)
+        pipelined = self.micro_batches > 1  # once a step: the plain path's loop pays nothing for stages
         while todo:
             seq = todo.pop(0)
-            if self._waits(seq, out):  # in a pipeline's step under way, or this step has its share
+            if pipelined and self._waits(seq, out):  # in a pipeline's step under way, or this step has its share
                 self._run(seq, 0, out)
                 continue
             n = self._within(self._to_compute(seq), self._room(seq), budget)
@@ -303,7 +304,8 @@ class Scheduler:
         logits processors report by request id, then kind (chapter 12's log-probabilities)."""
         changed, bm = [], self.block_manager
         reports = reports or {}
-        self.busy.difference_update(out.num_new_tokens)
+        if self.busy:
+            self.busy.difference_update(out.num_new_tokens)
         for rid in out.num_new_tokens:
             seq, new = self.requests.get(rid), sampled.get(rid)
             if seq is None:  # aborted in the meantime
