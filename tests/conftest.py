@@ -62,6 +62,20 @@ def unchanged_on_error(snapshot, fn, *args):
         assert snapshot() == before, f"{fn.__name__}{args} failed but changed the state"
 
 
+def started_below(pid: int) -> list:
+    """The processes started below process pid for an engine (its ranks, its replicas), as psutil's. Without a
+    GPU a process's children are forked by its fork server (chapter 08's process_context): left out are the
+    server (started by a command line of its own, where a fork keeps its parent's) and the resource tracker."""
+    import psutil
+
+    def server(p) -> bool:
+        line = p.cmdline()
+        return "multiprocessing.forkserver" in " ".join(line) and line != p.parent().cmdline()
+
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if not server(p) and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+
+
 @pytest.fixture(scope="session")
 def course_model():
     """The embedded course model, loaded once for the tests that serve it."""

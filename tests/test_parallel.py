@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import started_below
 from test_engine import oracle
 
 import miniinfer as mi
@@ -223,10 +224,9 @@ def test_executors_are_chosen_by_kind():
     # The server's setup: the engine in a process of its own, its one rank that process's child.
     import asyncio
 
-    import psutil
     eng = mi.AsyncLLMEngine(mi.EngineConfig(executor="multiprocess"))
     try:
-        assert len(psutil.Process(eng.client.process.pid).children()) == 1
+        assert len(started_below(eng.client.process.pid)) == 1
 
         async def one():
             return [t async for out in eng.generate("def f(x):", greedy) for t in out.new_token_ids]
@@ -244,10 +244,8 @@ def test_the_async_engine_in_its_process_fails_its_streams_when_a_rank_dies():
     so a later request fails at once; close() leaves no process."""
     import asyncio
 
-    import psutil
-
     eng = mi.AsyncLLMEngine(mi.EngineConfig(tensor_parallel_size=2))
-    ranks = psutil.Process(eng.client.process.pid).children()
+    ranks = started_below(eng.client.process.pid)
     assert len(ranks) == 2
     params = mi.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 

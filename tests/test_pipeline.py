@@ -7,6 +7,7 @@ before any process starts."""
 import itertools
 
 import pytest
+from conftest import started_below
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import oracle
@@ -157,7 +158,6 @@ def test_two_machines_served_give_the_openai_client_one_engines_text(tmp_path):
 def test_a_machine_that_dies_fails_the_engines_requests_cleanly():
     """Node 1's rank killed mid-run: the engine on node 0 fails its requests with the reason, gives every block
     back and leaves no process of its own."""
-    import psutil
     port = free_port()
     other = node(port, 1)
     engine = mi.LLMEngine(mi.EngineConfig(pipeline_parallel_size=2, nnodes=2, master_port=port))
@@ -165,7 +165,7 @@ def test_a_machine_that_dies_fails_the_engines_requests_cleanly():
         assert len(engine.executor.procs) == 1 and len(engine.executor.conns) == 2
         engine.add_request([7] * 10, mi.SamplingParams(max_tokens=500, ignore_eos=True))
         engine.step()
-        for child in psutil.Process(other.pid).children():
+        for child in started_below(other.pid):
             child.kill()
         with pytest.raises(RuntimeError, match="rank 1: the process ended"):
             for _ in range(500):

@@ -18,7 +18,7 @@ against transformers.
     python tools/gpu_parity.py all OUT.json    (the dense shapes, then the quantized course model)
     python tools/gpu_parity.py quantized OUT.json    (or moe, mla: that part only)
     python tools/gpu_parity.py tp OUT.json [tp2 tp2_layers tp2_nccl]    (the settings named, else all three)
-    python tools/gpu_parity.py scale_out OUT.json
+    python tools/gpu_parity.py scale_out OUT.json [llama qwen2 qwen3]    (the shapes named, else all three)
 """
 
 import dataclasses
@@ -155,9 +155,9 @@ def scale_out_parity(kind: str, n: int = 48) -> dict:
     return res
 
 
-def scale_out(out: str) -> None:
+def scale_out(out: str, *kinds: str) -> None:
     results = Results(out)
-    for kind in SHAPES:
+    for kind in kinds or SHAPES:
         results.save(kind, scale_out_parity(kind))
 
 

@@ -13,12 +13,25 @@ import time
 from typing import Callable, Union
 
 import cloudpickle
+import torch
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.engine.core import EngineCommand, EngineInfo, EngineOutput, EngineStats, Shutdown, run_engine
 from miniinfer.engine.llm_engine import LLMEngine
 
 Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], None]
+
+
+def process_context() -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
+    """Where the engine's processes come from (its own, its ranks', its replicas'): never a fork of the
+    caller, which would copy its threads and, on a GPU, its CUDA state. With a GPU, spawn: a fresh
+    interpreter each. Without one, a fork server: a fresh interpreter that imports the engine once, then
+    forks each process in milliseconds where a fresh one spends seconds importing torch."""
+    if torch.cuda.is_available() or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["miniinfer.engine.llm_engine", "transformers"])
+    return ctx
 
 
 class EngineClient:
@@ -79,7 +92,7 @@ class MultiprocClient(EngineClient):
                  name: str = "engine"):
         """make: builds the engine in its process (a class, or a partial of one: chapter 15's; sent by value, so
         a class defined in a notebook reaches the new process too)."""
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
+        ctx = process_context()
         self.conn, child = ctx.Pipe()
         # A daemon dies with this process, but may not start processes: chapter 11's workers need that.
         self.process = ctx.Process(target=engine_process, args=(config, child, cloudpickle.dumps(make)),

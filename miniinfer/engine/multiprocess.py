@@ -19,6 +19,7 @@ import torch
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
+from miniinfer.engine.core_client import process_context
 from miniinfer.engine.executor import ExecutorDead
 from miniinfer.layers.parallel import check_parallel, check_quantized_split
 from miniinfer.model.loader import checkpoint_config, read_config
@@ -68,7 +69,7 @@ class MultiProcessExecutor:
         main = sys.modules["__main__"]
         if getattr(main, "__file__", "").endswith(os.path.join("triton", "runtime", "interpreter.py")):
             del main.__file__
-        ctx = multiprocessing.get_context("spawn")
+        ctx = process_context()
         payload = cloudpickle.dumps(components)
         self.conns, self.procs = [], []
         for rank in range(here):  # this machine's (chapter 16 puts the others elsewhere)

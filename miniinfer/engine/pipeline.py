@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import multiprocessing
 import os
 import pickle
 import time
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.distributed.pipeline import PipelineParts, StageLink, compact_stage, layer_costs
+from miniinfer.engine.core_client import process_context
 from miniinfer.engine.multiprocess import MultiProcessExecutor
 from miniinfer.layers.parallel import use_group
 from miniinfer.model.loader import checkpoint_config, read_config
@@ -190,7 +190,7 @@ def serve_node(config: EngineConfig) -> None:
     """`miniinfer serve --node-rank N` (N > 0): this machine's share of the ranks, each taking its calls
     from the engine on node 0; returns when they end (the engine closed, or a rank failed)."""
     here = config.tensor_parallel_size * config.pipeline_parallel_size // config.nnodes
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     address = (config.master_addr, config.master_port + 1)
     procs = [ctx.Process(target=remote_rank, args=(rank, address), name=f"miniinfer-rank{rank}")
              for rank in range(config.node_rank * here, (config.node_rank + 1) * here)]

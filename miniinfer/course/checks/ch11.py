@@ -33,6 +33,7 @@ from miniinfer.course.checks.harness import (
     unanswered,
     your_answers,
 )
+from miniinfer.engine.core_client import process_context
 
 RANKS = 2
 WAIT = 30  # seconds a collective waits for a rank that never joins it (an answer that skips one)
@@ -64,7 +65,7 @@ class Ranks:
     """RANKS spawned processes in one gloo group, started on first use and kept for the next checks."""
 
     def __init__(self):
-        ctx = multiprocessing.get_context("spawn")
+        ctx = process_context()
         fd, self.init_file = tempfile.mkstemp(prefix="miniinfer-checks-")
         os.close(fd)
         self.conns, self.procs = [], []
