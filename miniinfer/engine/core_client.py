@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Callable, Union
@@ -25,9 +26,10 @@ Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], 
 def process_context() -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
     """Where the engine's processes come from (its own, its ranks', its replicas'): never a fork of the
     caller, which would copy its threads and, on a GPU, its CUDA state. With a GPU, spawn: a fresh
-    interpreter each. Without one, a fork server: a fresh interpreter that imports the engine once, then
-    forks each process in milliseconds where a fresh one spends seconds importing torch."""
-    if torch.cuda.is_available() or "forkserver" not in multiprocessing.get_all_start_methods():
+    interpreter each. Without one, on Linux, a fork server: a fresh interpreter that imports the engine
+    once, then forks each process in milliseconds where a fresh one spends seconds importing torch
+    (macOS's system libraries are not safe to fork once loaded, and Windows cannot fork: spawn there)."""
+    if torch.cuda.is_available() or sys.platform != "linux":
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["miniinfer.engine.llm_engine", "transformers"])
