@@ -49,7 +49,8 @@ def class_folder(tmp: Path) -> None:
     save("unanswered", unanswered)
 
     loop = solution()
-    cell(loop, "exercise", "01.apply_rope")["source"] = "while True:\n    pass\n"
+    # Waiting, not spinning: the timeout is the same, and the test beside this one keeps its core.
+    cell(loop, "exercise", "01.apply_rope")["source"] = "while True:\n    __import__('time').sleep(0.5)\n"
     save("loop", loop)
 
     killer = solution()

@@ -14,7 +14,7 @@ from typing import Callable
 from benchlib import Results, commands
 
 import miniinfer as mi
-from miniinfer.engine import core_client, multiprocess
+from miniinfer.engine import core_client, multiprocess, pipeline, processes
 
 CONFIGS = {"two tensor ranks": mi.EngineConfig(tensor_parallel_size=2),
            "two replicas": mi.EngineConfig(data_parallel_size=2)}
@@ -30,12 +30,12 @@ def started(config: mi.EngineConfig) -> float:
 
 
 def with_context(context: Callable) -> None:
-    core_client.process_context = multiprocess.process_context = context
+    core_client.process_context = multiprocess.process_context = pipeline.process_context = context
 
 
 def run(out: str, repeat: str = "3") -> None:
     results = Results(out)
-    fork_server = core_client.process_context
+    fork_server = processes.process_context
     for method, context in (("spawn", lambda: multiprocessing.get_context("spawn")), ("forkserver", fork_server)):
         with_context(context)
         for name, config in CONFIGS.items():

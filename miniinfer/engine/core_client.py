@@ -5,35 +5,21 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
-import multiprocessing
 import queue
 import signal
-import sys
 import threading
 import time
 from typing import Callable, Union
 
 import cloudpickle
-import torch
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.engine.core import EngineCommand, EngineInfo, EngineOutput, EngineStats, Shutdown, run_engine
 from miniinfer.engine.llm_engine import LLMEngine
+from miniinfer.engine.processes import process_context
 
 Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], None]
 
-
-def process_context() -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
-    """Where the engine's processes come from (its own, its ranks', its replicas'): never a fork of the
-    caller, which would copy its threads and, on a GPU, its CUDA state. With a GPU, spawn: a fresh
-    interpreter each. Without one, on Linux, a fork server: a fresh interpreter that imports the engine
-    once, then forks each process in milliseconds where a fresh one spends seconds importing torch
-    (macOS's system libraries are not safe to fork once loaded, and Windows cannot fork: spawn there)."""
-    if torch.cuda.is_available() or sys.platform != "linux":
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["miniinfer.engine.llm_engine", "transformers"])
-    return ctx
 
 
 class EngineClient:

@@ -19,8 +19,8 @@ import torch
 
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
-from miniinfer.engine.core_client import process_context
 from miniinfer.engine.executor import ExecutorDead
+from miniinfer.engine.processes import process_context
 from miniinfer.layers.parallel import check_parallel, check_quantized_split
 from miniinfer.model.loader import checkpoint_config, read_config
 from miniinfer.model.transformer import Transformer

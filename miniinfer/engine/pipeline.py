@@ -16,8 +16,8 @@ import torch.distributed as dist
 from miniinfer.core.config import EngineConfig
 from miniinfer.core.scheduler import SchedulerOutput
 from miniinfer.distributed.pipeline import PipelineParts, StageLink, compact_stage, layer_costs
-from miniinfer.engine.core_client import process_context
 from miniinfer.engine.multiprocess import MultiProcessExecutor
+from miniinfer.engine.processes import process_context
 from miniinfer.layers.parallel import use_group
 from miniinfer.model.loader import checkpoint_config, read_config
 from miniinfer.model.transformer import Transformer

@@ -33,7 +33,7 @@ from miniinfer.course.checks.harness import (
     unanswered,
     your_answers,
 )
-from miniinfer.engine.core_client import process_context
+from miniinfer.engine.processes import process_context
 
 RANKS = 2
 WAIT = 30  # seconds a collective waits for a rank that never joins it (an answer that skips one)
