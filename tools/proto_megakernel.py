@@ -5,12 +5,12 @@
 """
 
 import math
-import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
+from benchlib import Results, commands
 
 QKV, ATTN, O, GU, DOWN, LM = range(6)
 
@@ -283,7 +283,6 @@ def check():
 
 
 def bench(out):
-    from benchlib import Results
     dev = "cuda"
     props = torch.cuda.get_device_properties(0)
     shape = dict(L=16, D=2048, H=32, KVH=8, HD=64, F=8192, V=128256)
@@ -331,4 +330,4 @@ def bench(out):
 
 
 if __name__ == "__main__":
-    {"check": check, "bench": lambda: bench(sys.argv[2])}[sys.argv[1]]()
+    commands(check=check, bench=bench)
