@@ -2,6 +2,9 @@
 
     python tools/proto_megakernel.py check         (tiny shape, one program running every task in order; CPU ok)
     python tools/proto_megakernel.py bench OUT.json (GPU: the Llama-3.2-1B shape, one program per SM)
+
+The O and down projections may be split by columns as well as rows (`split`): each part adds its sum into the
+output (zeroed before the step), so those two stages have tasks for every SM.
 """
 
 import math
@@ -35,14 +38,15 @@ def _inv_rms(x_ptr, D: tl.constexpr, eps):
 
 
 @triton.jit
-def _gemv(w_ptr, rows, x_ptr, nw_ptr, inv, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr):
+def _gemv(w_ptr, ldw, rows, x_ptr, nw_ptr, inv, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+          NORM: tl.constexpr):
     acc = tl.zeros([R], tl.float32)
     for k0 in tl.range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + cols, cache_modifier=".cg")
         if NORM:
             x = x * inv * tl.load(nw_ptr + cols).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], eviction_policy="evict_first").to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * ldw + cols[None, :], eviction_policy="evict_first").to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
     return acc
 
@@ -53,11 +57,12 @@ def _step_kernel(tasks, counts, MAXT, counters, step,
                  wqkv, anorm, wo, mnorm, wgu, wd, fnorm, lm, eps, qscale,
                  L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
                  F: tl.constexpr, V: tl.constexpr, MAXPOS: tl.constexpr,
-                 R: tl.constexpr, RL: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr):
+                 R: tl.constexpr, RL: tl.constexpr, BK: tl.constexpr, BP: tl.constexpr,
+                 SPLIT: tl.constexpr):
     pid = tl.program_id(0)
     n = tl.load(counts + pid)
     NQKV: tl.constexpr = (H + 2 * KVH) * HD // R
-    NO: tl.constexpr = D // R
+    NO: tl.constexpr = D // R * SPLIT  # the O and the down projections: row tiles x column splits
     NGU: tl.constexpr = F // R
     for i in range(n):
         base = tasks + (pid * MAXT + i) * 3
@@ -70,7 +75,7 @@ def _step_kernel(tasks, counts, MAXT, counters, step,
             x_ptr = hs + layer * D
             inv = _inv_rms(x_ptr, D, eps)
             rows = t * R + tl.arange(0, R)
-            acc = _gemv(wqkv + layer * (H + 2 * KVH) * HD * D, rows, x_ptr, anorm + layer * D, inv, D, R, BK, True)
+            acc = _gemv(wqkv + layer * (H + 2 * KVH) * HD * D, D, rows, x_ptr, anorm + layer * D, inv, D, R, BK, True)
             head = (t * R) // HD
             first = (t * R) % HD
             if head < H + KVH:  # rows come in pairs (i, i + HD/2), permuted so on load: rotate each pair
@@ -117,10 +122,12 @@ def _step_kernel(tasks, counts, MAXT, counters, step,
             _done(counters + layer * 5 + 1)
         elif op == 2:  # O projection of 16 rows, plus the residual
             _wait(counters + layer * 5 + 1, H * step)
-            rows = t * R + tl.arange(0, R)
-            acc = _gemv(wo + layer * D * H * HD, rows, ob + layer * H * HD, anorm, 1.0, H * HD, R, BK, False)
+            rows = (t // SPLIT) * R + tl.arange(0, R)
+            col0 = (t % SPLIT) * (H * HD // SPLIT)
+            acc = _gemv(wo + layer * D * H * HD + col0, H * HD, rows, ob + layer * H * HD + col0, anorm, 1.0,
+                        H * HD // SPLIT, R, BK, False)
             h = tl.load(hs + layer * D + rows, cache_modifier=".cg")
-            tl.store(mids + layer * D + rows, h + acc)
+            tl.atomic_add(mids + layer * D + rows, acc + tl.where(col0 == 0, h, 0.0), sem="relaxed")
             _done(counters + layer * 5 + 2)
         elif op == 3:  # norm, gate and up of 16 rows each, SiLU(gate) x up
             _wait(counters + layer * 5 + 2, NO * step)
@@ -128,34 +135,36 @@ def _step_kernel(tasks, counts, MAXT, counters, step,
             inv = _inv_rms(x_ptr, D, eps)
             rows = t * R + tl.arange(0, R)
             w = wgu + layer * 2 * F * D
-            g = _gemv(w, rows, x_ptr, mnorm + layer * D, inv, D, R, BK, True)
-            u = _gemv(w + F * D, rows, x_ptr, mnorm + layer * D, inv, D, R, BK, True)
+            g = _gemv(w, D, rows, x_ptr, mnorm + layer * D, inv, D, R, BK, True)
+            u = _gemv(w + F * D, D, rows, x_ptr, mnorm + layer * D, inv, D, R, BK, True)
             tl.store(act + layer * F + rows, g / (1.0 + tl.exp(-g)) * u)
             _done(counters + layer * 5 + 3)
         elif op == 4:  # down projection of 16 rows, plus the residual
             _wait(counters + layer * 5 + 3, NGU * step)
-            rows = t * R + tl.arange(0, R)
-            acc = _gemv(wd + layer * D * F, rows, act + layer * F, anorm, 1.0, F, R, BK, False)
+            rows = (t // SPLIT) * R + tl.arange(0, R)
+            col0 = (t % SPLIT) * (F // SPLIT)
+            acc = _gemv(wd + layer * D * F + col0, F, rows, act + layer * F + col0, anorm, 1.0, F // SPLIT, R, BK,
+                        False)
             h = tl.load(mids + layer * D + rows, cache_modifier=".cg")
-            tl.store(hs + (layer + 1) * D + rows, h + acc)
+            tl.atomic_add(hs + (layer + 1) * D + rows, acc + tl.where(col0 == 0, h, 0.0), sem="relaxed")
             _done(counters + layer * 5 + 4)
         else:  # the LM head: final norm, RL rows of logits
             _wait(counters + (L - 1) * 5 + 4, NO * step)
             x_ptr = hs + L * D
             inv = _inv_rms(x_ptr, D, eps)
             lrows = t * RL + tl.arange(0, RL)
-            tl.store(logits + lrows, _gemv(lm, lrows, x_ptr, fnorm, inv, D, RL, BK, True))
+            tl.store(logits + lrows, _gemv(lm, D, lrows, x_ptr, fnorm, inv, D, RL, BK, True))
 
 
-def task_list(L, H, KVH, HD, D, F, V, R, RL):
+def task_list(L, H, KVH, HD, D, F, V, R, RL, split):
     """Every task in an order where each waits only on earlier ones."""
     out = []
     for layer in range(L):
         out += [(QKV, layer, t) for t in range((H + 2 * KVH) * HD // R)]
         out += [(ATTN, layer, t) for t in range(H)]
-        out += [(O, layer, t) for t in range(D // R)]
+        out += [(O, layer, t) for t in range(D // R * split)]
         out += [(GU, layer, t) for t in range(F // R)]
-        out += [(DOWN, layer, t) for t in range(D // R)]
+        out += [(DOWN, layer, t) for t in range(D // R * split)]
     out += [(LM, 0, t) for t in range(V // RL)]
     return out
 
@@ -237,12 +246,12 @@ def reference_step(m: Model, x, pos, kc, vc, eps=1e-5):
 
 
 class Persistent:
-    def __init__(self, m: Model, programs: int, R=16, RL=64, BK=256, BP=32, num_warps=4):
+    def __init__(self, m: Model, programs: int, R=16, RL=64, BK=256, BP=32, num_warps=4, split=1):
         s = m.shape
         self.m, self.s, self.programs = m, s, programs
-        self.R, self.RL, self.BK, self.BP, self.num_warps = R, RL, BK, BP, num_warps
+        self.R, self.RL, self.BK, self.BP, self.num_warps, self.split = R, RL, BK, BP, num_warps, split
         dev = m.wqkv.device
-        tasks = task_list(s["L"], s["H"], s["KVH"], s["HD"], s["D"], s["F"], s["V"], R, RL)
+        tasks = task_list(s["L"], s["H"], s["KVH"], s["HD"], s["D"], s["F"], s["V"], R, RL, split)
         table, counts, self.maxt = deal(tasks, programs)
         self.tasks, self.counts = table.to(dev), counts.to(dev)
         self.n_tasks = len(tasks)
@@ -258,12 +267,14 @@ class Persistent:
         m, s = self.m, self.s
         self.steps += 1
         self.hs[0].copy_(x)
+        self.hs[1:].zero_()  # the O and down projections add their column splits' sums into these
+        self.mids.zero_()
         cos, sin = rope_at(pos, s["HD"], m.theta, x.device)
         _step_kernel[(self.programs,)](
             self.tasks, self.counts, self.maxt, self.counters, self.steps,
             self.hs, self.mids, self.qb, self.ob, self.act, m.kc, m.vc, self.logits, cos, sin, pos,
             m.wqkv_paired, m.anorm, m.wo, m.mnorm, m.wgu, m.wd, m.fnorm, m.lm, 1e-5, s["HD"] ** -0.5,
-            R=self.R, RL=self.RL, BK=self.BK, BP=self.BP, num_warps=self.num_warps, **s)
+            R=self.R, RL=self.RL, BK=self.BK, BP=self.BP, SPLIT=self.split, num_warps=self.num_warps, **s)
         return self.logits
 
 
@@ -271,7 +282,7 @@ def check():
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     m = Model(L=2, D=64, H=4, KVH=2, HD=32, F=128, V=256, maxpos=16, device=dev, dtype=torch.float32)
-    run = Persistent(m, programs=1 if dev == "cpu" else 8, R=16, RL=64, BK=32, BP=8)
+    run = Persistent(m, programs=1 if dev == "cpu" else 8, R=16, RL=64, BK=16, BP=8, split=2)
     kc, vc = m.kc.clone(), m.vc.clone()
     for pos in range(5):
         x = torch.randn(64, device=dev)
@@ -307,8 +318,10 @@ def bench(out):
     x = torch.randn(2048, device=dev)
     kc, vc = m.kc.clone(), m.vc.clone()
     want = reference_step(m, x, 0, kc, vc)
-    for R, RL, BK, warps in [(16, 128, 512, 8), (32, 128, 256, 8), (32, 128, 512, 8), (64, 256, 256, 8)]:
-        run = Persistent(m, programs=props.multi_processor_count, R=R, RL=RL, BK=BK, BP=32, num_warps=warps)
+    configs = [(32, 128, 256, 8, 1), (32, 128, 256, 8, 2), (32, 128, 256, 8, 4), (16, 128, 256, 4, 2),
+               (32, 128, 128, 4, 2)]
+    for R, RL, BK, warps, split in configs:
+        run = Persistent(m, props.multi_processor_count, R=R, RL=RL, BK=BK, BP=32, num_warps=warps, split=split)
         got = run(x, 0)
         torch.cuda.synchronize()
         err = (got - want).abs().max().item()
@@ -322,7 +335,7 @@ def bench(out):
             run(x, pos0 + i)
         torch.cuda.synchronize()
         us = (time.perf_counter() - t0) / n * 1e6
-        r = {"R": R, "RL": RL, "BK": BK, "warps": warps, "tasks": run.n_tasks, "step_us": us,
+        r = {"R": R, "RL": RL, "BK": BK, "warps": warps, "split": split, "tasks": run.n_tasks, "step_us": us,
              "of_floor": floor_us / us, "max_logit_error_pos0": err, "argmax_same": same}
         runs.append(r)
         print(r, flush=True)
