@@ -5,7 +5,6 @@ interpreter (spawn) against a fork from a server that imported the engine once (
     python tools/bench_processes.py run docs/benchmarks/processes_cpu_2core.json [REPEAT]
 """
 
-import dataclasses
 import multiprocessing
 import statistics
 import time
@@ -14,7 +13,7 @@ from typing import Callable
 from benchlib import Results, commands
 
 import miniinfer as mi
-from miniinfer.engine import core_client, multiprocess, pipeline, processes
+from miniinfer.engine import core_client, multiprocess, processes
 
 CONFIGS = {"two tensor ranks": mi.EngineConfig(tensor_parallel_size=2),
            "two replicas": mi.EngineConfig(data_parallel_size=2)}
@@ -30,7 +29,8 @@ def started(config: mi.EngineConfig) -> float:
 
 
 def with_context(context: Callable) -> None:
-    core_client.process_context = multiprocess.process_context = pipeline.process_context = context
+    """The context the engine's process (replicas) and its ranks (tensor parallel) are started from."""
+    core_client.process_context = multiprocess.process_context = context
 
 
 def run(out: str, repeat: str = "3") -> None:
@@ -39,7 +39,7 @@ def run(out: str, repeat: str = "3") -> None:
     for method, context in (("spawn", lambda: multiprocessing.get_context("spawn")), ("forkserver", fork_server)):
         with_context(context)
         for name, config in CONFIGS.items():
-            times = [started(dataclasses.replace(config)) for _ in range(int(repeat))]
+            times = [started(config) for _ in range(int(repeat))]
             results.save(f"{method}: {name}", {"seconds": times, "median_s": statistics.median(times)})
             print(f"{method}, {name}: {statistics.median(times):.2f} s to start (median of {repeat})", flush=True)
 

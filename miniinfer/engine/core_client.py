@@ -21,7 +21,6 @@ from miniinfer.engine.processes import process_context
 Receive = Callable[[Union[list[EngineOutput], None], Union[EngineStats, None]], None]
 
 
-
 class EngineClient:
     """The front end's line to an engine: commands go in by `send`; each step's outputs come back to
     the `receive` callback given at start, from another thread (None, None: the engine is gone)."""
