@@ -328,10 +328,10 @@ def floor(model, prompts, outs, gbps: float, tflops: float) -> dict:
             "weight_bytes": weight_bytes, "batch1_tokens_per_s": gbps * 1e9 / weight_bytes}
 
 
-def served_and_step(model) -> dict:
+def served_and_step(model, **engine_kw: object) -> dict:
     """One request: served tokens/s (the best of three streams' median gap between tokens) against the
     rate its step allows (1 / the batch-1 CUDA graph replayed on the device, no host in it)."""
-    engine = engine_for(model, max_num_seqs=8)
+    engine = engine_for(model, max_num_seqs=8, **engine_kw)
     prompt = list(range(100, 132))
     list(engine.stream(prompt, greedy(16)))  # warm-up: compiles, captures
     itls = []

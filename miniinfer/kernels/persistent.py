@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
+
+from miniinfer.model.transformer import Transformer
 
 QKV, ATTN, O, GU, DOWN, LM = range(6)
 OPS = ("qkv", "attention", "o", "gate_up", "down", "lm_head")
@@ -122,7 +125,7 @@ def check_schedule(programs: list[list[Task]], layers: int) -> int:
             touches[b] = touches.get(b, 0) | 1 << i
     known = [0] * len(tasks)  # the tasks each one is sure to follow, as a bit mask
     counted = {c: 0 for c in signalers}
-    after = {}  # a counter's full count -> what it proves finished: its tasks and all they follow
+    after: dict[int, int] = {}  # a counter's full count -> what it proves finished: its tasks and all they follow
     at = [0] * len(programs)
     moved = True
     while moved:
@@ -190,6 +193,11 @@ def _prefetch(ptr, nbytes, LINES: tl.constexpr):
 
 
 @triton.jit
+def _now():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _rows(w_ptr, row0, N, x, K: tl.constexpr, R: tl.constexpr, KP: tl.constexpr):
     """Rows row0 .. row0 + R - 1 of w [N, K] times x [KP] (float32, zeros past K) -> [R] float32, the
     whole tile in one load: its rows are contiguous and already on their way (prefetched)."""
@@ -244,9 +252,10 @@ def _attention(qkv, ob, kpool, vpool, table, slot, seq_len, pos, g, inv_freq, qn
     cos = (tl.cos(angle) * rope_factor).to(ty).to(tl.float32)  # rounded as the model's own cos and sin
     sin = (tl.sin(angle) * rope_factor).to(ty).to(tl.float32)
     row = slot * KVH + g
-    tl.store(kpool + row * HD + half, (k1 * cos - k2 * sin).to(ty))
-    tl.store(kpool + row * HD + HD // 2 + half, (k2 * cos + k1 * sin).to(ty))
-    tl.store(vpool + row * HD + d, v.to(ty))
+    if slot >= 0:  # -1: a padding step (the graph's warm-up) writes nowhere
+        tl.store(kpool + row * HD + half, (k1 * cos - k2 * sin).to(ty))
+        tl.store(kpool + row * HD + HD // 2 + half, (k2 * cos + k1 * sin).to(ty))
+        tl.store(vpool + row * HD + d, v.to(ty))
     tl.debug_barrier()  # the loop below reads the new key and value back with the others
     s1 = (q1 * cos[None, :] - q2 * sin[None, :]).to(ty).to(tl.float32) * (scale * 1.4426950408889634)
     s2 = (q2 * cos[None, :] + q1 * sin[None, :]).to(ty).to(tl.float32) * (scale * 1.4426950408889634)
@@ -298,15 +307,17 @@ def _prefetch_task(e, wqkv, wo, wgu, wd, lm, D: tl.constexpr, HO: tl.constexpr, 
 
 
 @triton.jit
-def _decode_kernel(tasks, counts, MAXT, counters, ids, positions, slots, seq_lens, table,
+def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, seq_lens, table,
                    stream, mid, qkv, ob, act, logits, kpool, vpool, pool_stride, block_size,
                    embed, anorm, wqkv, bqkv, qnorm, knorm, wo, bo, mnorm, wgu, wd, fnorm, lm, inv_freq,
                    eps, scale, rope_factor,
                    L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
                    F: tl.constexpr, V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                    RD: tl.constexpr, RL: tl.constexpr, BP: tl.constexpr, LINES: tl.constexpr,
-                   QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr):
-    """One program per SM runs its list of tasks (op, layer, index, wait, count, signal) in order."""
+                   QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr,
+                   TRACE: tl.constexpr):
+    """One program per SM runs its list of tasks (op, layer, index, wait, count, signal) in order
+    (TRACE: each task's start, end of its wait and end, in ns, into trace [programs, MAXT, 3])."""
     NQ: tl.constexpr = (H + 2 * KVH) * HD
     HO: tl.constexpr = H * HD
     KD: tl.constexpr = triton.next_power_of_2(D)
@@ -329,12 +340,16 @@ def _decode_kernel(tasks, counts, MAXT, counters, ids, positions, slots, seq_len
         layer = tl.load(e + 1).to(tl.int64)
         t = tl.load(e + 2)
         wait = tl.load(e + 3)
+        if TRACE:
+            tl.store(trace + (pid * MAXT + i) * 3, _now())
         if PREFETCH and i + 1 < n:  # the next task's weights stream in while this one waits and runs
             _prefetch_task(e + 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
         if wait != waited:  # the tasks of one op wait for the same count: the first of them waits for all
             if wait >= 0:
                 _wait(counters + wait, tl.load(e + 4))
             waited = wait
+        if TRACE:
+            tl.store(trace + (pid * MAXT + i) * 3 + 1, _now())
         if op == 0:  # norm, rows of q, k and v
             x = _normed(_stream(stream, embed, token, layer, c, D), anorm + layer * D, c, eps, D)
             r = t * RA + tl.arange(0, RA)
@@ -374,16 +389,18 @@ def _decode_kernel(tasks, counts, MAXT, counters, ids, positions, slots, seq_len
         signal = tl.load(e + 5)
         if signal >= 0:
             _signal(counters + signal)
+        if TRACE:
+            tl.store(trace + (pid * MAXT + i) * 3 + 2, _now())
     # The last program to finish sets the counters back to zero: the next step counts from there.
     if tl.atomic_add(counters + L * 5, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         z = tl.arange(0, triton.next_power_of_2(L * 5 + 1))
         tl.store(counters + z, 0, mask=z < L * 5 + 1)
 
 
-def unsupported(model: nn.Module, kv_dtype: torch.dtype) -> str | None:
+def unsupported(model: Transformer, kv_dtype: torch.dtype) -> str | None:
     """Why the persistent step cannot run this model, or None: it knows the dense Llama family (Llama,
     Qwen2, Qwen3) in float weights, the whole model in one process, a pool of the model's dtype."""
-    cfg, layer = model.cfg, model.model.layers[0]
+    cfg, layer = model.cfg, cast(Any, model.model.layers[0])
     if cfg.experts is not None or cfg.attention is not None:
         return "experts and latent attention have steps of their own (chapters 13, 14)"
     if getattr(model, "stage", None) is not None:
@@ -409,8 +426,8 @@ def stacked(layers: nn.ModuleList, name: str) -> torch.Tensor:
     first, n = params[0], params[0].numel()
     if all(p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
            and p.storage_offset() == first.storage_offset() + i * n for i, p in enumerate(params)):
-        return first.data.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                            (len(params), *first.shape))  # stacked already
+        return first.data.as_strided((len(params), *first.shape), (n, *first.stride()),
+                                     first.storage_offset())  # stacked already
     whole = torch.stack([p.data for p in params])
     for p, part in zip(params, whole):
         p.data = part
@@ -422,7 +439,7 @@ class PersistentDecode:
     waiting on counters in global memory where a kernel boundary used to be. Reads the engine's
     weights and paged KV pool in place; `step(...)` returns the logits [1, vocab]."""
 
-    def __init__(self, model: nn.Module, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
+    def __init__(self, model: Transformer, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
                  programs: int | None = None, tile: int = 32768, num_warps: int = 8):
         if (reason := unsupported(model, k_pool.dtype)) is not None:
             raise ValueError(f"the persistent decode step cannot run this model: {reason}")
@@ -457,11 +474,10 @@ class PersistentDecode:
                         w["post_attention_layernorm.weight"], w["mlp.gate_up_proj.weight"],
                         w["mlp.down_proj.weight"], model.model.norm.weight, model.lm_head.weight,
                         model.inv_freq.to(dev, torch.float32))
-        f32 = dict(device=dev, dtype=torch.float32)
         s = self.shape
-        self.buffers = (torch.zeros(s.hidden, **f32), torch.zeros(s.hidden, **f32),
-                        torch.zeros((s.heads + 2 * s.kv_heads) * s.head_dim, **f32),
-                        torch.zeros(s.heads * s.head_dim, **f32), torch.zeros(s.ffn, **f32))
+        # The step's vectors: the stream, the stream after attention, q k v, attention's output, SiLU's.
+        self.buffers = tuple(torch.zeros(n, device=dev, dtype=torch.float32) for n in (
+            s.hidden, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, s.heads * s.head_dim, s.ffn))
         self.logits = torch.zeros(1, s.vocab, device=dev, dtype=model.dtype)
         self.constants = dict(eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, rope_factor=model.rope_factor)
         B = model.dtype.itemsize
@@ -474,12 +490,20 @@ class PersistentDecode:
             else dict(num_warps=num_warps)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-             tables: torch.Tensor) -> torch.Tensor:
+             tables: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [1, vocab] of one sequence's next token: ids, positions, slots its token's (first
-        entry), seq_lens its length with the token, tables its block table (first row)."""
+        entry), seq_lens its length with the token, tables its block table (first row). On a GPU,
+        `trace` (int64 [programs, width, 3]) gets each task's start, end of wait and end, in ns."""
         c = self.constants
         _decode_kernel[(self.programs,)](
-            self.tasks, self.counts, self.width, self.counters, ids, positions, slots, seq_lens, tables,
-            *self.buffers, self.logits, self.k_pool, self.v_pool, self.k_pool[0].numel(), self.block_size,
-            *self.weights, c["eps"], c["scale"], c["rope_factor"], **self.config, **self.launch)
+            self.tasks, self.counts, self.width, self.counters, self.counters if trace is None else trace,
+            ids, positions, slots, seq_lens, tables, *self.buffers, self.logits, self.k_pool, self.v_pool,
+            self.k_pool[0].numel(), self.block_size, *self.weights, c["eps"], c["scale"], c["rope_factor"],
+            **self.config, **self.launch, TRACE=trace is not None)
         return self.logits
+
+
+def where_supported(model: Transformer, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    block_size: int) -> PersistentDecode | None:
+    """The persistent step where the model allows it, else None (the model's own kernels)."""
+    return None if unsupported(model, k_pool.dtype) else PersistentDecode(model, k_pool, v_pool, block_size)

@@ -2,6 +2,7 @@
 
 import torch
 
+from miniinfer.model.registry import Registry
 from miniinfer.model.transformer import Transformer
 from miniinfer.worker.kv_cache import VarlenBatch, VarlenKVCache
 
@@ -12,12 +13,19 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+# A batch of one may replay one persistent kernel instead of the model's many (chapter 17): each
+# entry makes, from the model and its pool, that step (None: the model's own).
+SINGLE_STEPS = Registry("decode kernel", {"graphs": lambda *pool: None,
+                                          "auto": "miniinfer.kernels.persistent:where_supported",
+                                          "persistent": "miniinfer.kernels.persistent:PersistentDecode"})
+
+
 class DecodeGraphs:
     """Decode steps as CUDA graphs, one per bucket of batch sizes, over shared static buffers. Each
     sequence brings query_len tokens: one for a decode; chapter 09 verifies guesses with more."""
 
     def __init__(self, model: Transformer, cache: VarlenKVCache, max_num_seqs: int, max_model_len: int,
-                 query_len: int = 1):
+                 query_len: int = 1, decode_kernel: str = "graphs"):
         self.model, self.cache, self.L = model, cache, query_len
         self.buckets = graph_buckets(max_num_seqs)
         dev, B, N = cache.k.device, self.buckets[-1], self.buckets[-1] * query_len
@@ -30,15 +38,15 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev) * query_len
         self.max_model_len = max_model_len
         self.graphs, self.logits = {}, {}
+        one = SINGLE_STEPS[decode_kernel](model, cache.k, cache.v, cache.block_size) if query_len == 1 else None
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
             self._use(b)
-            n = b * query_len
-            self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)  # warm-up, compiles
+            self._forward(b, one)  # warm-up, compiles
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[b] = self.model(self.ids[None, :n], self.positions[None, :n], attn=cache)[0]
+                    self.logits[b] = self._forward(b, one)
             except RuntimeError as err:  # CUDA's own words name neither the cause nor the way out
                 raise RuntimeError(
                     f"recording the decode step of {b} sequences as a CUDA graph failed: something in the model "
@@ -46,6 +54,13 @@ class DecodeGraphs:
                     "or allocates with a size read from one, which a graph cannot hold; keep that work on the "
                     "device, or set cuda_graph=False") from err
             self.graphs[b] = graph
+
+    def _forward(self, b: int, one) -> torch.Tensor:
+        """Bucket b's step, as its graph records it: a batch of one through `one` where there is one."""
+        if b == 1 and one is not None:
+            return one.step(self.ids[:1], self.positions[:1], self.slots[:1], self.seq_lens[:1], self.tables[:1])
+        n = b * self.L
+        return self.model(self.ids[None, :n], self.positions[None, :n], attn=self.cache)[0]
 
     def _use(self, b: int) -> None:
         # Decode kernels pick their split from max_seq_len: the longest context any replay may see.

@@ -276,7 +276,8 @@ class ModelRunner:
         self.cpu_v = self.cpu_k if self.cache.v is self.cache.k else \
             torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)  # keys alone (chapter 14): so is the swap space
         use_graphs = config.cuda_graph and self.device.type == "cuda"
-        self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len)
+        self.graphs = (DecodeGraphs(self.model, self.cache, config.max_num_seqs, self.max_model_len,
+                                    decode_kernel=config.decode_kernel)
                        if use_graphs else None)
         self.rows = BatchRows(config.max_num_seqs, -(-self.max_model_len // config.block_size))
         self.processors: list[LogitsProcessor] = [make(self) for make in self.processor_factories]

@@ -1,0 +1,94 @@
+"""Chapter 17 GPU benchmark: the batch-1 decode step as one persistent kernel against the CUDA graph of
+the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-sized Llama shape
+(random bf16 weights), each against its weight-read floor. Hand-written tool.
+
+    python tools/bench_persistent.py compare OUT.json [SHAPE...]   (default: llama qwen3 llama8b)
+
+Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
+the logits of one step through both, and the greedy tokens of one request through both. On the
+Llama shape besides: the persistent step's tile and warps swept, without its L2 prefetch, and one step's
+trace (each task's start, end of wait and end on each SM) for the lesson's schedule picture.
+"""
+
+import torch
+from bench_engine import engine_for, greedy, llama_8b, models, served_and_step
+from benchlib import Results, commands, gpu_ms
+from copy_bandwidth import copy_bandwidth
+
+from miniinfer.kernels.persistent import OPS, PersistentDecode
+
+PROMPT = list(range(100, 132))
+
+
+def model_of(shape: str):
+    return llama_8b() if shape == "llama8b" else models(shape)[1]
+
+
+def one_step(engine, step) -> torch.Tensor:
+    """The logits of the batch-1 graph's last step again, through step(graphs) on the same inputs."""
+    g = engine.executor.runner.graphs
+    out = step(g)
+    torch.cuda.synchronize()
+    return out.float().clone()
+
+
+def compare_shape(shape: str, gbps: float) -> dict:
+    model = model_of(shape)
+    weight_bytes = sum(p.numel() for p in model.parameters()) * 2
+    res: dict = {"floor_tokens_per_s": gbps * 1e9 / weight_bytes, "floor_us": weight_bytes / gbps / 1e3,
+                 "weight_bytes": weight_bytes}
+    tokens = {}
+    for kernel in ("graphs", "persistent"):
+        r = served_and_step(model, decode_kernel=kernel)
+        r["fraction_of_floor"] = r["tokens_per_s"] / res["floor_tokens_per_s"]
+        r["step_of_floor"] = res["floor_us"] / r["step_us"]
+        engine = engine_for(model, max_num_seqs=8, decode_kernel=kernel)
+        tokens[kernel] = [t for out in engine.stream(PROMPT, greedy(128)) for t in out.new_token_ids]
+        res[kernel] = r
+        print(f"{shape} {kernel}: {r['tokens_per_s']:.0f} tok/s ({100 * r['fraction_of_floor']:.0f}% of floor), "
+              f"step {r['step_us']:.0f} us ({100 * r['step_of_floor']:.0f}%)", flush=True)
+    # One step's logits both ways, on the inputs the persistent engine's graph holds now.
+    cache = engine.executor.runner.cache
+    persistent = PersistentDecode(model, cache.k, cache.v, cache.block_size)
+    a = one_step(engine, lambda g: persistent.step(g.ids[:1], g.positions[:1], g.slots[:1], g.seq_lens[:1],
+                                                   g.tables[:1])[0])
+    b = one_step(engine, lambda g: (g._use(1), model(g.ids[None, :1], g.positions[None, :1], attn=cache)[0, 0])[1])
+    res["logits"] = {"max_abs_diff": (a - b).abs().max().item(), "logit_std": b.std().item(),
+                     "argmax_same": a.argmax().item() == b.argmax().item()}
+    same = next((i for i, (x, y) in enumerate(zip(tokens["graphs"], tokens["persistent"])) if x != y), 128)
+    res["greedy_tokens_equal_first"] = same
+    print(f"{shape}: logits {res['logits']}, greedy tokens equal for the first {same} of 128", flush=True)
+    if shape == "llama":
+        g = engine.executor.runner.graphs
+        args = (g.ids[:1], g.positions[:1], g.slots[:1], g.seq_lens[:1], g.tables[:1])
+        sweep = []
+        for tile, warps, prefetch in ((32768, 8, True), (32768, 8, False), (16384, 8, True), (65536, 8, True),
+                                      (32768, 4, True), (65536, 16, True)):
+            p = PersistentDecode(model, cache.k, cache.v, cache.block_size, tile=tile, num_warps=warps)
+            p.config["PREFETCH"] = prefetch
+            us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
+            sweep.append({"tile": tile, "warps": warps, "prefetch": prefetch, "step_us": us,
+                          "step_of_floor": res["floor_us"] / us})
+            print(sweep[-1], flush=True)
+        res["sweep"] = sweep
+        trace = torch.zeros(persistent.programs, persistent.width, 3, dtype=torch.int64, device="cuda")
+        for _ in range(3):
+            persistent.step(*args, trace=trace)
+        torch.cuda.synchronize()
+        t0 = trace[trace > 0].min()
+        res["trace"] = {"ops": OPS, "tasks": persistent.tasks[..., :3].tolist(),
+                        "counts": persistent.counts.tolist(),
+                        "ns": (trace - t0).clamp(min=0).tolist()}
+    return res
+
+
+def compare(out: str, *shapes: str) -> None:
+    gbps = copy_bandwidth()
+    results = Results(out, copy_GBps=gbps)
+    for shape in shapes or ("llama", "qwen3", "llama8b"):
+        results.save(shape, compare_shape(shape, gbps))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    commands(compare=compare)
