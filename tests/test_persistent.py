@@ -1,14 +1,112 @@
-"""The persistent decode step's prototype (issue 74, tools/proto_megakernel.py): every task of a step, dealt
-to one program in their global order (Triton's interpreter runs programs one after another, so programs
-that wait on each other cannot run here), gives the step's logits in float32, five positions in a row."""
-import sys
-from pathlib import Path
+"""Chapter 17's persistent decode step. Triton's interpreter runs a grid's programs one after another, so
+programs that wait on each other cannot run here: the schedule (who waits for what) is proved in
+Python for many shapes and program counts, and the kernel runs as one program working through every
+task in order, against the model's own forward through the paged pool."""
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import proto_megakernel  # noqa: E402
+from miniinfer.kernels.persistent import (ATTN, DOWN, GU, LM, O, QKV, PersistentDecode, ScheduleError, Shape,
+                                          check_schedule, deal, schedule, stacked, unsupported, waits_for,
+                                          where_supported)
+from miniinfer.model.transformer import ModelConfig, Transformer
+from miniinfer.worker.paged_cache import PagedKVCache
+
+shapes = st.builds(Shape, layers=st.integers(1, 3), hidden=st.sampled_from([16, 48, 64]),
+                   heads=st.sampled_from([2, 4]), kv_heads=st.just(2), head_dim=st.sampled_from([8, 16]),
+                   ffn=st.integers(8, 100), vocab=st.integers(5, 70), tile=st.sampled_from([32, 64, 256]))
 
 
-def test_one_program_running_every_task_in_order_gives_the_steps_logits(capsys):
-    proto_megakernel.check()
-    assert capsys.readouterr().out.count("argmax same: True") == 5
+@settings(max_examples=40, deadline=None)
+@given(shapes, st.integers(1, 40))
+def test_every_schedule_finishes_and_reads_only_what_is_written(shape, programs):
+    tasks = schedule(shape)
+    assert check_schedule(deal(tasks, programs), shape.layers) == len(tasks)
+    assert sorted(t.op for t in tasks).count(LM) == shape.tasks(LM)
+
+
+def one_short(op, layer, shape):
+    wait, count = waits_for(op, layer, shape)
+    return (wait, count - 1) if op == GU else (wait, count)
+
+
+def one_too_many(op, layer, shape):
+    wait, count = waits_for(op, layer, shape)
+    return (wait, count + 1) if op == DOWN else (wait, count)
+
+
+def layers_at_once(op, layer, shape):
+    return (-1, 0) if op == QKV else waits_for(op, layer, shape)
+
+
+def two_back(op, layer, shape):  # O waits for QKV: attention's output may not be there yet
+    return (layer * 5 + QKV, shape.tasks(QKV)) if op == O else waits_for(op, layer, shape)
+
+
+@pytest.mark.parametrize("rule, error", [(one_short, "may read mid"), (one_too_many, "wait forever"),
+                                         (layers_at_once, "may read stream"), (two_back, "may read attention")])
+def test_a_wrong_dependency_rule_is_caught(rule, error):
+    shape = Shape(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48, vocab=40, tile=64)
+    with pytest.raises(ScheduleError, match=error):
+        check_schedule(deal(schedule(shape, rule), 5), shape.layers)
+
+
+def tiny(kind: str, hidden=64, ffn=96, vocab=200, heads=4, kv_heads=2, head_dim=16) -> Transformer:
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_layers=2, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=head_dim, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+                      tie_word_embeddings=kind == "qwen3")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def ints(*values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kind, block_size, sizes", [("llama", 3, {}), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131)),
+                                                     ("qwen3", 16, dict(heads=2, kv_heads=2))])
+@torch.no_grad()
+def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes):
+    model = tiny(kind, **sizes)
+    cache = PagedKVCache(model.cfg, 40, block_size)
+    table = [7, 2, 9, 30, 1, 4, 11, 5, 3, 20][:-(-12 // block_size)]
+    prompt = [3, 17, 42, 8, 99, 120, 7]
+    want = cache.run(model, [prompt], [table], [0])
+    step = PersistentDecode(model, cache.k, cache.v, block_size, programs=1, tile=128, num_warps=4)
+    n = len(prompt)
+    for _ in range(3):
+        token, slot = int(want[0].argmax()), table[n // block_size] * block_size + n % block_size
+        got = step.step(ints(token), ints(n), ints(slot), ints(n + 1), ints(*table)).clone()
+        k = cache.k.clone()
+        want = cache.run(model, [[token]], [table], [n])  # the same slot written again, by the model
+        assert (got - want).abs().max() < 1e-4
+        assert torch.allclose(k, cache.k, atol=1e-5)
+        n += 1
+
+
+@torch.no_grad()
+def test_layers_weights_are_stacked_once_and_the_model_reads_the_same_values():
+    model = tiny("llama")
+    ids = torch.tensor([[1, 2, 3]])
+    before = model(ids)
+    whole = stacked(model.model.layers, "mlp.down_proj.weight")
+    assert whole.shape[0] == 2 and model.model.layers[1].mlp.down_proj.weight.data_ptr() == whole[1].data_ptr()
+    assert stacked(model.model.layers, "mlp.down_proj.weight").data_ptr() == whole.data_ptr()
+    assert torch.equal(model(ids), before)
+
+
+def test_models_it_cannot_run_are_named_and_left_to_the_graphs():
+    model = tiny("llama")
+    pool = torch.zeros(2, 4, 3, 2, 16)
+    assert unsupported(model, torch.float32) is None
+    assert "dtype" in unsupported(model, torch.float8_e4m3fn)
+    assert where_supported(model, pool.to(torch.bfloat16), pool.to(torch.bfloat16), 3) is None
+    with pytest.raises(ValueError, match="cannot run this model: a KV pool of another dtype"):
+        PersistentDecode(model, pool.to(torch.bfloat16), pool.to(torch.bfloat16), 3)
+    assert "powers of two" in unsupported(tiny("llama", heads=6, kv_heads=2), torch.float32)
