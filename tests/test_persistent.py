@@ -8,9 +8,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miniinfer.kernels.persistent import (ATTN, DOWN, GU, LM, O, QKV, PersistentDecode, ScheduleError, Shape,
-                                          check_schedule, deal, schedule, stacked, unsupported, waits_for,
-                                          where_supported)
+from miniinfer.kernels.persistent import (
+    DOWN,
+    GU,
+    LM,
+    QKV,
+    O,
+    PersistentDecode,
+    ScheduleError,
+    Shape,
+    check_schedule,
+    deal,
+    schedule,
+    stacked,
+    unsupported,
+    waits_for,
+    where_supported,
+)
 from miniinfer.model.transformer import ModelConfig, Transformer
 from miniinfer.worker.paged_cache import PagedKVCache
 
