@@ -231,45 +231,49 @@ def _attention(qkv, ob, kpool, vpool, table, slot, seq_len, pos, g, inv_freq, qn
                QK_NORM: tl.constexpr):
     """KV head g's task: its new key (normed, rotated) and value into the pool, then its G query heads
     (normed, rotated) over the whole context. Each vector is taken as two halves: RoPE turns pairs
-    (i, i + HD/2)."""
-    half = tl.arange(0, HD // 2)
-    d = tl.arange(0, HD)
-    heads = g * G + tl.arange(0, G)
-    q1 = tl.load(qkv + heads[:, None] * HD + half[None, :], cache_modifier=".cg")
-    q2 = tl.load(qkv + heads[:, None] * HD + HD // 2 + half[None, :], cache_modifier=".cg")
-    k1 = tl.load(qkv + (H + g) * HD + half, cache_modifier=".cg")
-    k2 = tl.load(qkv + (H + g) * HD + HD // 2 + half, cache_modifier=".cg")
-    v = tl.load(qkv + (H + KVH + g) * HD + d, cache_modifier=".cg")
+    (i, i + HD/2). Sizes that are not powers of two are padded, the padding masked."""
+    HALF: tl.constexpr = HD // 2
+    half = tl.arange(0, triton.next_power_of_2(HALF))
+    d = tl.arange(0, triton.next_power_of_2(HD))
+    j = tl.arange(0, triton.next_power_of_2(G))
+    hm, dm, gm = half < HALF, d < HD, j < G
+    qm = gm[:, None] & hm[None, :]
+    q = qkv + (g * G + j)[:, None] * HD + half[None, :]
+    q1 = tl.load(q, mask=qm, other=0.0, cache_modifier=".cg")
+    q2 = tl.load(q + HALF, mask=qm, other=0.0, cache_modifier=".cg")
+    k1 = tl.load(qkv + (H + g) * HD + half, mask=hm, other=0.0, cache_modifier=".cg")
+    k2 = tl.load(qkv + (H + g) * HD + HALF + half, mask=hm, other=0.0, cache_modifier=".cg")
+    v = tl.load(qkv + (H + KVH + g) * HD + d, mask=dm, other=0.0, cache_modifier=".cg")
     if QK_NORM:  # Qwen3: each head normed on its own
         qi = 1.0 / tl.sqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / HD + eps)
-        q1 = q1 * qi[:, None] * tl.load(qnorm + half)[None, :].to(tl.float32)
-        q2 = q2 * qi[:, None] * tl.load(qnorm + HD // 2 + half)[None, :].to(tl.float32)
+        q1 = q1 * qi[:, None] * tl.load(qnorm + half, mask=hm, other=0.0)[None, :].to(tl.float32)
+        q2 = q2 * qi[:, None] * tl.load(qnorm + HALF + half, mask=hm, other=0.0)[None, :].to(tl.float32)
         ki = 1.0 / tl.sqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / HD + eps)
-        k1 = k1 * ki * tl.load(knorm + half).to(tl.float32)
-        k2 = k2 * ki * tl.load(knorm + HD // 2 + half).to(tl.float32)
+        k1 = k1 * ki * tl.load(knorm + half, mask=hm, other=0.0).to(tl.float32)
+        k2 = k2 * ki * tl.load(knorm + HALF + half, mask=hm, other=0.0).to(tl.float32)
     ty = kpool.dtype.element_ty
-    angle = pos.to(tl.float32) * tl.load(inv_freq + half)
+    angle = pos.to(tl.float32) * tl.load(inv_freq + half, mask=hm, other=0.0)
     cos = (tl.cos(angle) * rope_factor).to(ty).to(tl.float32)  # rounded as the model's own cos and sin
     sin = (tl.sin(angle) * rope_factor).to(ty).to(tl.float32)
     row = slot * KVH + g
     if slot >= 0:  # -1: a padding step (the graph's warm-up) writes nowhere
-        tl.store(kpool + row * HD + half, (k1 * cos - k2 * sin).to(ty))
-        tl.store(kpool + row * HD + HD // 2 + half, (k2 * cos + k1 * sin).to(ty))
-        tl.store(vpool + row * HD + d, v.to(ty))
+        tl.store(kpool + row * HD + half, (k1 * cos - k2 * sin).to(ty), mask=hm)
+        tl.store(kpool + row * HD + HALF + half, (k2 * cos + k1 * sin).to(ty), mask=hm)
+        tl.store(vpool + row * HD + d, v.to(ty), mask=dm)
     tl.debug_barrier()  # the loop below reads the new key and value back with the others
     s1 = (q1 * cos[None, :] - q2 * sin[None, :]).to(ty).to(tl.float32) * (scale * 1.4426950408889634)
     s2 = (q2 * cos[None, :] + q1 * sin[None, :]).to(ty).to(tl.float32) * (scale * 1.4426950408889634)
-    m = tl.full([G], -float("inf"), tl.float32)
-    total = tl.zeros([G], tl.float32)
-    acc = tl.zeros([G, HD], tl.float32)
+    m = tl.full([triton.next_power_of_2(G)], -float("inf"), tl.float32)
+    total = tl.zeros_like(m)
+    acc = tl.zeros([triton.next_power_of_2(G), triton.next_power_of_2(HD)], tl.float32)
     for p0 in range(0, seq_len, BP):
         p = p0 + tl.arange(0, BP)
         ok = p < seq_len
         blk = tl.load(table + p // block_size, mask=ok, other=0).to(tl.int64)
         r = (blk * block_size + p % block_size) * KVH + g
-        ka = tl.load(kpool + r[:, None] * HD + half[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        kb = tl.load(kpool + r[:, None] * HD + HD // 2 + half[None, :], mask=ok[:, None], other=0.0,
-                     cache_modifier=".cg")
+        km = ok[:, None] & hm[None, :]
+        ka = tl.load(kpool + r[:, None] * HD + half[None, :], mask=km, other=0.0, cache_modifier=".cg")
+        kb = tl.load(kpool + r[:, None] * HD + HALF + half[None, :], mask=km, other=0.0, cache_modifier=".cg")
         sc = tl.sum(s1[:, None, :] * ka.to(tl.float32)[None, :, :], 2) + \
             tl.sum(s2[:, None, :] * kb.to(tl.float32)[None, :, :], 2)
         sc = tl.where(ok[None, :], sc, -float("inf"))
@@ -277,10 +281,11 @@ def _attention(qkv, ob, kpool, vpool, table, slot, seq_len, pos, g, inv_freq, qn
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(sc - m_new[:, None])
         total = total * alpha + tl.sum(w, 1)
-        vt = tl.load(vpool + r[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+        vt = tl.load(vpool + r[:, None] * HD + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0,
+                     cache_modifier=".cg")
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
         m = m_new
-    tl.store(ob + heads[:, None] * HD + d[None, :], acc / total[:, None])
+    tl.store(ob + (g * G + j)[:, None] * HD + d[None, :], acc / total[:, None], mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -411,9 +416,8 @@ def unsupported(model: Transformer, kv_dtype: torch.dtype) -> str | None:
         return "the heads are split over ranks"
     if cfg.mlp_bias or cfg.rotary_dim not in (0, cfg.head_dim):
         return "biased MLP or partial RoPE"
-    heads = cfg.num_heads // cfg.num_kv_heads
-    if cfg.head_dim & (cfg.head_dim - 1) or heads & (heads - 1):
-        return "head size and query heads per KV head must be powers of two"
+    if cfg.head_dim % 2:
+        return "RoPE turns pairs: an odd head size"
     if kv_dtype != model.dtype:
         return "a KV pool of another dtype than the model's"
     return None
