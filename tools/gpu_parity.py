@@ -19,6 +19,7 @@ against transformers.
     python tools/gpu_parity.py quantized OUT.json    (or moe, mla: that part only)
     python tools/gpu_parity.py tp OUT.json [tp2 tp2_layers tp2_nccl]    (the settings named, else all three)
     python tools/gpu_parity.py scale_out OUT.json [llama qwen2 qwen3]    (the shapes named, else all three)
+    python tools/gpu_parity.py persistent OUT.json    (chapter 17's kernel for a batch of one, and the graphs)
 """
 
 import dataclasses
@@ -44,7 +45,7 @@ from miniinfer.course.parity import (
 )
 
 
-def parity(kind: str, overlap: bool, n: int = 48) -> dict:
+def parity(kind: str, overlap: bool, n: int = 48, **engine_kw: object) -> dict:
     hf = make_moe_model(kind) if kind in MOE_SHAPES else make_mla_model(kind) if kind in MLA_SHAPES else \
         make_hf_model(kind)
     prompts, params = shared_workload(n)
@@ -55,7 +56,7 @@ def parity(kind: str, overlap: bool, n: int = 48) -> dict:
         engine = mi.LLMEngine(mi.EngineConfig(model=folder, device="cuda", dtype=torch.float32, block_size=16,
                                               num_blocks=512, max_num_seqs=16, max_num_batched_tokens=64,
                                               enable_prefix_caching=True, enable_chunked_prefill=True,
-                                              overlap=overlap))
+                                              overlap=overlap, **engine_kw))
         rounds = [engine.generate(prompts, params, use_tqdm=False) for _ in range(2)]
         # and a few alone: every decode step one row, through chapter 06's GEMVs
         alone = [engine.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts[:6], params[:6])]
@@ -63,8 +64,8 @@ def parity(kind: str, overlap: bool, n: int = 48) -> dict:
     same = [sum(o.token_ids == e for o, e in zip(outs, expected)) for outs in rounds]
     cached = [sum(o.num_cached_tokens for o in outs) for outs in rounds]
     same_alone = sum(o.token_ids == e for o, e in zip(alone, expected))
-    print(f"{kind}, overlap {overlap}: {same} of {n} equal to transformers; alone {same_alone} of {len(alone)}; "
-          f"cached tokens {cached}; all blocks back {free}", flush=True)
+    print(f"{kind}, overlap {overlap} {engine_kw}: {same} of {n} equal to transformers; alone {same_alone} of "
+          f"{len(alone)}; cached tokens {cached}; all blocks back {free}", flush=True)
     return {"requests": n, "same_per_round": same, "same_alone": [same_alone, len(alone)],
             "cached_tokens_per_round": cached, "all_blocks_back": free}
 
@@ -193,6 +194,15 @@ def mla(out: str) -> None:
     overlapped(out, MLA_SHAPES)
 
 
+def persistent(out: str) -> None:
+    """Chapter 17: the dense shapes with a batch of one's step as the persistent kernel, and as the graph of
+    the model's kernels (the requests alone, and the last of each round, take it)."""
+    results = Results(out)
+    for kind in SHAPES:
+        for kernel in ("persistent", "graphs"):
+            results.save(f"{kind}_{kernel}", parity(kind, True, decode_kernel=kernel))
+
+
 def tensor_parallel(out: str, *settings: str) -> None:
     results = Results(out)
     for kind in ("course", *SHAPES):  # each saved as it ends: kept if a later shape is cut short
@@ -201,4 +211,4 @@ def tensor_parallel(out: str, *settings: str) -> None:
 
 if __name__ == "__main__":
     commands(all=dense_and_quantized, quantized=quantized_only, moe=moe, mla=mla, tp=tensor_parallel,
-             scale_out=scale_out)
+             scale_out=scale_out, persistent=persistent)
