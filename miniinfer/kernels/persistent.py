@@ -312,6 +312,65 @@ def _prefetch_task(e, wqkv, wo, wgu, wd, lm, D: tl.constexpr, HO: tl.constexpr, 
 
 
 @triton.jit
+def _qkv(t, layer, stream, embed, token, anorm, wqkv, bqkv, qkv, eps, D: tl.constexpr, NQ: tl.constexpr,
+         R: tl.constexpr, BIAS: tl.constexpr):
+    """Norm of the stream, then rows t*R .. of q, k and v (plus their bias: Qwen2's) into qkv."""
+    c = tl.arange(0, triton.next_power_of_2(D))
+    x = _normed(_stream(stream, embed, token, layer, c, D), anorm + layer * D, c, eps, D)
+    r = t * R + tl.arange(0, R)
+    acc = _rows(wqkv + layer * NQ * D, t * R, NQ, x, D, R, triton.next_power_of_2(D))
+    if BIAS:
+        acc += tl.load(bqkv + layer * NQ + r, mask=r < NQ, other=0.0).to(tl.float32)
+    tl.store(qkv + r, acc, mask=r < NQ)
+
+
+@triton.jit
+def _o(t, layer, ob, wo, bo, stream, embed, token, mid, D: tl.constexpr, HO: tl.constexpr, R: tl.constexpr,
+       BIAS: tl.constexpr):
+    """Rows t*R .. of the output projection of attention's output ob, plus the stream, into mid."""
+    c = tl.arange(0, triton.next_power_of_2(HO))
+    x = tl.load(ob + c, mask=c < HO, other=0.0, cache_modifier=".cg")
+    r = t * R + tl.arange(0, R)
+    acc = _rows(wo + layer * D * HO, t * R, D, x, HO, R, triton.next_power_of_2(HO))
+    if BIAS:
+        acc += tl.load(bo + layer * D + r, mask=r < D, other=0.0).to(tl.float32)
+    tl.store(mid + r, _stream(stream, embed, token, layer, r, D) + acc, mask=r < D)
+
+
+@triton.jit
+def _gate_up(t, layer, mid, mnorm, wgu, act, eps, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr):
+    """Norm of mid [D] (the stream after attention), then rows t*R .. of gate and of up (wgu [L, 2F, D]:
+    gate's F rows, then up's), SiLU(gate) x up into act [F]."""
+    c = tl.arange(0, triton.next_power_of_2(D))
+    x = _normed(tl.load(mid + c, mask=c < D, other=0.0, cache_modifier=".cg"), mnorm + layer * D, c, eps, D)
+    w = wgu + layer * 2 * F * D
+    gate = _rows(w, t * R, F, x, D, R, triton.next_power_of_2(D))
+    up = _rows(w + F * D, t * R, F, x, D, R, triton.next_power_of_2(D))
+    r = t * R + tl.arange(0, R)
+    tl.store(act + r, gate / (1.0 + tl.exp(-gate)) * up, mask=r < F)
+
+
+@triton.jit
+def _down(t, layer, act, wd, mid, stream, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr):
+    """Rows t*R .. of the down projection of act, plus mid: the next layer's stream."""
+    c = tl.arange(0, triton.next_power_of_2(F))
+    x = tl.load(act + c, mask=c < F, other=0.0, cache_modifier=".cg")
+    r = t * R + tl.arange(0, R)
+    acc = _rows(wd + layer * D * F, t * R, D, x, F, R, triton.next_power_of_2(F))
+    tl.store(stream + r, tl.load(mid + r, mask=r < D, other=0.0, cache_modifier=".cg") + acc, mask=r < D)
+
+
+@triton.jit
+def _lm_head(t, stream, fnorm, lm, logits, eps, D: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
+    """The final norm, then rows t*R .. of the logits."""
+    c = tl.arange(0, triton.next_power_of_2(D))
+    x = _normed(tl.load(stream + c, mask=c < D, other=0.0, cache_modifier=".cg"), fnorm, c, eps, D)
+    r = t * R + tl.arange(0, R)
+    tl.store(logits + r, _rows(lm, t * R, V, x, D, R, triton.next_power_of_2(D)).to(logits.dtype.element_ty),
+             mask=r < V)
+
+
+@triton.jit
 def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, seq_lens, table,
                    stream, mid, qkv, ob, act, logits, kpool, vpool, pool_stride, block_size,
                    embed, anorm, wqkv, bqkv, qnorm, knorm, wo, bo, mnorm, wgu, wd, fnorm, lm, inv_freq,
@@ -320,14 +379,11 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
                    F: tl.constexpr, V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                    RD: tl.constexpr, RL: tl.constexpr, BP: tl.constexpr, LINES: tl.constexpr,
                    QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr,
-                   TRACE: tl.constexpr):
+                   TRACE: tl.constexpr, GATE_UP: tl.constexpr):
     """One program per SM runs its list of tasks (op, layer, index, wait, count, signal) in order
     (TRACE: each task's start, end of its wait and end, in ns, into trace [programs, MAXT, 3])."""
     NQ: tl.constexpr = (H + 2 * KVH) * HD
     HO: tl.constexpr = H * HD
-    KD: tl.constexpr = triton.next_power_of_2(D)
-    KO: tl.constexpr = triton.next_power_of_2(HO)
-    KF: tl.constexpr = triton.next_power_of_2(F)
     pid = tl.program_id(0)
     n = tl.load(counts + pid)
     mine = tasks + pid * MAXT * 6
@@ -335,7 +391,6 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
     pos = tl.load(positions)
     slot = tl.load(slots).to(tl.int64)
     seq_len = tl.load(seq_lens)
-    c = tl.arange(0, KD)
     if PREFETCH:
         _prefetch_task(mine, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
     waited = -1
@@ -355,42 +410,20 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
             waited = wait
         if TRACE:
             tl.store(trace + (pid * MAXT + i) * 3 + 1, _now())
-        if op == 0:  # norm, rows of q, k and v
-            x = _normed(_stream(stream, embed, token, layer, c, D), anorm + layer * D, c, eps, D)
-            r = t * RA + tl.arange(0, RA)
-            acc = _rows(wqkv + layer * NQ * D, t * RA, NQ, x, D, RA, KD)
-            if QKV_BIAS:
-                acc += tl.load(bqkv + layer * NQ + r, mask=r < NQ, other=0.0).to(tl.float32)
-            tl.store(qkv + r, acc, mask=r < NQ)
+        if op == 0:
+            _qkv(t, layer, stream, embed, token, anorm, wqkv, bqkv, qkv, eps, D, NQ, RA, QKV_BIAS)
         elif op == 1:
             _attention(qkv, ob, kpool + layer * pool_stride, vpool + layer * pool_stride, table, slot, seq_len, pos,
                        t, inv_freq, qnorm + layer * HD, knorm + layer * HD, eps, scale, rope_factor, block_size,
-                       H, KVH, HD, HO // HD // KVH, BP, QK_NORM)
-        elif op == 2:  # rows of the output projection, plus the stream
-            co = tl.arange(0, KO)
-            x = tl.load(ob + co, mask=co < HO, other=0.0, cache_modifier=".cg")
-            r = t * RO + tl.arange(0, RO)
-            acc = _rows(wo + layer * D * HO, t * RO, D, x, HO, RO, KO)
-            if O_BIAS:
-                acc += tl.load(bo + layer * D + r, mask=r < D, other=0.0).to(tl.float32)
-            tl.store(mid + r, _stream(stream, embed, token, layer, r, D) + acc, mask=r < D)
-        elif op == 3:  # norm, rows of gate and up, SiLU(gate) x up
-            x = _normed(tl.load(mid + c, mask=c < D, other=0.0, cache_modifier=".cg"), mnorm + layer * D, c, eps, D)
-            w = wgu + layer * 2 * F * D
-            gate = _rows(w, t * RG, F, x, D, RG, KD)
-            up = _rows(w + F * D, t * RG, F, x, D, RG, KD)
-            r = t * RG + tl.arange(0, RG)
-            tl.store(act + r, gate / (1.0 + tl.exp(-gate)) * up, mask=r < F)
-        elif op == 4:  # rows of the down projection, plus the stream: the next layer's stream
-            cf = tl.arange(0, KF)
-            x = tl.load(act + cf, mask=cf < F, other=0.0, cache_modifier=".cg")
-            r = t * RD + tl.arange(0, RD)
-            acc = _rows(wd + layer * D * F, t * RD, D, x, F, RD, KF)
-            tl.store(stream + r, tl.load(mid + r, mask=r < D, other=0.0, cache_modifier=".cg") + acc, mask=r < D)
-        else:  # final norm, rows of the logits
-            x = _normed(tl.load(stream + c, mask=c < D, other=0.0, cache_modifier=".cg"), fnorm, c, eps, D)
-            r = t * RL + tl.arange(0, RL)
-            tl.store(logits + r, _rows(lm, t * RL, V, x, D, RL, KD).to(logits.dtype.element_ty), mask=r < V)
+                       H, KVH, HD, H // KVH, BP, QK_NORM)
+        elif op == 2:
+            _o(t, layer, ob, wo, bo, stream, embed, token, mid, D, HO, RO, O_BIAS)
+        elif op == 3:
+            GATE_UP(t, layer, mid, mnorm, wgu, act, eps, D, F, RG)
+        elif op == 4:
+            _down(t, layer, act, wd, mid, stream, D, F, RD)
+        else:
+            _lm_head(t, stream, fnorm, lm, logits, eps, D, V, RL)
         signal = tl.load(e + 5)
         if signal >= 0:
             _signal(counters + signal)
@@ -442,6 +475,7 @@ class PersistentDecode:
     """The batch-1 decode step as one launch: one program per SM, each running its list of tasks,
     waiting on counters in global memory where a kernel boundary used to be. Reads the engine's
     weights and paged KV pool in place; `step(...)` returns the logits [1, vocab]."""
+    gate_up = _gate_up  # an instruction, as the kernel calls it: problem set 17 puts in its own
 
     def __init__(self, model: Transformer, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
                  programs: int | None = None, tile: int = 32768, num_warps: int = 8):
@@ -503,7 +537,7 @@ class PersistentDecode:
             self.tasks, self.counts, self.width, self.counters, self.counters if trace is None else trace,
             ids, positions, slots, seq_lens, tables, *self.buffers, self.logits, self.k_pool, self.v_pool,
             self.k_pool[0].numel(), self.block_size, *self.weights, c["eps"], c["scale"], c["rope_factor"],
-            **self.config, **self.launch, TRACE=trace is not None)
+            **self.config, **self.launch, TRACE=trace is not None, GATE_UP=self.gate_up)
         return self.logits
 
 
