@@ -477,7 +477,9 @@ class PersistentDecode:
     """The batch-1 decode step as one launch: one program per SM, each running its list of tasks,
     waiting on counters in global memory where a kernel boundary used to be. Reads the engine's
     weights and paged KV pool in place; `step(...)` returns the logits [1, vocab]."""
-    gate_up = _gate_up  # an instruction, as the kernel calls it: problem set 17 puts in its own
+    # The list of the step's tasks, and one instruction as the kernel calls it: problem set 17 puts in its own.
+    tasks_of = staticmethod(schedule)
+    gate_up = _gate_up
 
     def __init__(self, model: Transformer, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
                  programs: int | None = None, tile: int = 32768, num_warps: int = 8):
@@ -489,7 +491,7 @@ class PersistentDecode:
                            cfg.intermediate_size, cfg.vocab_size, tile)
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        lists = deal(schedule(self.shape), programs)
+        lists = deal(self.tasks_of(self.shape), programs)
         width = max(len(p) for p in lists)
         table = torch.full((programs, width, 6), -1, dtype=torch.int32)
         for p, tasks in enumerate(lists):

@@ -22,6 +22,7 @@ from miniinfer.course.checks import (
     ch14,
     ch15,
     ch16,
+    ch17,
     ch99,
     speed,
 )
@@ -37,7 +38,7 @@ from miniinfer.course.checks.harness import (
     your_answers,
 )
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch99)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch17, ch99)
 __all__ = ["EXERCISES", "AnswerError", "Exercise", "NotAnswered", "device", "last_failure", "last_part",
            "problem_set", "speed", "your_answers"]
 
