@@ -8,6 +8,7 @@ Hand-written module (chapter 17)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import unittest.mock
 from typing import Callable
 
@@ -129,7 +130,7 @@ def _prove(waits_for: Callable, schedule: Callable) -> None:
     shapes = [Shape(layers=2, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256, tile=131072)]
     shapes += [_shape(gen, case) for case in range(6)]
     for shape in shapes:
-        tasks = run_answer(lambda: schedule(shape, waits_for), (), f"your schedule of {shape}")
+        tasks = run_answer(schedule, (shape, waits_for), f"your schedule of {shape}")
         for programs in (1, 7, 132):
             try:
                 check_schedule(deal(tasks, programs), shape.layers)
@@ -164,12 +165,13 @@ def _your_steps(cls: type) -> None:
         model = _tiny(kind)
         cache = PagedKVCache(model.cfg, 16, size, device=dev)
         want = cache.run(model, [prompt], [table], [0])
-        step = run_answer(lambda: cls(model, cache.k, cache.v, size, tile=512), (), f"the persistent step ({kind})")
+        step = run_answer(functools.partial(cls, tile=512), (model, cache.k, cache.v, size),
+                          f"the persistent step ({kind})")
         n = len(prompt)
         for i in range(3):
             token, slot = int(want[0].argmax()), table[n // size] * size + n % size
-            got = run_answer(lambda: step.step(ints(token), ints(n), ints(slot), ints(n + 1), ints(*table)).clone(),
-                             (), f"decode step {i + 1} ({kind})")
+            got = run_answer(step.step, (ints(token), ints(n), ints(slot), ints(n + 1), ints(*table)),
+                             f"decode step {i + 1} ({kind})").clone()
             want = cache.run(model, [[token]], [table], [n])
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
                 raise AssertionError(f"a small {kind}, decode step {i + 1} through your pieces: logits off by up to "
