@@ -6,7 +6,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from mutants import ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch99  # noqa: E402
+from mutants import (  # noqa: E402
+    ch01,
+    ch02,
+    ch03,
+    ch04,
+    ch05,
+    ch06,
+    ch07,
+    ch08,
+    ch09,
+    ch10,
+    ch11,
+    ch12,
+    ch13,
+    ch14,
+    ch15,
+    ch16,
+    ch17,
+    ch99,
+)
 from mutants.ch03 import Blocks, FreeLeaks, NeverGrows  # noqa: E402
 from mutants.ch09 import keep_counting_every_accepted, ngram_at_the_earliest_place, rejection_sample_residual_is_p  # noqa: E402
 from mutants.ch10 import KernelsOn, gemv_first_group_scale_only, gptq_error_not_divided  # noqa: E402
@@ -42,11 +61,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build  # noqa: E402
 
-CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch99)
+CHAPTERS = (ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14, ch15, ch16, ch17,
+            ch99)
 ID_OF = {e.check: e.id for e in testing.EXERCISES.values()}
 ALL = [(ID_OF[check], check, wrong) for module in CHAPTERS for check, wrong in module.MUTANTS]
 # Each problem set's last exercise runs the model or the engine on the student's pieces: broken pieces below.
-LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 17)}
+LAST_PARTS = {testing.last_part(f"{n:02}").id for n in range(1, 18)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -142,6 +162,9 @@ solved = functools.cache(build.solution_globals)  # one kernel's globals per pro
     ("16", "replica_configs", ch16.replicas_keep_data_parallel_size, "starting them raised ValueError"),
     ("16", "split_layers", ch16.equal_counts, "through your split_layers the stages held"),
     ("16", "keep_stage", ch16.head_on_every_stage, "through your keep_stage, stage 0"),
+    ("17", "waits_for", ch17.o_waits_for_qkv, "may read attention before"),
+    ("17", "schedule", ch17.tasks_with_gate_up_before_o, "wait forever"),
+    ("17", "gate_up", ch17.silu_of_up, "decode step 1 through your pieces"),
 ], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 24 else "")
 def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):
     """The last part runs the course model or the engine on the student's pieces (their names looked

@@ -21,14 +21,14 @@ LAST_PARTS = {"01_naive_decoding": "01.apply_rope", "02_static_kv_cache": "02.ca
               "10_quantization": "10.gptq_columns", "11_tensor_parallelism": "11.YourRow",
               "12_sampling_and_structure": "12.prompt_rows", "13_mixture_of_experts": "13.experts_kernel",
               "14_latent_attention": "14.latent_decode_kernel", "15_disaggregation": "15.after_prefill",
-              "16_scaling_out": "16.YourGuess"}
+              "16_scaling_out": "16.YourGuess", "17_megakernel": "17.gate_up"}
 
 
 def last_part(cells: list) -> int:
     """The check cell of the last part: the problem set's last exercise, whose check runs the engine
     (or the course model) on the student's answers."""
     checks = __import__("miniinfer.course.checks").course.checks
-    ids = {checks.last_part(f"{n:02}").id for n in range(1, 17)}
+    ids = {checks.last_part(f"{n:02}").id for n in range(1, 18)}
     return next(i for i, c in enumerate(cells) if c["metadata"].get("miniinfer", {}).get("check") in ids)
 
 

@@ -22,6 +22,7 @@ from miniinfer.course import checks  # noqa: E402
 
 def why(wrong) -> str:
     """The mutant's docstring's first line, or the comment on the line that defines it."""
+    wrong = getattr(wrong, "fn", wrong)  # a @triton.jit function: the Python function it wraps
     own = wrong.__dict__.get("__doc__") if isinstance(wrong, type) else wrong.__doc__  # not a base class's
     doc = inspect.cleandoc(own or "").split("\n")[0]
     if doc:
