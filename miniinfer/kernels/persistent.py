@@ -178,6 +178,7 @@ def _wait(counter, count):
     while seen < count:
         seen = tl.load(counter, volatile=True)
     tl.atomic_add(counter, 0, sem="acquire")
+    tl.debug_barrier()  # the acquire is one thread's: the barrier orders every thread's reads after it
 
 
 @triton.jit
@@ -195,8 +196,10 @@ def _prefetch(ptr, nbytes, LINES: tl.constexpr):
 
 
 @triton.jit
-def _now():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+def _now(after):
+    """The GPU's clock in ns, read once `after` (any value this program has) is known."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
@@ -403,7 +406,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
         t = tl.load(e + 2)
         wait = tl.load(e + 3)
         if TRACE:
-            tl.store(trace + (pid * MAXT + i) * 3, _now())
+            tl.store(trace + (pid * MAXT + i) * 3, _now(i))
         if PREFETCH and i + 1 < n:  # the next task's weights stream in while this one waits and runs
             _prefetch_task(e + 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
         if wait != waited:  # the tasks of one op wait for the same count: the first of them waits for all
@@ -411,7 +414,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
                 _wait(counters + wait, tl.load(e + 4))
             waited = wait
         if TRACE:
-            tl.store(trace + (pid * MAXT + i) * 3 + 1, _now())
+            tl.store(trace + (pid * MAXT + i) * 3 + 1, _now(i))
         if op == 0:
             _qkv(t, layer, stream, embed, token, anorm, wqkv, bqkv, qkv, eps, D, NQ, RA, QKV_BIAS)
         elif op == 1:
@@ -430,7 +433,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
         if signal >= 0:
             _signal(counters + signal)
         if TRACE:
-            tl.store(trace + (pid * MAXT + i) * 3 + 2, _now())
+            tl.store(trace + (pid * MAXT + i) * 3 + 2, _now(i))
     # The last program to finish sets the counters back to zero: the next step counts from there.
     if tl.atomic_add(counters + L * 5, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         z = tl.arange(0, triton.next_power_of_2(L * 5 + 1))
