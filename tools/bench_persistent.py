@@ -71,15 +71,24 @@ def compare_shape(shape: str, gbps: float) -> dict:
                           "step_of_floor": res["floor_us"] / us})
             print(sweep[-1], flush=True)
         res["sweep"] = sweep
-        trace = torch.zeros(persistent.programs, persistent.width, 3, dtype=torch.int64, device="cuda")
-        for _ in range(3):
-            persistent.step(*args, trace=trace)
-        torch.cuda.synchronize()
-        t0 = trace[trace > 0].min()
-        res["trace"] = {"ops": OPS, "tasks": persistent.tasks[..., :3].tolist(),
-                        "counts": persistent.counts.tolist(),
-                        "ns": (trace - t0).clamp(min=0).tolist()}
+        try:  # the shapes after this one are measured even if the traced variant fails to build
+            res["trace"] = traced(persistent, args)
+        except Exception as err:  # noqa: BLE001
+            res["trace_error"] = repr(err)
+            print("trace:", repr(err), flush=True)
     return res
+
+
+def traced(persistent: PersistentDecode, args: tuple) -> dict:
+    """One step with every task's start, end of wait and end (us from the first start), by program."""
+    trace = torch.zeros(persistent.programs, persistent.width, 3, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        persistent.step(*args, trace=trace)
+    torch.cuda.synchronize()
+    ops, ns = persistent.tasks[..., 0].cpu(), trace.cpu()
+    us = ((ns - ns[ns > 0].min()).clamp(min=0).double() / 1e3).tolist()
+    return {"ops": OPS, "programs": [[[int(ops[p, i])] + [round(x, 2) for x in us[p][i]] for i in range(n)]
+                                     for p, n in enumerate(persistent.counts.tolist())]}
 
 
 def compare(out: str, *shapes: str) -> None:
