@@ -52,9 +52,9 @@ class EngineConfig:
                                    "nothing (swapped to CPU memory)", ("recompute", "swap"))
     num_cpu_blocks: int | None = setting(None, "scheduler", "swap space in blocks (default: as many as the pool)")
     cuda_graph: bool = setting(True, "runner", "replay decode steps from CUDA graphs (on a GPU)")
-    decode_kernel: str = setting("auto", "runner", "a batch of one's decode step in that graph: one persistent "
-                                 "kernel (chapter 17) where the model allows it, that kernel or an error, or the "
-                                 "model's many kernels", ("auto", "persistent", "graphs"))
+    decode_kernel: str = setting("graphs", "runner", "a batch of one's decode step in that graph: the model's many "
+                                 "kernels, one persistent kernel (chapter 17) where the model allows it, or that "
+                                 "kernel or an error", ("graphs", "auto", "persistent"))
     overlap: bool = setting(True, "runner", "schedule and prepare the next step while the device runs this one")
     kernels: str | None = setting(None, "runner", "attention kernels (default: triton on CUDA, else torch)",
                                   (None, "torch", "triton"))
