@@ -3,12 +3,16 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
 (random bf16 weights), each against its weight-read floor. Hand-written tool.
 
     python tools/bench_persistent.py compare OUT.json [SHAPE...]   (default: llama qwen3 llama8b)
+    python tools/bench_persistent.py plot OUT.json    (OUT.png: each shape's share of its floor, the traced step)
 
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
 the logits of one step through both, and the greedy tokens of one request through both. On the
 Llama shape besides: the persistent step's tile and warps swept, without its L2 prefetch, and one step's
 trace (each task's start, end of wait and end on each SM) for the lesson's schedule picture.
 """
+
+import json
+from pathlib import Path
 
 import torch
 from bench_engine import engine_for, greedy, llama_8b, models, served_and_step
@@ -99,5 +103,35 @@ def compare(out: str, *shapes: str) -> None:
         torch.cuda.empty_cache()
 
 
+COLORS = ("#3182bd", "#e6550d", "#9ecae1", "#31a354", "#a1d99b", "#756bb1")  # by op, in OPS' order
+
+
+def plot(path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    res = json.loads(Path(path).read_text())
+    shapes = [s for s in ("llama", "qwen3", "llama8b") if s in res]
+    fig, (bars, lanes) = plt.subplots(1, 2, figsize=(13, 4), gridspec_kw={"width_ratios": [1, 2.6]})
+    for k, (kernel, color) in enumerate((("graphs", "#bdbdbd"), ("persistent", "#3182bd"))):
+        for j, what in enumerate(("fraction_of_floor", "step_of_floor")):
+            x = [i * 3 + k + 0.4 * j for i in range(len(shapes))]
+            bars.bar(x, [res[s][kernel][what] for s in shapes], width=0.4, color=color,
+                     alpha=1.0 if j == 0 else 0.55, label=f"{kernel}, {'served' if j == 0 else 'step on the device'}")
+    bars.set_xticks([i * 3 + 0.9 for i in range(len(shapes))], shapes)
+    bars.set(ylabel="share of the weight-read floor", ylim=(0, 1), title=f"batch 1, {res['gpu']}")
+    bars.legend(fontsize=7)
+    for p, tasks in enumerate(res.get("llama", {}).get("trace", {}).get("programs", [])):
+        for op, color in enumerate(COLORS):
+            lanes.broken_barh([(b, e - b) for o, _, b, e in tasks if o == op], (p, 0.9), color=color, lw=0)
+        lanes.broken_barh([(a, b - a) for _, a, b, _ in tasks if b - a > 0.5], (p, 0.9), color="#d9d9d9", lw=0)
+    lanes.set(xlabel="us from the step's first task", ylabel="program (SM)",
+              title="one persistent step of the Llama-3.2-1B shape, traced (grey: waiting on a counter)")
+    lanes.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in (*COLORS, "#d9d9d9")],
+                 labels=[*OPS, "waiting"], ncol=7, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    plt.tight_layout()
+    plt.savefig(Path(path).with_suffix(".png"), dpi=110)
+
+
 if __name__ == "__main__":
-    commands(compare=compare)
+    commands(compare=compare, plot=plot)
