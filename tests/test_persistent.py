@@ -124,3 +124,19 @@ def test_models_it_cannot_run_are_named_and_left_to_the_graphs():
     with pytest.raises(ValueError, match="cannot run this model: a KV pool of another dtype"):
         PersistentDecode(model, pool.to(torch.bfloat16), pool.to(torch.bfloat16), 3)
     assert "odd head size" in unsupported(tiny("llama", head_dim=7), torch.float32)
+
+
+def test_the_setting_names_each_step_and_refuses_where_the_kernel_cannot_run():
+    import miniinfer as mi
+    from miniinfer.worker.cuda_graphs import SINGLE_STEPS
+    model = tiny("llama")
+    pool = torch.zeros(2, 4, 3, 2, 16)
+    assert SINGLE_STEPS["graphs"](model, pool, pool, 3) is None
+    assert isinstance(SINGLE_STEPS["auto"](model, pool, pool, 3), PersistentDecode)
+    assert SINGLE_STEPS["auto"](tiny("llama"), pool.half(), pool.half(), 3) is None  # another dtype: the graphs
+    assert mi.EngineConfig().decode_kernel == "graphs"
+    for wrong in (dict(), dict(device="cuda", cuda_graph=False), dict(device="cuda", tensor_parallel_size=2)):
+        with pytest.raises(ValueError, match="decode_kernel='persistent' is one GPU's kernel"):
+            mi.EngineConfig(decode_kernel="persistent", **wrong)
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        mi.EngineConfig(decode_kernel="megakernel")

@@ -133,6 +133,11 @@ class EngineConfig:
         if self.pipeline_parallel_size > 1 and self.speculative_method is not None:
             raise ValueError("pipeline_parallel_size > 1 with speculation: the stages run one token a request a "
                              "step (chapter 16); turn one of them off")
+        if self.decode_kernel == "persistent" and (torch.device(self.device).type != "cuda" or not self.cuda_graph
+                                                   or world > 1):
+            raise ValueError("decode_kernel='persistent' is one GPU's kernel, recorded in the batch-1 CUDA graph: it "
+                             f"needs device='cuda', cuda_graph=True and one rank (got device={self.device!r}, "
+                             f"cuda_graph={self.cuda_graph}, {world} ranks)")
         if self.enable_expert_parallel and (self.tensor_parallel_size == 1 or self.quantization is not None):
             raise ValueError("enable_expert_parallel splits a mixture of experts over tensor_parallel_size >= 2 ranks, "
                              f"in full precision; got tensor_parallel_size={self.tensor_parallel_size}, "
