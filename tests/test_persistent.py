@@ -33,7 +33,7 @@ shapes = st.builds(Shape, layers=st.integers(1, 3), hidden=st.sampled_from([16, 
                    ffn=st.integers(8, 100), vocab=st.integers(5, 70), tile=st.sampled_from([32, 64, 256]))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(shapes, st.integers(1, 40))
 def test_every_schedule_finishes_and_reads_only_what_is_written(shape, programs):
     tasks = schedule(shape)
@@ -94,7 +94,7 @@ def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes):
     want = cache.run(model, [prompt], [table], [0])
     step = PersistentDecode(model, cache.k, cache.v, block_size, programs=1, tile=128, num_warps=4)
     n = len(prompt)
-    for _ in range(3):
+    for _ in range(2):
         token, slot = int(want[0].argmax()), table[n // block_size] * block_size + n % block_size
         got = step.step(ints(token), ints(n), ints(slot), ints(n + 1), ints(*table)).clone()
         k = cache.k.clone()
