@@ -41,8 +41,9 @@ def compare_shape(shape: str, gbps: float) -> dict:
     weight_bytes = sum(p.numel() for p in model.parameters()) * 2
     res: dict = {"floor_tokens_per_s": gbps * 1e9 / weight_bytes, "floor_us": weight_bytes / gbps / 1e3,
                  "weight_bytes": weight_bytes}
-    tokens = {}
+    tokens, engine = {}, None
     for kernel in ("graphs", "persistent"):
+        engine = None  # the last engine's pool goes before the next one sizes its own
         r = served_and_step(model, decode_kernel=kernel)
         r["fraction_of_floor"] = r["tokens_per_s"] / res["floor_tokens_per_s"]
         r["step_of_floor"] = res["floor_us"] / r["step_us"]

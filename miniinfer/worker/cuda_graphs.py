@@ -38,7 +38,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=dev) * query_len
         self.max_model_len = max_model_len
         self.graphs, self.logits = {}, {}
-        one = SINGLE_STEPS[decode_kernel](model, cache.k, cache.v, cache.block_size) if query_len == 1 else None
+        # Kept: the batch-1 graph reads the step's own buffers (its tasks, counters, vectors) every replay.
+        self.one = one = SINGLE_STEPS[decode_kernel](model, cache.k, cache.v, cache.block_size) \
+            if query_len == 1 else None
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # the largest first: the smaller ones reuse its memory
             self._use(b)
