@@ -67,8 +67,7 @@ def compare_shape(shape: str, gbps: float) -> dict:
         g = engine.executor.runner.graphs
         args = (g.ids[:1], g.positions[:1], g.slots[:1], g.seq_lens[:1], g.tables[:1])
         sweep = []
-        for tile, warps, prefetch in ((32768, 8, True), (32768, 8, False), (16384, 8, True), (65536, 8, True),
-                                      (32768, 4, True)):
+        for tile, warps, prefetch in ((32768, 8, True), (32768, 8, False), (65536, 8, True)):
             p = PersistentDecode(model, cache.k, cache.v, cache.block_size, tile=tile, num_warps=warps)
             p.config["PREFETCH"] = prefetch
             us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
