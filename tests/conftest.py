@@ -18,19 +18,6 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# `make test`'s workers take whole files (--dist loadfile) in the order they were collected: a long file
-# collected late runs on alone while the other workers have nothing left. The longest go first (by the
-# durations of fresh clones' runs); the rest keep their order.
-LONGEST_FIRST = ("tests/test_server.py", "tests/test_checks.py", "tests/test_grade.py", "tests/test_browser.py",
-                 "notebooks/16_scaling_out.ipynb", "tests/test_pipeline.py", "tests/test_mla.py", "tests/test_moe.py",
-                 "tests/test_kernels.py", "tests/test_data_parallel.py", "tests/test_course.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
