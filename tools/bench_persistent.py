@@ -36,7 +36,8 @@ def one_step(engine, step) -> torch.Tensor:
     return out.float().clone()
 
 
-def compare_shape(shape: str, gbps: float) -> dict:
+def compare_shape(shape: str, gbps: float, save) -> dict:
+    """save(res) as each part ends: a run cut short keeps what it measured."""
     model = model_of(shape)
     weight_bytes = sum(p.numel() for p in model.parameters()) * 2
     res: dict = {"floor_tokens_per_s": gbps * 1e9 / weight_bytes, "floor_us": weight_bytes / gbps / 1e3,
@@ -63,23 +64,25 @@ def compare_shape(shape: str, gbps: float) -> dict:
     same = next((i for i, (x, y) in enumerate(zip(tokens["graphs"], tokens["persistent"])) if x != y), 128)
     res["greedy_tokens_equal_first"] = same
     print(f"{shape}: logits {res['logits']}, greedy tokens equal for the first {same} of 128", flush=True)
+    save(res)
     if shape == "llama":
         g = engine.executor.runner.graphs
         args = (g.ids[:1], g.positions[:1], g.slots[:1], g.seq_lens[:1], g.tables[:1])
-        sweep = []
-        for tile, warps, prefetch in ((32768, 8, True), (32768, 8, False), (65536, 8, True)):
+        try:  # the parts after this one are measured even if the traced variant fails to build
+            res["trace"] = traced(persistent, args)
+        except Exception as err:  # noqa: BLE001
+            res["trace_error"] = repr(err)
+            print("trace:", repr(err), flush=True)
+        save(res)
+        res["sweep"] = sweep = []
+        for tile, warps, prefetch in ((32768, 8, False), (65536, 8, True), (32768, 8, True)):
             p = PersistentDecode(model, cache.k, cache.v, cache.block_size, tile=tile, num_warps=warps)
             p.config["PREFETCH"] = prefetch
             us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
             sweep.append({"tile": tile, "warps": warps, "prefetch": prefetch, "step_us": us,
                           "step_of_floor": res["floor_us"] / us})
             print(sweep[-1], flush=True)
-        res["sweep"] = sweep
-        try:  # the shapes after this one are measured even if the traced variant fails to build
-            res["trace"] = traced(persistent, args)
-        except Exception as err:  # noqa: BLE001
-            res["trace_error"] = repr(err)
-            print("trace:", repr(err), flush=True)
+            save(res)
     return res
 
 
@@ -99,7 +102,7 @@ def compare(out: str, *shapes: str) -> None:
     gbps = copy_bandwidth()
     results = Results(out, copy_GBps=gbps)
     for shape in shapes or ("llama", "qwen3", "llama8b"):
-        results.save(shape, compare_shape(shape, gbps))
+        compare_shape(shape, gbps, results.saver(shape))
         torch.cuda.empty_cache()
 
 
