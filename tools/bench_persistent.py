@@ -3,6 +3,7 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
 (random bf16 weights), each against its weight-read floor. Hand-written tool.
 
     python tools/bench_persistent.py compare OUT.json [SHAPE...]   (default: llama qwen3 llama8b)
+    python tools/bench_persistent.py sweep OUT.json   (after compare: the Llama shape's step traced, and swept)
     python tools/bench_persistent.py plot OUT.json    (OUT.png: each shape's share of its floor, the traced step)
 
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
@@ -64,26 +65,7 @@ def compare_shape(shape: str, gbps: float, save) -> dict:
     same = next((i for i, (x, y) in enumerate(zip(tokens["graphs"], tokens["persistent"])) if x != y), 128)
     res["greedy_tokens_equal_first"] = same
     print(f"{shape}: logits {res['logits']}, greedy tokens equal for the first {same} of 128", flush=True)
-    save(res)
-    if shape == "llama":
-        g = engine.executor.runner.graphs
-        args = (g.ids[:1], g.positions[:1], g.slots[:1], g.seq_lens[:1], g.tables[:1])
-        try:  # the parts after this one are measured even if the traced variant fails to build
-            res["trace"] = traced(persistent, args)
-        except Exception as err:  # noqa: BLE001
-            res["trace_error"] = repr(err)
-            print("trace:", repr(err), flush=True)
-        save(res)
-        res["sweep"] = sweep = []
-        for tile, warps, prefetch in ((32768, 8, False), (65536, 8, True), (32768, 8, True)):
-            p = PersistentDecode(model, cache.k, cache.v, cache.block_size, tile=tile, num_warps=warps)
-            p.config["PREFETCH"] = prefetch
-            us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
-            sweep.append({"tile": tile, "warps": warps, "prefetch": prefetch, "step_us": us,
-                          "step_of_floor": res["floor_us"] / us})
-            print(sweep[-1], flush=True)
-            save(res)
-    return res
+    return save(res)
 
 
 def traced(persistent: PersistentDecode, args: tuple) -> dict:
@@ -96,6 +78,36 @@ def traced(persistent: PersistentDecode, args: tuple) -> dict:
     us = ((ns - ns[ns > 0].min()).clamp(min=0).double() / 1e3).tolist()
     return {"ops": OPS, "programs": [[[int(ops[p, i])] + [round(x, 2) for x in us[p][i]] for i in range(n)]
                                      for p, n in enumerate(persistent.counts.tolist())]}
+
+
+def sweep(out: str) -> None:
+    """The Llama shape's persistent step at a context of 512 (a pool of its own, prefilled by the model):
+    one step traced, then the step without the L2 prefetch and with larger tiles against the default."""
+    from miniinfer.worker.paged_cache import PagedKVCache
+    model = model_of("llama")
+    results = Results(out)
+    cache = PagedKVCache(model.cfg, 40, 16, device="cuda", dtype=model.dtype)
+    table = list(range(40))
+    with torch.no_grad():
+        cache.run(model, [list(range(100, 611))], [table], [0])
+    args = tuple(torch.tensor(v, dtype=torch.int32, device="cuda") for v in ([7], [511], [511], [512], table))
+    floor_us = results.data["llama"]["floor_us"]
+    res: dict = {"context": 512}
+    try:  # the sweep is measured even if the traced variant fails to build
+        res["trace"] = traced(PersistentDecode(model, cache.k, cache.v, 16), args)
+    except Exception as err:  # noqa: BLE001
+        res["trace_error"] = repr(err)
+        print("trace:", repr(err), flush=True)
+    results.save("llama_sweep", res)
+    res["sweep"] = points = []
+    for tile, warps, prefetch in ((32768, 8, True), (32768, 8, False), (65536, 8, True), (16384, 8, True)):
+        p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps)
+        p.config["PREFETCH"] = prefetch
+        us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
+        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "step_us": us,
+                       "step_of_floor": floor_us / us})
+        print(points[-1], flush=True)
+        results.save("llama_sweep", res)
 
 
 def compare(out: str, *shapes: str) -> None:
@@ -124,7 +136,7 @@ def plot(path: str) -> None:
     bars.set_xticks([i * 3 + 0.9 for i in range(len(shapes))], shapes)
     bars.set(ylabel="share of the weight-read floor", ylim=(0, 1), title=f"batch 1, {res['gpu']}")
     bars.legend(fontsize=7)
-    for p, tasks in enumerate(res.get("llama", {}).get("trace", {}).get("programs", [])):
+    for p, tasks in enumerate(res.get("llama_sweep", {}).get("trace", {}).get("programs", [])):
         for op, color in enumerate(COLORS):
             lanes.broken_barh([(b, e - b) for o, _, b, e in tasks if o == op], (p, 0.9), color=color, lw=0)
         lanes.broken_barh([(a, b - a) for _, a, b, _ in tasks if b - a > 0.5], (p, 0.9), color="#d9d9d9", lw=0)
@@ -137,4 +149,4 @@ def plot(path: str) -> None:
 
 
 if __name__ == "__main__":
-    commands(compare=compare, plot=plot)
+    commands(compare=compare, sweep=sweep, plot=plot)
