@@ -7,9 +7,9 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
     python tools/bench_persistent.py plot OUT.json    (OUT.png: each shape's share of its floor, the traced step)
 
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
-the logits of one step through both, and the greedy tokens of one request through both. On the
-Llama shape besides: the persistent step's tile and warps swept, without its L2 prefetch, and one step's
-trace (each task's start, end of wait and end on each SM) for the lesson's schedule picture.
+the logits of one step through both, and the greedy tokens of one request through both. `sweep`: the
+Llama shape's step traced (each task's start, end of wait and end on each SM, for the lesson's schedule
+picture), then with other tiles and without its L2 prefetch.
 """
 
 import json

@@ -30,13 +30,8 @@ def lm_head_after_the_first_layer(op, layer, shape):
 
 def tasks_with_gate_up_before_o(shape, rule):
     """Each layer's gate/up listed before its O: a program stops at gate/up before its own O tasks run."""
-    out = []
-    for layer in range(shape.layers):
-        for op in (QKV, ATTN, GU, O, DOWN):
-            wait, count = rule(op, layer, shape)
-            out += [Task(op, layer, i, wait, count, layer * COUNTERS + op) for i in range(shape.tasks(op))]
-    wait, count = rule(LM, shape.layers - 1, shape)
-    return out + [Task(LM, shape.layers - 1, i, wait, count, -1) for i in range(shape.tasks(LM))]
+    order = {QKV: 0, ATTN: 1, GU: 2, O: 3, DOWN: 4, LM: 5}
+    return sorted(schedule(shape, rule), key=lambda t: (t.layer, order[t.op]))
 
 
 def tasks_counted_one_op_early(shape, rule):
