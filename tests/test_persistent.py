@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miniinfer.course.checks.ch17 import small_model
 from miniinfer.kernels.persistent import (
     DOWN,
     GU,
@@ -25,7 +26,7 @@ from miniinfer.kernels.persistent import (
     waits_for,
     where_supported,
 )
-from miniinfer.model.transformer import ModelConfig, Transformer
+from miniinfer.model.transformer import Transformer
 from miniinfer.worker.paged_cache import PagedKVCache
 
 shapes = st.builds(Shape, layers=st.integers(1, 3), hidden=st.sampled_from([16, 48, 64]),
@@ -67,16 +68,8 @@ def test_a_wrong_dependency_rule_is_caught(rule, error):
         check_schedule(deal(schedule(shape, rule), 5), shape.layers)
 
 
-def tiny(kind: str, hidden=64, ffn=96, vocab=200, heads=4, kv_heads=2, head_dim=16) -> Transformer:
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_layers=2, num_heads=heads,
-                      num_kv_heads=kv_heads, head_dim=head_dim, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-                      tie_word_embeddings=kind == "qwen3")
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
-    return model.eval()
+def tiny(kind: str, **sizes) -> Transformer:
+    return small_model(kind, **{**dict(hidden=64, ffn=96, vocab=200, heads=4, head_dim=16), **sizes})
 
 
 def ints(*values) -> torch.Tensor:

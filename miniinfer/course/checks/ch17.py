@@ -139,10 +139,13 @@ def _prove(waits_for: Callable, schedule: Callable) -> None:
                                      f"\n  {err}") from None
 
 
-def _tiny(kind: str):
+def small_model(kind: str, hidden=72, ffn=100, vocab=300, heads=6, kv_heads=2, head_dim=12):
+    """A two-layer model of the family (llama, qwen2: q/k/v biases, qwen3: q/k norms) with random weights and
+    norms, on device(): by default six query heads of twelve dimensions over two KV heads."""
     import miniinfer as mi
-    cfg = mi.ModelConfig(vocab_size=300, hidden_size=72, intermediate_size=100, num_layers=2, num_heads=6,
-                         num_kv_heads=2, head_dim=12, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")
+    cfg = mi.ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_layers=2, num_heads=heads,
+                         num_kv_heads=kv_heads, head_dim=head_dim, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+                         tie_word_embeddings=kind == "qwen3")
     torch.manual_seed(0)
     model = mi.Transformer(cfg)
     with torch.no_grad():
@@ -162,7 +165,7 @@ def _your_steps(cls: type) -> None:
     def ints(*v):
         return torch.tensor(v, dtype=torch.int32, device=dev)
     for kind in ("llama", "qwen3"):
-        model = _tiny(kind)
+        model = small_model(kind)
         cache = PagedKVCache(model.cfg, 16, size, device=dev)
         want = cache.run(model, [prompt], [table], [0])
         step = run_answer(functools.partial(cls, tile=512), (model, cache.k, cache.v, size),
