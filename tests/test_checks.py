@@ -164,6 +164,8 @@ solved = functools.cache(build.solution_globals)  # one kernel's globals per pro
     ("16", "keep_stage", ch16.head_on_every_stage, "through your keep_stage, stage 0"),
     ("17", "waits_for", ch17.o_waits_for_qkv, "may read attention before"),
     ("17", "schedule", ch17.tasks_with_gate_up_before_o, "wait forever"),
+    ("17", "run_programs", ch17.programs_one_after_another, "may read"),
+    ("17", "run_programs", ch17.stuck_programs_dropped, "expected ScheduleError, the proof passed"),
     ("17", "gate_up", ch17.silu_of_up, "decode step 1 through your pieces"),
 ], ids=lambda v: getattr(v, "__name__", v) if not isinstance(v, str) or len(v) < 24 else "")
 def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypatch):

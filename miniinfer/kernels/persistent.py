@@ -89,6 +89,38 @@ def deal(tasks: list[Task], programs: int) -> list[list[Task]]:
     return [tasks[p::programs] for p in range(programs)]
 
 
+class ScheduleError(RuntimeError):
+    """Programs that wait for each other forever, or a task that may run before one it must follow."""
+
+
+def run_programs(programs: list[list[Task]]) -> list[tuple[int, Task]]:
+    """The (program, task) pairs in an order the GPU may run them: each program's tasks in its own order,
+    a task once its counter has counted its count, each task counting one in its own counter when it
+    ends. Raises ScheduleError if programs are left waiting forever."""
+    counted: dict[int, int] = {}
+    at, order = [0] * len(programs), []
+    moved = True
+    while moved:  # sweep the programs until none can move: a wait that holds now holds for good
+        moved = False
+        for p, prog in enumerate(programs):
+            while at[p] < len(prog):
+                t = prog[at[p]]
+                if t.wait >= 0 and counted.get(t.wait, 0) < t.count:
+                    break
+                if t.signal >= 0:
+                    counted[t.signal] = counted.get(t.signal, 0) + 1
+                order.append((p, t))
+                at[p] += 1
+                moved = True
+    stuck = [(p, prog[at[p]]) for p, prog in enumerate(programs) if at[p] < len(prog)]
+    if stuck:
+        p, t = min(stuck, key=lambda s: (s[1].layer, s[1].op))  # the earliest in the step: where it began
+        raise ScheduleError(f"{len(stuck)} programs wait forever: program {p} at {OPS[t.op]} {t.index} of layer "
+                            f"{t.layer} waits for count {t.count} of counter {t.wait}, which reaches "
+                            f"{counted.get(t.wait, 0)}")
+    return order
+
+
 def buffers(task: Task, layers: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """What a task reads and what it writes, as (buffer, version). The buffers are one of each for
     the whole step, each layer's op writing its next version: layer 0's stream is the embedding."""
@@ -101,20 +133,15 @@ def buffers(task: Task, layers: int) -> tuple[list[tuple[str, int]], list[tuple[
             LM: ([("stream", layers)], [])}[task.op]
 
 
-class ScheduleError(RuntimeError):
-    """Programs that wait for each other forever, or a task that may run before one it must follow."""
-
-
 def check_schedule(programs: list[list[Task]], layers: int) -> int:
-    """Run the programs' lists as the GPU may and prove two things, or raise ScheduleError: they all
-    finish (no program waits for a count that never comes), and every task follows, by a chain of
-    waits and program order, each write of what it reads and each read and write of the version
-    before the one it writes. Returns the number of tasks run."""
-    tasks = [t for prog in programs for t in prog]
-    ids, first = [], 0
+    """Prove two things of the programs' lists, or raise ScheduleError: they all finish (`run_programs`),
+    and, in the order they ran, every task follows, by a chain of waits and program order, each write of
+    what it reads and each read and write of the version before the one it writes. Returns the number of
+    tasks run."""
+    firsts = [0]
     for prog in programs:
-        ids.append(list(range(first, first + len(prog))))
-        first += len(prog)
+        firsts.append(firsts[-1] + len(prog))
+    tasks = [t for prog in programs for t in prog]
     signalers: dict[int, list[int]] = {}
     touches: dict[tuple[str, int], int] = {}  # (buffer, version) -> its writers, as a bit mask
     reads: dict[tuple[str, int], int] = {}
@@ -129,43 +156,30 @@ def check_schedule(programs: list[list[Task]], layers: int) -> int:
     counted = {c: 0 for c in signalers}
     after: dict[int, int] = {}  # a counter's full count -> what it proves finished: its tasks and all they follow
     at = [0] * len(programs)
-    moved = True
-    while moved:
-        moved = False
-        for p, prog in enumerate(programs):
-            while at[p] < len(prog):
-                t, i = prog[at[p]], ids[p][at[p]]
-                if t.wait >= 0 and counted.get(t.wait, 0) < t.count:
-                    break
-                before = known[i - 1] | 1 << (i - 1) if at[p] else 0
-                if t.wait >= 0 and t.count == len(signalers.get(t.wait, ())):
-                    before |= after[t.wait]
-                known[i] = before
-                r, w = buffers(t, layers)
-                for b in r:
-                    if touches.get(b, 0) & ~before:
-                        raise ScheduleError(f"{OPS[t.op]} {t.index} of layer {t.layer} may read {b[0]} before "
-                                            "every task writing it is done")
-                for name, version in w:
-                    prev = (name, version - 1)
-                    if (touches.get(prev, 0) | reads.get(prev, 0)) & ~before:
-                        raise ScheduleError(f"{OPS[t.op]} {t.index} of layer {t.layer} may overwrite {name} while "
-                                            "a task of the layer before still reads or writes it")
-                if t.signal >= 0:
-                    counted[t.signal] += 1
-                    if counted[t.signal] == len(signalers[t.signal]):
-                        mask = 0
-                        for s in signalers[t.signal]:
-                            mask |= known[s] | 1 << s
-                        after[t.signal] = mask
-                at[p] += 1
-                moved = True
-    stuck = [(p, prog[at[p]]) for p, prog in enumerate(programs) if at[p] < len(prog)]
-    if stuck:
-        p, t = min(stuck, key=lambda s: (s[1].layer, s[1].op))  # the earliest in the step: where it began
-        raise ScheduleError(f"{len(stuck)} programs wait forever: program {p} at {OPS[t.op]} {t.index} of layer "
-                            f"{t.layer} waits for count {t.count} of counter {t.wait}, which reaches "
-                            f"{counted.get(t.wait, 0)}")
+    for p, t in run_programs(programs):
+        i = firsts[p] + at[p]
+        before = known[i - 1] | 1 << (i - 1) if at[p] else 0
+        if t.wait >= 0 and t.count == len(signalers.get(t.wait, ())):
+            before |= after.get(t.wait, 0)
+        known[i] = before
+        r, w = buffers(t, layers)
+        for b in r:
+            if touches.get(b, 0) & ~before:
+                raise ScheduleError(f"{OPS[t.op]} {t.index} of layer {t.layer} may read {b[0]} before "
+                                    "every task writing it is done")
+        for name, version in w:
+            prev = (name, version - 1)
+            if (touches.get(prev, 0) | reads.get(prev, 0)) & ~before:
+                raise ScheduleError(f"{OPS[t.op]} {t.index} of layer {t.layer} may overwrite {name} while "
+                                    "a task of the layer before still reads or writes it")
+        if t.signal >= 0:
+            counted[t.signal] += 1
+            if counted[t.signal] == len(signalers[t.signal]):
+                mask = 0
+                for s in signalers[t.signal]:
+                    mask |= known[s] | 1 << s
+                after[t.signal] = mask
+        at[p] += 1
     return len(tasks)
 
 
@@ -495,6 +509,7 @@ class PersistentDecode:
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         lists = deal(self.tasks_of(self.shape), programs)
+        run_programs(lists)  # lists whose programs would wait forever are refused here, not hung on the GPU
         width = max(len(p) for p in lists)
         table = torch.full((programs, width, 6), -1, dtype=torch.int32)
         for p, tasks in enumerate(lists):

@@ -4,7 +4,19 @@ import triton
 import triton.language as tl
 
 from miniinfer.course import checks as testing
-from miniinfer.kernels.persistent import ATTN, COUNTERS, DOWN, GU, LM, QKV, O, Task, schedule, waits_for
+from miniinfer.kernels.persistent import (
+    ATTN,
+    COUNTERS,
+    DOWN,
+    GU,
+    LM,
+    QKV,
+    O,
+    ScheduleError,
+    Task,
+    schedule,
+    waits_for,
+)
 
 
 def gate_up_one_short(op, layer, shape):
@@ -44,6 +56,55 @@ def lm_head_counted(shape, rule):
     """The LM head's tasks count in counter layers x 5, the one the kernel's programs count their ends in."""
     return [Task(t.op, t.layer, t.index, t.wait, t.count, t.layer * COUNTERS + t.op if t.op == LM else t.signal)
             for t in schedule(shape, rule)]
+
+
+def programs_one_after_another(programs):
+    """Runs each program's whole list in turn, waits unheeded: program 0 may read what program 1 has not written."""
+    return [(p, t) for p, prog in enumerate(programs) for t in prog]
+
+
+def one_sweep(programs):
+    """Sweeps the programs once: a program waiting on one further down the sweep is called stuck."""
+    counted, order = {}, []
+    for p, prog in enumerate(programs):
+        for t in prog:
+            if t.wait >= 0 and counted.get(t.wait, 0) < t.count:
+                raise ScheduleError(f"program {p} waits forever")
+            counted[t.signal] = counted.get(t.signal, 0) + 1
+            order.append((p, t))
+    return order
+
+
+def any_ready_task(programs):
+    """Runs any task of a program whose wait is met, not only its next: a program's order is not kept."""
+    counted, left, order = {}, [list(prog) for prog in programs], []
+    moved = True
+    while moved:
+        moved = False
+        for p, prog in enumerate(left):
+            for t in [t for t in prog if t.wait < 0 or counted.get(t.wait, 0) >= t.count]:
+                prog.remove(t)
+                counted[t.signal] = counted.get(t.signal, 0) + 1
+                order.append((p, t))
+                moved = True
+    if any(left):
+        raise ScheduleError("programs wait forever")
+    return order
+
+
+def stuck_programs_dropped(programs):
+    """Returns what ran and says nothing of the programs left waiting."""
+    counted, at, order = {}, [0] * len(programs), []
+    moved = True
+    while moved:
+        moved = False
+        for p, prog in enumerate(programs):
+            while at[p] < len(prog) and (prog[at[p]].wait < 0 or counted.get(prog[at[p]].wait, 0) >= prog[at[p]].count):
+                counted[prog[at[p]].signal] = counted.get(prog[at[p]].signal, 0) + 1
+                order.append((p, prog[at[p]]))
+                at[p] += 1
+                moved = True
+    return order
 
 
 @triton.jit
@@ -98,6 +159,10 @@ MUTANTS = [
     (testing.check_schedule_list, tasks_with_gate_up_before_o),
     (testing.check_schedule_list, tasks_counted_one_op_early),
     (testing.check_schedule_list, lm_head_counted),
+    (testing.check_run_programs, programs_one_after_another),
+    (testing.check_run_programs, one_sweep),
+    (testing.check_run_programs, any_ready_task),
+    (testing.check_run_programs, stuck_programs_dropped),
     (testing.check_gate_up, silu_of_up),
     (testing.check_gate_up, norm_over_the_padded_block),
     (testing.check_gate_up, layer_zero_weights),

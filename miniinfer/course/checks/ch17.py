@@ -18,6 +18,7 @@ import triton.language as tl
 
 from miniinfer.course.checks.harness import (
     DTYPES,
+    AnswerError,
     as_tensor,
     check,
     check_tokens,
@@ -26,6 +27,7 @@ from miniinfer.course.checks.harness import (
     failing,
     randint,
     run_answer,
+    unanswered,
     your_answers,
 )
 
@@ -73,6 +75,77 @@ def check_schedule_list(fn: Callable) -> None:
           lambda gen, case: (_shape(gen, case),), cases=24)
 
 
+def _deadlocked(gen: torch.Generator, case: int) -> list[list]:
+    """Lists whose programs wait forever, three ways: each program's list reversed, a count one past the
+    tasks that count there, two programs each waiting for what the other counts after its wait."""
+    from miniinfer.kernels.persistent import Task, deal, schedule
+    tasks, programs = schedule(_shape(gen, case)), randint(gen, 1, 9)
+    if case % 3 == 0:
+        return [prog[::-1] for prog in deal(tasks, programs) if len(prog) > 1] or [tasks[::-1]]
+    if case % 3 == 1:
+        k = randint(gen, 1, len(tasks) - 1)
+        t = tasks[k]
+        while t.wait < 0:
+            k = randint(gen, 1, len(tasks) - 1)
+            t = tasks[k]
+        return deal(tasks[:k] + [Task(t.op, t.layer, t.index, t.wait, t.count + 1, t.signal)] + tasks[k + 1:], programs)
+    return [[Task(0, 0, 0, 1, 1, 0), Task(0, 0, 1, -1, 0, 2)], [Task(1, 0, 0, 0, 1, 1)], [Task(2, 0, 0, 2, 1, -1)]]
+
+
+def _runs_well(order, programs: list[list]) -> str | None:
+    """Why order is not a way the programs may run (None: it is)."""
+    try:
+        pairs = [(int(p), t) for p, t in order]
+    except (TypeError, ValueError):
+        return "expected a list of (program, task) pairs"
+    if len(pairs) != sum(map(len, programs)):
+        return f"expected all {sum(map(len, programs))} tasks, received {len(pairs)}"
+    counted: dict[int, int] = {}
+    at = [0] * len(programs)
+    for n, (p, t) in enumerate(pairs):
+        if not 0 <= p < len(programs) or at[p] >= len(programs[p]) or programs[p][at[p]] != t:
+            return f"entry {n}, {(p, t)}, is not program {p}'s next task"
+        if t.wait >= 0 and counted.get(t.wait, 0) < t.count:
+            return f"entry {n}, {(p, t)}, runs while counter {t.wait} has counted {counted.get(t.wait, 0)}"
+        counted[t.signal] = counted.get(t.signal, 0) + 1
+        at[p] += 1
+    return None
+
+
+@exercise("17", 3, "run_programs")
+def check_run_programs(fn: Callable) -> None:
+    """fn(programs) -> the (program, task) pairs in an order the programs may run them (each program's tasks
+    in its order, each task once its counter has counted its count, each counting one in its signal);
+    ScheduleError when programs are left waiting forever."""
+    __tracebackhide__ = True
+    from miniinfer.kernels.persistent import ScheduleError, deal, schedule
+    gen = torch.Generator().manual_seed(3)
+    for case in range(24):
+        programs = deal(schedule(_shape(gen, case)), randint(gen, 1, 40))
+        where = f"case {case}: the package's lists for {len(programs)} programs, which finish"
+        try:
+            order = run_answer(fn, (programs,), where, (programs,))
+        except AnswerError as err:
+            if not isinstance(err.__cause__, ScheduleError):
+                raise
+            raise AssertionError(f"{err}\n  expected the tasks in an order they may run") from None
+        if (why := _runs_well(order, programs)) is not None:
+            raise AssertionError(failing(where, (programs,)) + f"\n  {why}")
+    for case in range(12):
+        programs = _deadlocked(gen, case)
+        try:
+            fn(programs)
+        except ScheduleError:
+            continue
+        except Exception as err:
+            if unanswered(err):
+                raise
+            raise AnswerError(failing(f"case {case}: lists that wait forever", (programs,)) +
+                              f"\n  expected ScheduleError, your code raised {type(err).__name__}: {err}") from err
+        raise AssertionError(failing(f"case {case}: lists that wait forever", (programs,)) +
+                             "\n  expected ScheduleError, your code returned")
+
+
 @triton.jit
 def _gate_up_probe(mid, mnorm, wgu, act, eps, layer_ptr, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr,
                    FN: tl.constexpr):
@@ -107,7 +180,7 @@ def _gate_up_inputs(gen: torch.Generator, case: int) -> tuple:
             (1, 2, 4, 8)[case % 4])
 
 
-@exercise("17", 3, "gate_up")
+@exercise("17", 4, "gate_up")
 def check_gate_up(fn: Callable) -> None:
     """fn(t, layer, mid, mnorm, wgu, act, eps, D, F, R), a @triton.jit function: the RMSNorm of mid [D] with
     mnorm's row `layer`, then rows t x R .. t x R + R - 1 (those below F) of gate (wgu[layer, :F]) and of up
@@ -123,7 +196,8 @@ def _your_class(waits_for: Callable, schedule: Callable, gate_up: Callable) -> t
 
 def _prove(waits_for: Callable, schedule: Callable) -> None:
     """Your schedule with your rule, dealt to 1, 7 and 132 programs, on the Llama-3.2-1B shape's first two
-    layers and on random shapes: check_schedule must prove each."""
+    layers and on random shapes: check_schedule (playing the lists with run_programs, yours in the last part)
+    must prove each, and must refuse the list of one program reversed."""
     __tracebackhide__ = True
     from miniinfer.kernels.persistent import ScheduleError, Shape, check_schedule, deal
     gen = torch.Generator().manual_seed(17)
@@ -132,11 +206,17 @@ def _prove(waits_for: Callable, schedule: Callable) -> None:
     for shape in shapes:
         tasks = run_answer(schedule, (shape, waits_for), f"your schedule of {shape}")
         for programs in (1, 7, 132):
+            where = f"your schedule, rule and run_programs, dealt to {programs} programs"
             try:
                 check_schedule(deal(tasks, programs), shape.layers)
             except ScheduleError as err:
-                raise AssertionError(failing(f"your schedule and rule, dealt to {programs} programs", (shape,)) +
-                                     f"\n  {err}") from None
+                raise AssertionError(failing(where, (shape,)) + f"\n  {err}") from None
+        try:  # the LM head first: it waits for tasks behind it
+            check_schedule([tasks[::-1]], shape.layers)
+        except ScheduleError:
+            continue
+        raise AssertionError(failing("your run_programs on your schedule reversed, on one program", (shape,)) +
+                             "\n  expected ScheduleError, the proof passed")
 
 
 def small_model(kind: str, hidden=72, ffn=100, vocab=300, heads=6, kv_heads=2, head_dim=12):
@@ -199,13 +279,15 @@ def _your_engine(cls: type) -> None:
                  [outs["persistent"]])
 
 
-@exercise("17", 4, "your_persistent", "waits_for, schedule, gate_up")
-def check_your_persistent(waits_for: Callable, schedule: Callable, gate_up: Callable) -> None:
-    """The last part: your schedule with your rule proved for 1, 7 and 132 programs on several shapes; then
-    the persistent step with your schedule and your gate/up instruction, three decode steps of a small Llama
+@exercise("17", 5, "your_persistent", "waits_for, schedule, run_programs, gate_up")
+def check_your_persistent(waits_for: Callable, schedule: Callable, run_programs: Callable, gate_up: Callable) -> None:
+    """The last part: your schedule with your rule proved for 1, 7 and 132 programs on several shapes, the
+    lists played by your run_programs (as the persistent step plays them before each build); then the
+    persistent step with your schedule and your gate/up instruction, three decode steps of a small Llama
     and Qwen3 against the model's own forward; on a GPU, the engine's batch-1 steps through it too."""
     __tracebackhide__ = True
-    with your_answers("17"):
+    from miniinfer.kernels import persistent
+    with your_answers("17"), unittest.mock.patch.object(persistent, "run_programs", run_programs):
         _prove(waits_for, schedule)
         cls = _your_class(waits_for, schedule, gate_up)
         _your_steps(cls)
