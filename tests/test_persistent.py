@@ -31,7 +31,8 @@ from miniinfer.worker.paged_cache import PagedKVCache
 
 shapes = st.builds(Shape, layers=st.integers(1, 3), hidden=st.sampled_from([16, 48, 64]),
                    heads=st.sampled_from([2, 4]), kv_heads=st.just(2), head_dim=st.sampled_from([8, 16]),
-                   ffn=st.integers(8, 100), vocab=st.integers(5, 70), tile=st.sampled_from([32, 64, 256]))
+                   ffn=st.integers(8, 100), vocab=st.integers(5, 70), tile=st.sampled_from([32, 64, 256]),
+                   splits=st.integers(1, 4))
 
 
 @settings(max_examples=30, deadline=None)
@@ -76,16 +77,19 @@ def ints(*values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("kind, block_size, sizes", [("llama", 3, {}), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131)),
-                                                     ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12))])
+# Attention in parts of 4 positions (splits, tile): 3 parts over 8 and 9 positions, the new one in the last.
+@pytest.mark.parametrize("kind, block_size, sizes, parts", [
+    ("llama", 3, {}, (3, 4)), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131), (1, 32)),
+    ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12), (2, 4))])
 @torch.no_grad()
-def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes):
+def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, parts):
     model = tiny(kind, **sizes)
     cache = PagedKVCache(model.cfg, 40, block_size)
     table = [7, 2, 9, 30, 1, 4, 11, 5, 3, 20][:-(-12 // block_size)]
     prompt = [3, 17, 42, 8, 99, 120, 7]
     want = cache.run(model, [prompt], [table], [0])
-    step = PersistentDecode(model, cache.k, cache.v, block_size, programs=1, tile=128, num_warps=4)
+    step = PersistentDecode(model, cache.k, cache.v, block_size, programs=1, tile=128, num_warps=4, splits=parts[0])
+    step.config["BP"] = parts[1]
     n = len(prompt)
     for _ in range(2):
         token, slot = int(want[0].argmax()), table[n // block_size] * block_size + n % block_size

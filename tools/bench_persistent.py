@@ -82,7 +82,7 @@ def traced(persistent: PersistentDecode, args: tuple) -> dict:
 
 def sweep(out: str) -> None:
     """The Llama shape's persistent step at a context of 512 (a pool of its own, prefilled by the model):
-    one step traced, then the step without the L2 prefetch and with larger tiles against the default."""
+    one step traced, then the step without the L2 prefetch, with other tiles, warps and attention splits."""
     from miniinfer.worker.paged_cache import PagedKVCache
     model = model_of("llama")
     results = Results(out)
@@ -100,11 +100,13 @@ def sweep(out: str) -> None:
         print("trace:", repr(err), flush=True)
     results.save("llama_sweep", res)
     res["sweep"] = points = []
-    for tile, warps, prefetch in ((32768, 8, True), (32768, 8, False), (65536, 8, True), (16384, 8, True)):
-        p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps)
+    for tile, warps, prefetch, splits in ((32768, 8, True, None), (32768, 8, False, None), (65536, 8, True, None),
+                                          (16384, 8, True, None), (32768, 4, True, None), (32768, 8, True, 4),
+                                          (32768, 8, True, 32)):
+        p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps, splits=splits)
         p.config["PREFETCH"] = prefetch
         us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
-        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "step_us": us,
+        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "splits": p.shape.splits, "step_us": us,
                        "step_of_floor": floor_us / us})
         print(points[-1], flush=True)
         results.save("llama_sweep", res)

@@ -34,7 +34,8 @@ class Task:
 
 @dataclass(frozen=True)
 class Shape:
-    """The model's sizes and the rows each op's task computes: about `tile` weights a task."""
+    """The model's sizes and the rows each op's task computes: about `tile` weights a task; attention's
+    tasks each take one KV head over one of `splits` parts of the context."""
     layers: int
     hidden: int
     heads: int
@@ -43,6 +44,7 @@ class Shape:
     ffn: int
     vocab: int
     tile: int = 32768
+    splits: int = 1
 
     def rows(self, op: int) -> int:
         """Rows of its weight matrix a task of op computes: tile weights over the columns it reads
@@ -54,9 +56,9 @@ class Shape:
         return max(1, self.tile // triton.next_power_of_2(K))
 
     def tasks(self, op: int) -> int:
-        """Tasks of op in one layer: row tiles of its output, or the KV heads attention works by."""
+        """Tasks of op in one layer: row tiles of its output, or attention's KV heads times splits."""
         if op == ATTN:
-            return self.kv_heads
+            return self.kv_heads * self.splits
         N = {QKV: (self.heads + 2 * self.kv_heads) * self.head_dim, O: self.hidden, GU: self.ffn,
              DOWN: self.hidden, LM: self.vocab}[op]
         return -(-N // self.rows(op))
@@ -245,16 +247,21 @@ def _normed(x, w_ptr, c, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _attention(qkv, ob, kpool, vpool, table, slot, seq_len, pos, g, inv_freq, qnorm, knorm, eps, scale, rope_factor,
-               block_size, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, G: tl.constexpr, BP: tl.constexpr,
-               QK_NORM: tl.constexpr):
-    """KV head g's task: its new key (normed, rotated) and value into the pool, then its G query heads
-    (normed, rotated) over the whole context. Each vector is taken as two halves: RoPE turns pairs
-    (i, i + HD/2). Sizes that are not powers of two are padded, the padding masked."""
+def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, inv_freq, qnorm, knorm, eps, scale,
+               rope_factor, block_size, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
+               BP: tl.constexpr, S: tl.constexpr, QK_NORM: tl.constexpr):
+    """Task t: KV head t // S, its G query heads (normed, rotated) over part t % S of the context, in tiles
+    of BP positions. The part holding the new position first writes its key (normed, rotated) and value
+    into the pool. With S parts, each leaves its unnormalized sum and its softmax's max and total in
+    `part`; the last of a head's parts to finish (counted in done[head]) merges them. Each vector is taken
+    as two halves: RoPE turns pairs (i, i + HD/2). Sizes that are not powers of two are padded, masked."""
     HALF: tl.constexpr = HD // 2
+    GP: tl.constexpr = triton.next_power_of_2(G)
+    DP: tl.constexpr = triton.next_power_of_2(HD)
+    g, split = t // S, t % S
     half = tl.arange(0, triton.next_power_of_2(HALF))
-    d = tl.arange(0, triton.next_power_of_2(HD))
-    j = tl.arange(0, triton.next_power_of_2(G))
+    d = tl.arange(0, DP)
+    j = tl.arange(0, GP)
     hm, dm, gm = half < HALF, d < HD, j < G
     qm = gm[:, None] & hm[None, :]
     q = qkv + (g * G + j)[:, None] * HD + half[None, :]
@@ -274,25 +281,30 @@ def _attention(qkv, ob, kpool, vpool, table, slot, seq_len, pos, g, inv_freq, qn
     angle = pos.to(tl.float32) * tl.load(inv_freq + half, mask=hm, other=0.0)
     cos = (tl.cos(angle) * rope_factor).to(ty).to(tl.float32)  # rounded as the model's own cos and sin
     sin = (tl.sin(angle) * rope_factor).to(ty).to(tl.float32)
+    per = tl.cdiv(tl.cdiv(seq_len, BP), S) * BP  # positions a part: whole tiles
+    lo = split * per
+    hi = tl.minimum(lo + per, seq_len)
     row = slot * KVH + g
-    if slot >= 0:  # -1: a padding step (the graph's warm-up) writes nowhere
+    if (slot >= 0) & (lo <= seq_len - 1) & (seq_len - 1 < hi):  # slot -1: a padding step writes nowhere
         tl.store(kpool + row * HD + half, (k1 * cos - k2 * sin).to(ty), mask=hm)
         tl.store(kpool + row * HD + HALF + half, (k2 * cos + k1 * sin).to(ty), mask=hm)
         tl.store(vpool + row * HD + d, v.to(ty), mask=dm)
-    tl.debug_barrier()  # the loop below reads the new key and value back with the others
+        tl.debug_barrier()  # the loop below reads the new key and value back with the others
     s1 = (q1 * cos[None, :] - q2 * sin[None, :]).to(ty).to(tl.float32) * (scale * 1.4426950408889634)
     s2 = (q2 * cos[None, :] + q1 * sin[None, :]).to(ty).to(tl.float32) * (scale * 1.4426950408889634)
-    m = tl.full([triton.next_power_of_2(G)], -float("inf"), tl.float32)
+    m = tl.full([GP], -float("inf"), tl.float32)
     total = tl.zeros_like(m)
-    acc = tl.zeros([triton.next_power_of_2(G), triton.next_power_of_2(HD)], tl.float32)
-    for p0 in range(0, seq_len, BP):
+    acc = tl.zeros([GP, DP], tl.float32)
+    for p0 in range(lo, hi, BP):
         p = p0 + tl.arange(0, BP)
-        ok = p < seq_len
+        ok = p < hi
         blk = tl.load(table + p // block_size, mask=ok, other=0).to(tl.int64)
         r = (blk * block_size + p % block_size) * KVH + g
         km = ok[:, None] & hm[None, :]
         ka = tl.load(kpool + r[:, None] * HD + half[None, :], mask=km, other=0.0, cache_modifier=".cg")
         kb = tl.load(kpool + r[:, None] * HD + HALF + half[None, :], mask=km, other=0.0, cache_modifier=".cg")
+        vt = tl.load(vpool + r[:, None] * HD + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0,
+                     cache_modifier=".cg")
         sc = tl.sum(s1[:, None, :] * ka.to(tl.float32)[None, :, :], 2) + \
             tl.sum(s2[:, None, :] * kb.to(tl.float32)[None, :, :], 2)
         sc = tl.where(ok[None, :], sc, -float("inf"))
@@ -300,11 +312,31 @@ def _attention(qkv, ob, kpool, vpool, table, slot, seq_len, pos, g, inv_freq, qn
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(sc - m_new[:, None])
         total = total * alpha + tl.sum(w, 1)
-        vt = tl.load(vpool + r[:, None] * HD + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0,
-                     cache_modifier=".cg")
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
         m = m_new
-    tl.store(ob + (g * G + j)[:, None] * HD + d[None, :], acc / total[:, None], mask=gm[:, None] & dm[None, :])
+    out = ob + (g * G + j)[:, None] * HD + d[None, :]
+    if S == 1:
+        tl.store(out, acc / total[:, None], mask=gm[:, None] & dm[None, :])
+    else:
+        # part: [KVH * S, GP, DP] sums, then [KVH * S, GP] maxima, then [KVH * S, GP] totals
+        mine = g * S + split
+        tl.store(part + (mine * GP + j)[:, None] * DP + d[None, :], acc)
+        tl.store(part + KVH * S * GP * DP + mine * GP + j, m)
+        tl.store(part + KVH * S * GP * (DP + 1) + mine * GP + j, total)
+        tl.debug_barrier()  # every thread's part written before the count says so
+        if tl.atomic_add(done + g, 1, sem="acq_rel") == S - 1:
+            tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
+            sp = tl.arange(0, triton.next_power_of_2(S))
+            at = (g * S + sp)[:, None] * GP + j[None, :]
+            sm = (sp < S)[:, None] & (j >= 0)[None, :]
+            ms = tl.load(part + KVH * S * GP * DP + at, mask=sm, other=-float("inf"), cache_modifier=".cg")
+            ts = tl.load(part + KVH * S * GP * (DP + 1) + at, mask=sm, other=0.0, cache_modifier=".cg")
+            top = tl.max(ms, 0)
+            scale_s = tl.where(ms > -float("inf"), tl.exp2(ms - top[None, :]), 0.0)  # empty parts weigh nothing
+            sums = tl.load(part + at[:, :, None] * DP + d[None, None, :], mask=sm[:, :, None], other=0.0,
+                           cache_modifier=".cg")
+            merged = tl.sum(sums * scale_s[:, :, None], 0) / tl.sum(ts * scale_s, 0)[:, None]
+            tl.store(out, merged, mask=gm[:, None] & dm[None, :])
 
 
 @triton.jit
@@ -391,12 +423,12 @@ def _lm_head(t, stream, fnorm, lm, logits, eps, D: tl.constexpr, V: tl.constexpr
 
 @triton.jit
 def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, seq_lens, table,
-                   stream, mid, qkv, ob, act, logits, kpool, vpool, pool_stride, block_size,
+                   stream, mid, qkv, ob, act, part, logits, kpool, vpool, pool_stride, block_size,
                    embed, anorm, wqkv, bqkv, qnorm, knorm, wo, bo, mnorm, wgu, wd, fnorm, lm, inv_freq,
                    eps, scale, rope_factor,
                    L: tl.constexpr, D: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
                    F: tl.constexpr, V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
-                   RD: tl.constexpr, RL: tl.constexpr, BP: tl.constexpr, LINES: tl.constexpr,
+                   RD: tl.constexpr, RL: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, LINES: tl.constexpr,
                    QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr,
                    TRACE: tl.constexpr, GATE_UP: tl.constexpr):
     """One program per SM runs its list of tasks (op, layer, index, wait, count, signal) in order
@@ -432,9 +464,9 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
         if op == 0:
             _qkv(t, layer, stream, embed, token, anorm, wqkv, bqkv, qkv, eps, D, NQ, RA, QKV_BIAS)
         elif op == 1:
-            _attention(qkv, ob, kpool + layer * pool_stride, vpool + layer * pool_stride, table, slot, seq_len, pos,
-                       t, inv_freq, qnorm + layer * HD, knorm + layer * HD, eps, scale, rope_factor, block_size,
-                       H, KVH, HD, H // KVH, BP, QK_NORM)
+            _attention(qkv, ob, part, counters + L * 5 + 1 + layer * KVH, kpool + layer * pool_stride,
+                       vpool + layer * pool_stride, table, slot, seq_len, pos, t, inv_freq, qnorm + layer * HD,
+                       knorm + layer * HD, eps, scale, rope_factor, block_size, H, KVH, HD, H // KVH, BP, S, QK_NORM)
         elif op == 2:
             _o(t, layer, ob, wo, bo, stream, embed, token, mid, D, HO, RO, O_BIAS)
         elif op == 3:
@@ -448,10 +480,11 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
             _signal(counters + signal)
         if TRACE:
             tl.store(trace + (pid * MAXT + i) * 3 + 2, _now(i))
-    # The last program to finish sets the counters back to zero: the next step counts from there.
+    # The last program to finish sets the counters (and attention's counts of parts done) back to zero:
+    # the next step counts from there.
     if tl.atomic_add(counters + L * 5, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        z = tl.arange(0, triton.next_power_of_2(L * 5 + 1))
-        tl.store(counters + z, 0, mask=z < L * 5 + 1)
+        z = tl.arange(0, triton.next_power_of_2(L * (5 + KVH) + 1))
+        tl.store(counters + z, 0, mask=z < L * (5 + KVH) + 1)
 
 
 def unsupported(model: Transformer, kv_dtype: torch.dtype) -> str | None:
@@ -499,15 +532,18 @@ class PersistentDecode:
     gate_up = _gate_up
 
     def __init__(self, model: Transformer, k_pool: torch.Tensor, v_pool: torch.Tensor, block_size: int,
-                 programs: int | None = None, tile: int = 32768, num_warps: int = 8):
+                 programs: int | None = None, tile: int = 32768, num_warps: int = 8, splits: int | None = None):
         if (reason := unsupported(model, k_pool.dtype)) is not None:
             raise ValueError(f"the persistent decode step cannot run this model: {reason}")
         cfg, layers = model.cfg, model.model.layers
         dev = k_pool.device
-        self.shape = Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size, tile)
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        # Attention as one task per KV head would leave all but a few SMs waiting on it: split the
+        # context so that its tasks are about one per program.
+        splits = splits or max(1, programs // cfg.num_kv_heads)
+        self.shape = Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.vocab_size, tile, splits)
         lists = deal(self.tasks_of(self.shape), programs)
         run_programs(lists)  # lists whose programs would wait forever are refused here, not hung on the GPU
         width = max(len(p) for p in lists)
@@ -518,7 +554,8 @@ class PersistentDecode:
                                                       for t in tasks], dtype=torch.int32)
         self.tasks, self.width = table.to(dev), width
         self.counts = torch.tensor([len(p) for p in lists], dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(cfg.num_layers * COUNTERS + 1, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(cfg.num_layers * (COUNTERS + cfg.num_kv_heads) + 1, dtype=torch.int32,
+                                    device=dev)
         self.k_pool, self.v_pool, self.block_size, self.programs, self.num_warps = \
             k_pool, v_pool, block_size, programs, num_warps
         names = ["input_layernorm.weight", "self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
@@ -535,15 +572,18 @@ class PersistentDecode:
                         w["mlp.down_proj.weight"], model.model.norm.weight, model.lm_head.weight,
                         model.inv_freq.to(dev, torch.float32))
         s = self.shape
-        # The step's vectors: the stream, the stream after attention, q k v, attention's output, SiLU's.
+        # The step's vectors: the stream, the stream after attention, q k v, attention's output, SiLU's;
+        # then attention's parts: their sums, maxima and totals.
+        GP, DP = triton.next_power_of_2(s.heads // s.kv_heads), triton.next_power_of_2(s.head_dim)
         self.buffers = tuple(torch.zeros(n, device=dev, dtype=torch.float32) for n in (
-            s.hidden, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, s.heads * s.head_dim, s.ffn))
+            s.hidden, s.hidden, (s.heads + 2 * s.kv_heads) * s.head_dim, s.heads * s.head_dim, s.ffn,
+            s.kv_heads * splits * GP * (DP + 2)))
         self.logits = torch.zeros(1, s.vocab, device=dev, dtype=model.dtype)
         self.constants = dict(eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, rope_factor=model.rope_factor)
         B = model.dtype.itemsize
         self.config = dict(L=s.layers, D=s.hidden, H=s.heads, KVH=s.kv_heads, HD=s.head_dim, F=s.ffn, V=s.vocab,
                            RA=s.rows(QKV), RO=s.rows(O), RG=s.rows(GU), RD=s.rows(DOWN), RL=s.rows(LM),
-                           BP=32, LINES=triton.next_power_of_2(max(1, tile * B // 128)),
+                           BP=32, S=splits, LINES=triton.next_power_of_2(max(1, tile * B // 128)),
                            QKV_BIAS=cfg.qkv_bias, O_BIAS=cfg.o_bias, QK_NORM=cfg.qk_norm,
                            PREFETCH=dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
         self.launch = dict(num_warps=num_warps, launch_cooperative_grid=True) if dev.type == "cuda" \
