@@ -144,6 +144,8 @@ def check_run_programs(fn: Callable) -> None:
                               f"\n  expected ScheduleError, your code raised {type(err).__name__}: {err}") from err
         raise AssertionError(failing(f"case {case}: lists that wait forever", (programs,)) +
                              "\n  expected ScheduleError, your code returned")
+    print("passed: run_programs ran the package's lists for 24 random shapes in an order they may run, and refused "
+          "12 lists that wait forever")
 
 
 @triton.jit
