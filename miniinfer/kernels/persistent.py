@@ -247,14 +247,38 @@ def _normed(x, w_ptr, c, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _merge_parts(part, done, out, g, split, acc, m, total, KVH: tl.constexpr, S: tl.constexpr, GP: tl.constexpr,
+                 DP: tl.constexpr, G: tl.constexpr, HD: tl.constexpr):
+    """Leave this part's sum, max and total in `part` ([KVH * S, GP, DP] sums, then [KVH * S, GP] maxima,
+    then totals); the head's last part to count itself in done[g] merges all S into out."""
+    j, d = tl.arange(0, GP), tl.arange(0, DP)
+    mine = g * S + split
+    tl.store(part + (mine * GP + j)[:, None] * DP + d[None, :], acc)
+    tl.store(part + KVH * S * GP * DP + mine * GP + j, m)
+    tl.store(part + KVH * S * GP * (DP + 1) + mine * GP + j, total)
+    tl.debug_barrier()  # every thread's part written before the count says so
+    if tl.atomic_add(done + g, 1, sem="acq_rel") == S - 1:
+        tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
+        sp = tl.arange(0, triton.next_power_of_2(S))
+        at = (g * S + sp)[:, None] * GP + j[None, :]
+        sm = (sp < S)[:, None] & (j >= 0)[None, :]
+        ms = tl.load(part + KVH * S * GP * DP + at, mask=sm, other=-float("inf"), cache_modifier=".cg")
+        ts = tl.load(part + KVH * S * GP * (DP + 1) + at, mask=sm, other=0.0, cache_modifier=".cg")
+        w = tl.where(ms > -float("inf"), tl.exp2(ms - tl.max(ms, 0)[None, :]), 0.0)  # empty parts weigh nothing
+        sums = tl.load(part + at[:, :, None] * DP + d[None, None, :], mask=sm[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        merged = tl.sum(sums * w[:, :, None], 0) / tl.sum(ts * w, 0)[:, None]
+        tl.store(out, merged, mask=(j < G)[:, None] & (d < HD)[None, :])
+
+
+@triton.jit
 def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, inv_freq, qnorm, knorm, eps, scale,
                rope_factor, block_size, H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, G: tl.constexpr,
                BP: tl.constexpr, S: tl.constexpr, QK_NORM: tl.constexpr):
     """Task t: KV head t // S, its G query heads (normed, rotated) over part t % S of the context, in tiles
     of BP positions. The part holding the new position first writes its key (normed, rotated) and value
-    into the pool. With S parts, each leaves its unnormalized sum and its softmax's max and total in
-    `part`; the last of a head's parts to finish (counted in done[head]) merges them. Each vector is taken
-    as two halves: RoPE turns pairs (i, i + HD/2). Sizes that are not powers of two are padded, masked."""
+    into the pool. With S > 1 parts, `_merge_parts` puts them together. Each vector is taken as two
+    halves: RoPE turns pairs (i, i + HD/2). Sizes that are not powers of two are padded, masked."""
     HALF: tl.constexpr = HD // 2
     GP: tl.constexpr = triton.next_power_of_2(G)
     DP: tl.constexpr = triton.next_power_of_2(HD)
@@ -318,25 +342,7 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
     if S == 1:
         tl.store(out, acc / total[:, None], mask=gm[:, None] & dm[None, :])
     else:
-        # part: [KVH * S, GP, DP] sums, then [KVH * S, GP] maxima, then [KVH * S, GP] totals
-        mine = g * S + split
-        tl.store(part + (mine * GP + j)[:, None] * DP + d[None, :], acc)
-        tl.store(part + KVH * S * GP * DP + mine * GP + j, m)
-        tl.store(part + KVH * S * GP * (DP + 1) + mine * GP + j, total)
-        tl.debug_barrier()  # every thread's part written before the count says so
-        if tl.atomic_add(done + g, 1, sem="acq_rel") == S - 1:
-            tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
-            sp = tl.arange(0, triton.next_power_of_2(S))
-            at = (g * S + sp)[:, None] * GP + j[None, :]
-            sm = (sp < S)[:, None] & (j >= 0)[None, :]
-            ms = tl.load(part + KVH * S * GP * DP + at, mask=sm, other=-float("inf"), cache_modifier=".cg")
-            ts = tl.load(part + KVH * S * GP * (DP + 1) + at, mask=sm, other=0.0, cache_modifier=".cg")
-            top = tl.max(ms, 0)
-            scale_s = tl.where(ms > -float("inf"), tl.exp2(ms - top[None, :]), 0.0)  # empty parts weigh nothing
-            sums = tl.load(part + at[:, :, None] * DP + d[None, None, :], mask=sm[:, :, None], other=0.0,
-                           cache_modifier=".cg")
-            merged = tl.sum(sums * scale_s[:, :, None], 0) / tl.sum(ts * scale_s, 0)[:, None]
-            tl.store(out, merged, mask=gm[:, None] & dm[None, :])
+        _merge_parts(part, done, out, g, split, acc, m, total, KVH, S, GP, DP, G, HD)
 
 
 @triton.jit
