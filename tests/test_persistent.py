@@ -77,7 +77,8 @@ def ints(*values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-# Attention in parts of 4 positions (splits, tile): 3 parts over 8 and 9 positions, the new one in the last.
+# Attention in parts of whole 4-position tiles (splits, tile): 3 parts over 8 positions ([0, 4), [4, 8) and an
+# empty one) and over 9 (one tile each, the new position in the last).
 @pytest.mark.parametrize("kind, block_size, sizes, parts", [
     ("llama", 3, {}, (3, 4)), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131), (1, 32)),
     ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12), (2, 4))])
@@ -99,6 +100,38 @@ def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, par
         assert (got - want).abs().max() < 1e-4
         assert torch.allclose(k, cache.k, atol=1e-5)
         n += 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs that wait on each other need a GPU")
+@pytest.mark.parametrize("kv_heads, splits", [(1, None), (2, 3), (2, None)])
+@torch.no_grad()
+def test_on_a_gpu_the_parts_merge_to_the_models_logits_the_same_way_every_step(kv_heads, splits):
+    """One program per SM, so attention's parts run at once: the model's logits at contexts of 1 to 701 (three
+    query heads of 12 dimensions a KV head), the same bits step after step (the merge adds the parts in a fixed
+    order: a difference would be a race), and every counter back at zero after each step."""
+    model = small_model("qwen3", heads=3 * kv_heads, kv_heads=kv_heads)
+    cache = PagedKVCache(model.cfg, 48, 16, device="cuda")
+    table = torch.randperm(48, generator=torch.Generator().manual_seed(0)).tolist()
+    step = PersistentDecode(model, cache.k, cache.v, 16, splits=splits)
+
+    def ints(*values):
+        return torch.tensor(values, dtype=torch.int32, device="cuda")
+    for n in (0, 5, 40, 700):
+        prompt = [(7 * i) % 300 for i in range(n + 1)]
+        if n:
+            cache.run(model, [prompt[:n]], [table], [0])
+        args = (ints(prompt[n]), ints(n), ints(table[n // 16] * 16 + n % 16), ints(n + 1), ints(*table))
+        got = step.step(*args).clone()
+        assert (got - cache.run(model, [prompt[n:]], [table], [n])).abs().max() < 1e-4
+        for _ in range(20):
+            assert torch.equal(step.step(*args), got) and not step.counters.any()
+
+
+def test_splits_must_be_at_least_one():
+    model = tiny("llama")
+    pool = torch.zeros(2, 4, 3, 2, 16)
+    with pytest.raises(ValueError, match="splits must be at least 1, not 0"):
+        PersistentDecode(model, pool, pool, 3, splits=0)
 
 
 @torch.no_grad()

@@ -252,23 +252,26 @@ def _merge_parts(part, done, out, g, split, acc, m, total, KVH: tl.constexpr, S:
     """Leave this part's sum, max and total in `part` ([KVH * S, GP, DP] sums, then [KVH * S, GP] maxima,
     then totals); the head's last part to count itself in done[g] merges all S into out."""
     j, d = tl.arange(0, GP), tl.arange(0, DP)
-    mine = g * S + split
-    tl.store(part + (mine * GP + j)[:, None] * DP + d[None, :], acc)
-    tl.store(part + KVH * S * GP * DP + mine * GP + j, m)
-    tl.store(part + KVH * S * GP * (DP + 1) + mine * GP + j, total)
+    maxima, totals = part + KVH * S * GP * DP, part + KVH * S * GP * (DP + 1)
+    mine = (g * S + split) * GP + j
+    tl.store(part + mine[:, None] * DP + d[None, :], acc)
+    tl.store(maxima + mine, m)
+    tl.store(totals + mine, total)
     tl.debug_barrier()  # every thread's part written before the count says so
     if tl.atomic_add(done + g, 1, sem="acq_rel") == S - 1:
         tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
-        sp = tl.arange(0, triton.next_power_of_2(S))
-        at = (g * S + sp)[:, None] * GP + j[None, :]
-        sm = (sp < S)[:, None] & (j >= 0)[None, :]
-        ms = tl.load(part + KVH * S * GP * DP + at, mask=sm, other=-float("inf"), cache_modifier=".cg")
-        ts = tl.load(part + KVH * S * GP * (DP + 1) + at, mask=sm, other=0.0, cache_modifier=".cg")
-        w = tl.where(ms > -float("inf"), tl.exp2(ms - tl.max(ms, 0)[None, :]), 0.0)  # empty parts weigh nothing
-        sums = tl.load(part + at[:, :, None] * DP + d[None, None, :], mask=sm[:, :, None], other=0.0,
-                       cache_modifier=".cg")
-        merged = tl.sum(sums * w[:, :, None], 0) / tl.sum(ts * w, 0)[:, None]
-        tl.store(out, merged, mask=(j < G)[:, None] & (d < HD)[None, :])
+        top = tl.full([GP], -float("inf"), tl.float32)
+        for s in range(S):  # one part at a time: a few registers however many parts there are
+            top = tl.maximum(top, tl.load(maxima + (g * S + s) * GP + j, cache_modifier=".cg"))
+        num = tl.zeros([GP, DP], tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        for s in range(S):
+            at = (g * S + s) * GP + j
+            ms = tl.load(maxima + at, cache_modifier=".cg")
+            w = tl.where(ms > -float("inf"), tl.exp2(ms - top), 0.0)  # an empty part weighs nothing
+            den += w * tl.load(totals + at, cache_modifier=".cg")
+            num += w[:, None] * tl.load(part + at[:, None] * DP + d[None, :], cache_modifier=".cg")
+        tl.store(out, num / den[:, None], mask=(j < G)[:, None] & (d < HD)[None, :])
 
 
 @triton.jit
@@ -545,9 +548,10 @@ class PersistentDecode:
         dev = k_pool.device
         if programs is None:
             programs = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        # Attention as one task per KV head would leave all but a few SMs waiting on it: split the
-        # context so that its tasks are about one per program.
-        splits = splits or max(1, programs // cfg.num_kv_heads)
+        if splits is not None and splits < 1:
+            raise ValueError(f"splits must be at least 1, not {splits}")
+        # Attention's context in parts: about one task a program, not one a KV head while the rest wait.
+        splits = splits or min(32, max(1, programs // cfg.num_kv_heads))  # 32: the merge's loop stays short
         self.shape = Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, tile, splits)
         lists = deal(self.tasks_of(self.shape), programs)
