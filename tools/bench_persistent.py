@@ -52,6 +52,7 @@ def compare_shape(shape: str, gbps: float, save) -> dict:
         engine = engine_for(model, max_num_seqs=8, decode_kernel=kernel)
         tokens[kernel] = [t for out in engine.stream(PROMPT, greedy(128)) for t in out.new_token_ids]
         res[kernel] = r
+        save(res)
         print(f"{shape} {kernel}: {r['tokens_per_s']:.0f} tok/s ({100 * r['fraction_of_floor']:.0f}% of floor), "
               f"step {r['step_us']:.0f} us ({100 * r['step_of_floor']:.0f}%)", flush=True)
     # One step's logits both ways, on the inputs the persistent engine's graph holds now.
