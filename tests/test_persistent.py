@@ -3,6 +3,8 @@ programs that wait on each other cannot run here: the schedule (who waits for wh
 Python for many shapes and program counts, and the kernel runs as one program working through every
 task in order, against the model's own forward through the paged pool."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -32,15 +34,28 @@ from miniinfer.worker.paged_cache import PagedKVCache
 shapes = st.builds(Shape, layers=st.integers(1, 3), hidden=st.sampled_from([16, 48, 64]),
                    heads=st.sampled_from([2, 4]), kv_heads=st.just(2), head_dim=st.sampled_from([8, 16]),
                    ffn=st.integers(8, 100), vocab=st.integers(5, 70), tile=st.sampled_from([32, 64, 256]),
-                   splits=st.integers(1, 4))
+                   splits=st.integers(1, 4), programs=st.integers(1, 40))
 
 
 @settings(max_examples=30, deadline=None)
-@given(shapes, st.integers(1, 40))
-def test_every_schedule_finishes_and_reads_only_what_is_written(shape, programs):
+@given(shapes)
+def test_every_schedule_finishes_and_reads_only_what_is_written(shape):
     tasks = schedule(shape)
-    assert check_schedule(deal(tasks, programs), shape.layers) == len(tasks)
+    assert check_schedule(deal(tasks, shape.programs), shape.layers) == len(tasks)
     assert sorted(t.op for t in tasks).count(LM) == shape.tasks(LM)
+    for op in (QKV, O, GU, DOWN, LM):  # the row tiles cover the op's rows, the last one not empty
+        n, rows = shape.size(op)[0], shape.rows(op)
+        assert shape.tasks(op) * rows >= n > (shape.tasks(op) - 1) * rows
+
+
+def test_an_ops_tiles_shrink_where_its_tasks_then_fill_the_programs_rounds():
+    ops = (QKV, O, GU, DOWN, LM)
+    llama = Shape(layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=128256)
+    assert [llama.tasks(op) for op in ops] == [192, 128, 1024, 512, 8016]  # one program: whole tiles
+    # 132 programs: QKV's 192 tasks of 64 KB took two rounds, its 384 of 32 KB take three half as long
+    assert [dataclasses.replace(llama, programs=132).tasks(op) for op in ops] == [384, 128, 1024, 512, 8016]
+    qwen3 = Shape(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, ffn=3072, vocab=151936, programs=132)
+    assert [qwen3.tasks(op) for op in ops] == [128, 128, 384, 128, 4748]  # O: 64 tasks left half the SMs idle
 
 
 def one_short(op, layer, shape):

@@ -34,8 +34,9 @@ class Task:
 
 @dataclass(frozen=True)
 class Shape:
-    """The model's sizes and the rows each op's task computes: about `tile` weights a task; attention's
-    tasks each take one KV head over one of `splits` parts of the context."""
+    """The model's sizes and the rows each op's task computes: about `tile` weights a task, fewer where
+    the op then fills the rounds of its `programs` better; attention's tasks each take one KV head over
+    one of `splits` parts of the context."""
     layers: int
     hidden: int
     heads: int
@@ -45,23 +46,30 @@ class Shape:
     vocab: int
     tile: int = 32768
     splits: int = 1
+    programs: int = 1
+
+    def size(self, op: int) -> tuple[int, int]:
+        """Rows of op's output and the weights a row reads (gate/up's: a row of gate and one of up)."""
+        return {QKV: ((self.heads + 2 * self.kv_heads) * self.head_dim, self.hidden),
+                O: (self.hidden, self.heads * self.head_dim), GU: (self.ffn, 2 * self.hidden),
+                DOWN: (self.hidden, self.ffn), LM: (self.vocab, self.hidden)}[op]
 
     def rows(self, op: int) -> int:
-        """Rows of its weight matrix a task of op computes: tile weights over the columns it reads
-        (attention's: the query heads that share a KV head)."""
+        """Rows of its weight matrix a task of op computes (attention's: the query heads that share a
+        KV head): tile weights over the columns it reads, or a half or a quarter of that where the op's
+        tasks then take the programs less time. The ops run one after another, so an op takes its
+        rounds (tasks over programs, rounded up) times a task's time, its weights plus a fixed cost,
+        taken here as a quarter tile's."""
         if op == ATTN:
             return self.heads // self.kv_heads
-        K = {QKV: self.hidden, O: self.heads * self.head_dim, GU: 2 * self.hidden, DOWN: self.ffn,
-             LM: self.hidden}[op]
-        return max(1, self.tile // triton.next_power_of_2(K))
+        N, K = self.size(op)
+        base = max(1, self.tile // triton.next_power_of_2(K))
+        return min((r for r in (base, base // 2, base // 4) if r >= 1),
+                   key=lambda r: -(-(-(-N // r)) // self.programs) * (r * K + self.tile // 4))
 
     def tasks(self, op: int) -> int:
         """Tasks of op in one layer: row tiles of its output, or attention's KV heads times splits."""
-        if op == ATTN:
-            return self.kv_heads * self.splits
-        N = {QKV: (self.heads + 2 * self.kv_heads) * self.head_dim, O: self.hidden, GU: self.ffn,
-             DOWN: self.hidden, LM: self.vocab}[op]
-        return -(-N // self.rows(op))
+        return self.kv_heads * self.splits if op == ATTN else -(-self.size(op)[0] // self.rows(op))
 
 
 def waits_for(op: int, layer: int, shape: Shape) -> tuple[int, int]:
@@ -553,7 +561,7 @@ class PersistentDecode:
         # Attention's context in parts: about one task a program, not one a KV head while the rest wait.
         splits = splits or min(32, max(1, programs // cfg.num_kv_heads))  # 32: the merge's loop stays short
         self.shape = Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.vocab_size, tile, splits)
+                           cfg.intermediate_size, cfg.vocab_size, tile, splits, programs)
         lists = deal(self.tasks_of(self.shape), programs)
         run_programs(lists)  # lists whose programs would wait forever are refused here, not hung on the GPU
         width = max(len(p) for p in lists)
