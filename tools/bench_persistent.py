@@ -101,9 +101,9 @@ def sweep(out: str) -> None:
         print("trace:", repr(err), flush=True)
     results.save("llama_sweep", res)
     res["sweep"] = points = []
-    for tile, warps, prefetch, splits in ((32768, 8, True, None), (32768, 8, False, None), (65536, 8, True, None),
-                                          (16384, 8, True, None), (32768, 4, True, None), (32768, 8, True, 4),
-                                          (32768, 8, True, 32)):
+    for tile, warps, prefetch, splits in ((32768, 8, True, None), (32768, 8, True, 1), (32768, 8, True, 4),
+                                          (32768, 8, True, 32), (32768, 8, False, None), (65536, 8, True, None),
+                                          (16384, 8, True, None), (32768, 4, True, None)):
         p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps, splits=splits)
         p.config["PREFETCH"] = prefetch
         us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
