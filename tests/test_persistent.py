@@ -93,10 +93,12 @@ def ints(*values) -> torch.Tensor:
 
 
 # Attention in parts of whole 4-position tiles (splits, tile): 3 parts over 8 positions ([0, 4), [4, 8) and an
-# empty one) and over 9 (one tile each, the new position in the last).
+# empty one) and over 9 (one tile each, the new position in the last). 16 query heads of 128 dimensions a KV
+# head: the merge takes their parts two at a time, the second time the last part and one masked.
 @pytest.mark.parametrize("kind, block_size, sizes, parts", [
     ("llama", 3, {}, (3, 4)), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131), (1, 32)),
-    ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12), (2, 4))])
+    ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12), (2, 4)),
+    ("llama", 2, dict(heads=16, kv_heads=1, head_dim=128), (3, 2))])
 @torch.no_grad()
 def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, parts):
     model = tiny(kind, **sizes)

@@ -3,13 +3,13 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
 (random bf16 weights), each against its weight-read floor. Hand-written tool.
 
     python tools/bench_persistent.py compare OUT.json [SHAPE...]   (default: llama qwen3 llama8b)
-    python tools/bench_persistent.py sweep OUT.json   (after compare: the Llama shape's step traced, and swept)
+    python tools/bench_persistent.py sweep OUT.json [SHAPE]   (after compare: a shape's step traced, and swept)
     python tools/bench_persistent.py plot OUT.json    (OUT.png: each shape's share of its floor, the traced step)
 
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
-the logits of one step through both, and the greedy tokens of one request through both. `sweep`: the
-Llama shape's step traced (each task's start, end of wait and end on each SM, for the lesson's schedule
-picture), then with other tiles and without its L2 prefetch.
+the logits of one step through both, and the greedy tokens of one request through both. `sweep`: a
+shape's step (the Llama shape's by default) traced (each task's start, end of wait and end on each SM, for
+the lesson's schedule picture), then with other tiles, warps and splits and without its L2 prefetch.
 """
 
 import json
@@ -81,25 +81,25 @@ def traced(persistent: PersistentDecode, args: tuple) -> dict:
                                      for p, n in enumerate(persistent.counts.tolist())]}
 
 
-def sweep(out: str) -> None:
-    """The Llama shape's persistent step at a context of 512 (a pool of its own, prefilled by the model):
-    one step traced, then the step without the L2 prefetch, with other tiles, warps and attention splits."""
+def sweep(out: str, shape: str = "llama") -> None:
+    """The shape's persistent step at a context of 512 (a pool of its own, prefilled by the model): one
+    step traced, then the step without the L2 prefetch, with other tiles, warps and attention splits."""
     from miniinfer.worker.paged_cache import PagedKVCache
-    model = model_of("llama")
+    model = model_of(shape)
     results = Results(out)
     cache = PagedKVCache(model.cfg, 40, 16, device="cuda", dtype=model.dtype)
     table = list(range(40))
     with torch.no_grad():
         cache.run(model, [list(range(100, 611))], [table], [0])
     args = tuple(torch.tensor(v, dtype=torch.int32, device="cuda") for v in ([7], [511], [511], [512], table))
-    floor_us = results.data["llama"]["floor_us"]
+    floor_us = results.data[shape]["floor_us"]
     res: dict = {"context": 512}
     try:  # the sweep is measured even if the traced variant fails to build
         res["trace"] = traced(PersistentDecode(model, cache.k, cache.v, 16), args)
     except Exception as err:  # noqa: BLE001
         res["trace_error"] = repr(err)
         print("trace:", repr(err), flush=True)
-    results.save("llama_sweep", res)
+    results.save(f"{shape}_sweep", res)
     res["sweep"] = points = []
     for tile, warps, prefetch, splits in ((32768, 8, True, None), (32768, 8, True, 1), (32768, 8, True, 4),
                                           (32768, 8, True, 32), (32768, 8, False, None), (65536, 8, True, None),
@@ -110,7 +110,7 @@ def sweep(out: str) -> None:
         points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "splits": p.shape.splits, "step_us": us,
                        "step_of_floor": floor_us / us})
         print(points[-1], flush=True)
-        results.save("llama_sweep", res)
+        results.save(f"{shape}_sweep", res)
 
 
 def compare(out: str, *shapes: str) -> None:

@@ -65,11 +65,11 @@ class Shape:
         N, K = self.size(op)
         base = max(1, self.tile // triton.next_power_of_2(K))
         return min((r for r in (base, base // 2, base // 4) if r >= 1),
-                   key=lambda r: -(-(-(-N // r)) // self.programs) * (r * K + self.tile // 4))
+                   key=lambda r: triton.cdiv(triton.cdiv(N, r), self.programs) * (r * K + self.tile // 4))
 
     def tasks(self, op: int) -> int:
         """Tasks of op in one layer: row tiles of its output, or attention's KV heads times splits."""
-        return self.kv_heads * self.splits if op == ATTN else -(-self.size(op)[0] // self.rows(op))
+        return self.kv_heads * self.splits if op == ATTN else triton.cdiv(self.size(op)[0], self.rows(op))
 
 
 def waits_for(op: int, layer: int, shape: Shape) -> tuple[int, int]:
@@ -268,17 +268,24 @@ def _merge_parts(part, done, out, g, split, acc, m, total, KVH: tl.constexpr, S:
     tl.debug_barrier()  # every thread's part written before the count says so
     if tl.atomic_add(done + g, 1, sem="acq_rel") == S - 1:
         tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
-        top = tl.full([GP], -float("inf"), tl.float32)
-        for s in range(S):  # one part at a time: a few registers however many parts there are
-            top = tl.maximum(top, tl.load(maxima + (g * S + s) * GP + j, cache_modifier=".cg"))
+        # The parts' loads at once, not one L2 trip after another: their maxima all together (a few
+        # numbers), their sums C parts at a time (registers for 4,096 floats however many parts).
+        SP: tl.constexpr = triton.next_power_of_2(S)
+        C: tl.constexpr = SP if SP * GP * DP <= 4096 else (4096 // (GP * DP) if GP * DP <= 4096 else 1)
+        s = tl.arange(0, SP)
+        top = tl.max(tl.load(maxima + (g * S + s)[:, None] * GP + j[None, :], mask=(s < S)[:, None],
+                             other=-float("inf"), cache_modifier=".cg"), 0)
         num = tl.zeros([GP, DP], tl.float32)
         den = tl.zeros([GP], tl.float32)
-        for s in range(S):
-            at = (g * S + s) * GP + j
-            ms = tl.load(maxima + at, cache_modifier=".cg")
-            w = tl.where(ms > -float("inf"), tl.exp2(ms - top), 0.0)  # an empty part weighs nothing
-            den += w * tl.load(totals + at, cache_modifier=".cg")
-            num += w[:, None] * tl.load(part + at[:, None] * DP + d[None, :], cache_modifier=".cg")
+        for s0 in range(0, S, C):
+            s = s0 + tl.arange(0, C)
+            at = (g * S + s)[:, None] * GP + j[None, :]
+            ms = tl.load(maxima + at, mask=(s < S)[:, None], other=-float("inf"), cache_modifier=".cg")
+            w = tl.where(ms > -float("inf"), tl.exp2(ms - top[None, :]), 0.0)  # an empty part weighs nothing
+            den += tl.sum(w * tl.load(totals + at, mask=(s < S)[:, None], other=0.0, cache_modifier=".cg"), 0)
+            sums = tl.load(part + at[:, :, None] * DP + d[None, None, :], mask=(s < S)[:, None, None], other=0.0,
+                           cache_modifier=".cg")
+            num += tl.sum(w[:, :, None] * sums, 0)
         tl.store(out, num / den[:, None], mask=(j < G)[:, None] & (d < HD)[None, :])
 
 
