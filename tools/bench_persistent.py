@@ -9,7 +9,7 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
 the logits of one step through both, and the greedy tokens of one request through both. `sweep`: a
 shape's step (the Llama shape's by default) traced (each task's start, end of wait and end on each SM, for
-the lesson's schedule picture), then with other tiles, warps and splits and without its L2 prefetch.
+the lesson's schedule picture), then with other tiles, warps and splits, its L2 prefetch off or further ahead.
 """
 
 import json
@@ -83,7 +83,7 @@ def traced(persistent: PersistentDecode, args: tuple) -> dict:
 
 def sweep(out: str, shape: str = "llama") -> None:
     """The shape's persistent step at a context of 512 (a pool of its own, prefilled by the model): one
-    step traced, then the step without the L2 prefetch, with other tiles, warps and attention splits."""
+    step traced, then with the L2 prefetch off or further ahead, other tiles, warps and attention splits."""
     from miniinfer.worker.paged_cache import PagedKVCache
     model = model_of(shape)
     results = Results(out)
@@ -101,9 +101,9 @@ def sweep(out: str, shape: str = "llama") -> None:
         print("trace:", repr(err), flush=True)
     results.save(f"{shape}_sweep", res)
     res["sweep"] = points = []
-    for tile, warps, prefetch, splits in ((32768, 8, True, None), (32768, 8, True, 1), (32768, 8, True, 4),
-                                          (32768, 8, True, 32), (32768, 8, False, None), (65536, 8, True, None),
-                                          (16384, 8, True, None), (32768, 4, True, None)):
+    for tile, warps, prefetch, splits in ((32768, 8, 1, None), (32768, 8, 1, 1), (32768, 8, 1, 4), (32768, 8, 1, 32),
+                                          (32768, 8, 0, None), (32768, 8, 2, None), (32768, 8, 3, None),
+                                          (65536, 8, 1, None), (16384, 8, 1, None), (32768, 4, 1, None)):
         p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps, splits=splits)
         p.config["PREFETCH"] = prefetch
         us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3

@@ -466,8 +466,9 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
     pos = tl.load(positions)
     slot = tl.load(slots).to(tl.int64)
     seq_len = tl.load(seq_lens)
-    if PREFETCH:
-        _prefetch_task(mine, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
+    for k in range(PREFETCH):  # the first tasks' weights on their way before anything waits
+        if k < n:
+            _prefetch_task(mine + k * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
     waited = -1
     for i in range(n):
         e = mine + i * 6
@@ -477,8 +478,8 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
         wait = tl.load(e + 3)
         if TRACE:
             tl.store(trace + (pid * MAXT + i) * 3, _now(i))
-        if PREFETCH and i + 1 < n:  # the next task's weights stream in while this one waits and runs
-            _prefetch_task(e + 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
+        if PREFETCH > 0 and i + PREFETCH < n:  # weights PREFETCH tasks ahead stream in while this one runs
+            _prefetch_task(e + PREFETCH * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
         if wait != waited:  # the tasks of one op wait for the same count: the first of them waits for all
             if wait >= 0:
                 _wait(counters + wait, tl.load(e + 4))
@@ -610,7 +611,7 @@ class PersistentDecode:
                            RA=s.rows(QKV), RO=s.rows(O), RG=s.rows(GU), RD=s.rows(DOWN), RL=s.rows(LM),
                            BP=32, S=splits, LINES=triton.next_power_of_2(max(1, tile * B // 128)),
                            QKV_BIAS=cfg.qkv_bias, O_BIAS=cfg.o_bias, QK_NORM=cfg.qk_norm,
-                           PREFETCH=dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
+                           PREFETCH=int(dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"))
         self.launch = dict(num_warps=num_warps, launch_cooperative_grid=True) if dev.type == "cuda" \
             else dict(num_warps=num_warps)
 
