@@ -272,8 +272,8 @@ def _merge_parts(part, done, out, g, split, acc, m, total, KVH: tl.constexpr, S:
         # numbers), their sums C parts at a time (registers for 4,096 floats however many parts).
         SP: tl.constexpr = triton.next_power_of_2(S)
         C: tl.constexpr = SP if SP * GP * DP <= 4096 else (4096 // (GP * DP) if GP * DP <= 4096 else 1)
-        s = tl.arange(0, SP)
-        top = tl.max(tl.load(maxima + (g * S + s)[:, None] * GP + j[None, :], mask=(s < S)[:, None],
+        every = tl.arange(0, SP)
+        top = tl.max(tl.load(maxima + (g * S + every)[:, None] * GP + j[None, :], mask=(every < S)[:, None],
                              other=-float("inf"), cache_modifier=".cg"), 0)
         num = tl.zeros([GP, DP], tl.float32)
         den = tl.zeros([GP], tl.float32)
