@@ -12,6 +12,7 @@ shape's step (the Llama shape's by default) traced (each task's start, end of wa
 the lesson's schedule picture), then with other tiles, warps and splits, its L2 prefetch off or further ahead.
 """
 
+import gc
 import json
 from pathlib import Path
 
@@ -118,6 +119,7 @@ def compare(out: str, *shapes: str) -> None:
     results = Results(out, copy_GBps=gbps)
     for shape in shapes or ("llama", "qwen3", "llama8b"):
         compare_shape(shape, gbps, results.saver(shape))
+        gc.collect()  # the shape's engines hold cycles: their pools go before the next model is built
         torch.cuda.empty_cache()
 
 
