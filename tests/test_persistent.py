@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,9 +44,12 @@ def test_every_schedule_finishes_and_reads_only_what_is_written(shape):
     tasks = schedule(shape)
     assert check_schedule(deal(tasks, shape.programs), shape.layers) == len(tasks)
     assert sorted(t.op for t in tasks).count(LM) == shape.tasks(LM)
-    for op in (QKV, O, GU, DOWN, LM):  # the row tiles cover the op's rows, the last one not empty
-        n, rows = shape.size(op)[0], shape.rows(op)
-        assert shape.tasks(op) * rows >= n > (shape.tasks(op) - 1) * rows
+    for op in (QKV, O, GU, DOWN, LM):  # a whole tile, a half or a quarter: never longer than the whole one
+        (n, k), rows = shape.size(op), shape.rows(op)
+        whole = max(1, shape.tile // triton.next_power_of_2(k))
+        assert rows in (whole, whole // 2, whole // 4) and rows >= 1
+        cost = {r: triton.cdiv(triton.cdiv(n, r), shape.programs) * (r * k + shape.tile // 4) for r in (rows, whole)}
+        assert cost[rows] <= cost[whole]
 
 
 def test_an_ops_tiles_shrink_where_its_tasks_then_fill_the_programs_rounds():
@@ -120,13 +124,15 @@ def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, par
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="programs that wait on each other need a GPU")
-@pytest.mark.parametrize("kv_heads, splits", [(1, None), (2, 3), (2, None)])
+@pytest.mark.parametrize("kv_heads, splits, sizes", [(1, None, {}), (2, 3, {}), (2, None, {}),
+                                                    (1, None, dict(heads=16, head_dim=128))])
 @torch.no_grad()
-def test_on_a_gpu_the_parts_merge_to_the_models_logits_the_same_way_every_step(kv_heads, splits):
+def test_on_a_gpu_the_parts_merge_to_the_models_logits_the_same_way_every_step(kv_heads, splits, sizes):
     """One program per SM, so attention's parts run at once: the model's logits at contexts of 1 to 701 (three
-    query heads of 12 dimensions a KV head), the same bits step after step (the merge adds the parts in a fixed
-    order: a difference would be a race), and every counter back at zero after each step."""
-    model = small_model("qwen3", heads=3 * kv_heads, kv_heads=kv_heads)
+    query heads of 12 dimensions a KV head; or 16 of 128, whose merge takes the parts two at a time), the same
+    bits step after step (the merge adds the parts in a fixed order: a difference would be a race), and every
+    counter back at zero after each step."""
+    model = small_model("qwen3", **{"heads": 3 * kv_heads, "kv_heads": kv_heads, **sizes})
     cache = PagedKVCache(model.cfg, 48, 16, device="cuda")
     table = torch.randperm(48, generator=torch.Generator().manual_seed(0)).tolist()
     step = PersistentDecode(model, cache.k, cache.v, 16, splits=splits)

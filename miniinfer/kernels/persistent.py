@@ -269,7 +269,7 @@ def _merge_parts(part, done, out, g, split, acc, m, total, KVH: tl.constexpr, S:
     if tl.atomic_add(done + g, 1, sem="acq_rel") == S - 1:
         tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
         # The parts' loads at once, not one L2 trip after another: their maxima all together (a few
-        # numbers), their sums C parts at a time (registers for 4,096 floats however many parts).
+        # numbers), their sums C parts at a time (at most 4,096 floats of sums, or one part's).
         SP: tl.constexpr = triton.next_power_of_2(S)
         C: tl.constexpr = SP if SP * GP * DP <= 4096 else (4096 // (GP * DP) if GP * DP <= 4096 else 1)
         every = tl.arange(0, SP)
@@ -567,7 +567,7 @@ class PersistentDecode:
         if splits is not None and splits < 1:
             raise ValueError(f"splits must be at least 1, not {splits}")
         # Attention's context in parts: about one task a program, not one a KV head while the rest wait.
-        splits = splits or min(32, max(1, programs // cfg.num_kv_heads))  # 32: the merge's loop stays short
+        splits = splits or min(32, max(1, programs // cfg.num_kv_heads))  # 32: the merge's loads stay small
         self.shape = Shape(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.vocab_size, tile, splits, programs)
         lists = deal(self.tasks_of(self.shape), programs)
