@@ -1,9 +1,14 @@
 """Chapter 17's persistent decode step. Triton's interpreter runs a grid's programs one after another, so
 programs that wait on each other cannot run here: the schedule (who waits for what) is proved in
 Python for many shapes and program counts, and the kernel runs as one program working through every
-task in order, against the model's own forward through the paged pool."""
+task in order, against the model's own forward through the paged pool. The kernel is also compiled for an
+H100 here: Triton's front end checks what the interpreter does not."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,3 +198,37 @@ def test_the_setting_names_each_step_and_refuses_where_the_kernel_cannot_run():
             mi.EngineConfig(decode_kernel="persistent", **wrong)
     with pytest.raises(ValueError, match="decode_kernel must be one of"):
         mi.EngineConfig(decode_kernel="megakernel")
+
+
+def compile_for_h100(sizes: dict, prefetch: int, trace: bool) -> None:
+    """Compile the step's kernel for an H100 (sm_90) without one: Triton's front end checks what its interpreter
+    does not (a loop variable that changes shape, a constexpr it cannot fold). Run with TRITON_INTERPRET=0."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from miniinfer.kernels.persistent import _decode_kernel
+    model = small_model("qwen3", **sizes)
+    cache = PagedKVCache(model.cfg, 16, 16)
+    step = PersistentDecode(model, cache.k, cache.v, 16, programs=132)
+    one = torch.zeros(1, dtype=torch.int32)
+    args = [step.tasks, step.counts, step.width, step.counters, step.counters, one, one, one, one, one,
+            *step.buffers, step.logits, step.k_pool, step.v_pool, step.k_pool[0].numel(), step.block_size,
+            *step.weights, 1e-6, 0.1, 1.0]
+    types = {torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+    signature = {name: types[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
+                 for name, a in zip(_decode_kernel.arg_names, args)}
+    constants = dict(step.config, PREFETCH=prefetch, TRACE=trace, GATE_UP=step.gate_up)
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    triton.compile(ASTSource(_decode_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=8, launch_cooperative_grid=True))
+
+
+# Two attention shapes on 132 programs: 3 query heads of 12 over 2 KV heads (32 parts each, merged in one load),
+# 16 of 128 over one (32 parts, merged two at a time); prefetch off, one and two tasks ahead; the traced kernel.
+@pytest.mark.parametrize("sizes, prefetch, trace", [({}, 1, False), (dict(heads=16, kv_heads=1, head_dim=128), 2, True),
+                                                    ({}, 0, True)])
+def test_the_kernel_compiles_for_an_h100_on_any_machine(sizes, prefetch, trace):
+    code = f"import test_persistent as t; t.compile_for_h100({sizes!r}, {prefetch}, {trace})"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
