@@ -201,26 +201,28 @@ def test_the_setting_names_each_step_and_refuses_where_the_kernel_cannot_run():
 
 
 def compile_for_h100(sizes: dict, prefetch: int, trace: bool) -> None:
-    """Compile the step's kernel for an H100 (sm_90) without one: Triton's front end checks what its interpreter
-    does not (a loop variable that changes shape, a constexpr it cannot fold). Run with TRITON_INTERPRET=0."""
+    """Compile the step's kernel for an H100 (sm_90) without one, with the arguments `step` launches it with:
+    Triton's front end checks what its interpreter does not (a loop variable that changes shape, a constexpr it
+    cannot fold). Run with TRITON_INTERPRET=0."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from miniinfer.kernels.persistent import _decode_kernel
+    import miniinfer.kernels.persistent as persistent
     model = small_model("qwen3", **sizes)
     cache = PagedKVCache(model.cfg, 16, 16)
     step = PersistentDecode(model, cache.k, cache.v, 16, programs=132)
+    step.config["PREFETCH"] = prefetch
+    kernel, launched = persistent._decode_kernel, {}
+    persistent._decode_kernel = {(132,): lambda *args, **kw: launched.update(args=args, kw=kw)}  # kernel[grid](...)
     one = torch.zeros(1, dtype=torch.int32)
-    args = [step.tasks, step.counts, step.width, step.counters, step.counters, one, one, one, one, one,
-            *step.buffers, step.logits, step.k_pool, step.v_pool, step.k_pool[0].numel(), step.block_size,
-            *step.weights, 1e-6, 0.1, 1.0]
+    step.step(one, one, one, one, one, trace=torch.zeros(1, dtype=torch.int64) if trace else None)
     types = {torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
     signature = {name: types[a.dtype] if isinstance(a, torch.Tensor) else "fp32" if isinstance(a, float) else "i32"
-                 for name, a in zip(_decode_kernel.arg_names, args)}
-    constants = dict(step.config, PREFETCH=prefetch, TRACE=trace, GATE_UP=step.gate_up)
-    signature.update(dict.fromkeys(constants, "constexpr"))
-    triton.compile(ASTSource(_decode_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=8, launch_cooperative_grid=True))
+                 for name, a in zip(kernel.arg_names, launched["args"])}
+    options = {k: launched["kw"].pop(k) for k in ("num_warps",)}
+    signature.update(dict.fromkeys(launched["kw"], "constexpr"))
+    triton.compile(ASTSource(kernel, signature, launched["kw"]), target=GPUTarget("cuda", 90, 32),
+                   options=dict(options, launch_cooperative_grid=True))
 
 
 # Two attention shapes on 132 programs: 3 query heads of 12 over 2 KV heads (32 parts each, merged in one load),
