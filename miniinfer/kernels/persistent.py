@@ -227,13 +227,19 @@ def _now(after):
 
 
 @triton.jit
-def _rows(w_ptr, row0, N, x, K: tl.constexpr, R: tl.constexpr, KP: tl.constexpr):
-    """Rows row0 .. row0 + R - 1 of w [N, K] times x [KP] (float32, zeros past K) -> [R] float32, the
-    whole tile in one load: its rows are contiguous and already on their way (prefetched)."""
+def _tile(w_ptr, row0, N, K: tl.constexpr, R: tl.constexpr, KP: tl.constexpr):
+    """Rows row0 .. row0 + R - 1 of w [N, K] ([R, KP], zeros past N and K), in one load: they are contiguous
+    and already on their way (prefetched). An instruction asks for them before its input vector, so that
+    the vector's trip through L2 and its norm overlap the weights' arrival instead of preceding it."""
     r = row0 + tl.arange(0, R)
     c = tl.arange(0, KP)
-    w = tl.load(w_ptr + r[:, None].to(tl.int64) * K + c[None, :], mask=(r[:, None] < N) & (c[None, :] < K),
-                other=0.0)
+    return tl.load(w_ptr + r[:, None].to(tl.int64) * K + c[None, :], mask=(r[:, None] < N) & (c[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def _times(w, x):
+    """A tile of rows [R, KP] times x [KP] (float32, zeros past K) -> [R] float32."""
     return tl.sum(w.to(tl.float32) * x[None, :], 1)
 
 
@@ -390,10 +396,11 @@ def _prefetch_task(e, wqkv, wo, wgu, wd, lm, D: tl.constexpr, HO: tl.constexpr, 
 def _qkv(t, layer, stream, embed, token, anorm, wqkv, bqkv, qkv, eps, D: tl.constexpr, NQ: tl.constexpr,
          R: tl.constexpr, BIAS: tl.constexpr):
     """Norm of the stream, then rows t*R .. of q, k and v (plus their bias: Qwen2's) into qkv."""
+    w = _tile(wqkv + layer * NQ * D, t * R, NQ, D, R, triton.next_power_of_2(D))
     c = tl.arange(0, triton.next_power_of_2(D))
     x = _normed(_stream(stream, embed, token, layer, c, D), anorm + layer * D, c, eps, D)
     r = t * R + tl.arange(0, R)
-    acc = _rows(wqkv + layer * NQ * D, t * R, NQ, x, D, R, triton.next_power_of_2(D))
+    acc = _times(w, x)
     if BIAS:
         acc += tl.load(bqkv + layer * NQ + r, mask=r < NQ, other=0.0).to(tl.float32)
     tl.store(qkv + r, acc, mask=r < NQ)
@@ -403,46 +410,49 @@ def _qkv(t, layer, stream, embed, token, anorm, wqkv, bqkv, qkv, eps, D: tl.cons
 def _o(t, layer, ob, wo, bo, stream, embed, token, mid, D: tl.constexpr, HO: tl.constexpr, R: tl.constexpr,
        BIAS: tl.constexpr):
     """Rows t*R .. of the output projection of attention's output ob, plus the stream, into mid."""
-    c = tl.arange(0, triton.next_power_of_2(HO))
-    x = tl.load(ob + c, mask=c < HO, other=0.0, cache_modifier=".cg")
+    w = _tile(wo + layer * D * HO, t * R, D, HO, R, triton.next_power_of_2(HO))
     r = t * R + tl.arange(0, R)
-    acc = _rows(wo + layer * D * HO, t * R, D, x, HO, R, triton.next_power_of_2(HO))
+    res = _stream(stream, embed, token, layer, r, D)  # asked for with the input, not after the sums
+    c = tl.arange(0, triton.next_power_of_2(HO))
+    acc = _times(w, tl.load(ob + c, mask=c < HO, other=0.0, cache_modifier=".cg"))
     if BIAS:
         acc += tl.load(bo + layer * D + r, mask=r < D, other=0.0).to(tl.float32)
-    tl.store(mid + r, _stream(stream, embed, token, layer, r, D) + acc, mask=r < D)
+    tl.store(mid + r, res + acc, mask=r < D)
 
 
 @triton.jit
 def _gate_up(t, layer, mid, mnorm, wgu, act, eps, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr):
     """Norm of mid [D] (the stream after attention), then rows t*R .. of gate and of up (wgu [L, 2F, D]:
     gate's F rows, then up's), SiLU(gate) x up into act [F]."""
+    w = wgu + layer * 2 * F * D
+    gate, up = _tile(w, t * R, F, D, R, triton.next_power_of_2(D)), _tile(w + F * D, t * R, F, D, R,
+                                                                          triton.next_power_of_2(D))
     c = tl.arange(0, triton.next_power_of_2(D))
     x = _normed(tl.load(mid + c, mask=c < D, other=0.0, cache_modifier=".cg"), mnorm + layer * D, c, eps, D)
-    w = wgu + layer * 2 * F * D
-    gate = _rows(w, t * R, F, x, D, R, triton.next_power_of_2(D))
-    up = _rows(w + F * D, t * R, F, x, D, R, triton.next_power_of_2(D))
+    g, u = _times(gate, x), _times(up, x)
     r = t * R + tl.arange(0, R)
-    tl.store(act + r, gate / (1.0 + tl.exp(-gate)) * up, mask=r < F)
+    tl.store(act + r, g / (1.0 + tl.exp(-g)) * u, mask=r < F)
 
 
 @triton.jit
 def _down(t, layer, act, wd, mid, stream, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr):
     """Rows t*R .. of the down projection of act, plus mid: the next layer's stream."""
-    c = tl.arange(0, triton.next_power_of_2(F))
-    x = tl.load(act + c, mask=c < F, other=0.0, cache_modifier=".cg")
+    w = _tile(wd + layer * D * F, t * R, D, F, R, triton.next_power_of_2(F))
     r = t * R + tl.arange(0, R)
-    acc = _rows(wd + layer * D * F, t * R, D, x, F, R, triton.next_power_of_2(F))
-    tl.store(stream + r, tl.load(mid + r, mask=r < D, other=0.0, cache_modifier=".cg") + acc, mask=r < D)
+    res = tl.load(mid + r, mask=r < D, other=0.0, cache_modifier=".cg")  # asked for with the input
+    c = tl.arange(0, triton.next_power_of_2(F))
+    acc = _times(w, tl.load(act + c, mask=c < F, other=0.0, cache_modifier=".cg"))
+    tl.store(stream + r, res + acc, mask=r < D)
 
 
 @triton.jit
 def _lm_head(t, stream, fnorm, lm, logits, eps, D: tl.constexpr, V: tl.constexpr, R: tl.constexpr):
     """The final norm, then rows t*R .. of the logits."""
+    w = _tile(lm, t * R, V, D, R, triton.next_power_of_2(D))
     c = tl.arange(0, triton.next_power_of_2(D))
     x = _normed(tl.load(stream + c, mask=c < D, other=0.0, cache_modifier=".cg"), fnorm, c, eps, D)
     r = t * R + tl.arange(0, R)
-    tl.store(logits + r, _rows(lm, t * R, V, x, D, R, triton.next_power_of_2(D)).to(logits.dtype.element_ty),
-             mask=r < V)
+    tl.store(logits + r, _times(w, x).to(logits.dtype.element_ty), mask=r < V)
 
 
 @triton.jit
