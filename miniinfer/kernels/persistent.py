@@ -360,7 +360,11 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(sc - m_new[:, None])
         total = total * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
+        if GP >= 16:  # Triton makes the sum below a tl.dot where every side is 16 or more, and tl.dot takes
+            # float32 as tf32 (16 query heads a KV head drifted by 4e-4): summed over the last axis, it stays a sum
+            acc = acc * alpha[:, None] + tl.sum(w[:, None, :] * tl.trans(vt).to(tl.float32)[None, :, :], 2)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
         m = m_new
     out = ob + (g * G + j)[:, None] * HD + d[None, :]
     if S == 1:
