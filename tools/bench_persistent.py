@@ -5,13 +5,18 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
     python tools/bench_persistent.py compare OUT.json [SHAPE...]   (default: llama qwen3 llama8b)
     python tools/bench_persistent.py sweep OUT.json [SHAPE]   (after compare: a shape's step traced, and swept)
     python tools/bench_persistent.py plot OUT.json    (OUT.png: each shape's share of its floor, the traced step)
+    python tools/bench_persistent.py ab OUT.json BEFORE.py [SHAPE...]   (this kernel against another version of
+        miniinfer/kernels/persistent.py, e.g. `git show REV:miniinfer/kernels/persistent.py > BEFORE.py`)
 
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
 the logits of one step through both, and the greedy tokens of one request through both. `sweep`: a
 shape's step (the Llama shape's by default) traced (each task's start, end of wait and end on each SM, for
 the lesson's schedule picture), then with other tiles, warps and splits, its L2 prefetch off or further ahead.
+`ab`: the two kernels' steps at a context of 512 in turns on the same pool, and each op's span and task
+time in a middle layer of each one's trace: what a change to the kernel gained, measured in one run.
 """
 
+import collections
 import gc
 import json
 from pathlib import Path
@@ -21,7 +26,7 @@ from bench_engine import engine_for, greedy, llama_8b, models, served_and_step
 from benchlib import Results, commands, gpu_ms
 from copy_bandwidth import copy_bandwidth
 
-from miniinfer.kernels.persistent import OPS, PersistentDecode
+from miniinfer.kernels.persistent import LM, OPS, QKV, PersistentDecode
 
 PROMPT = list(range(100, 132))
 
@@ -82,17 +87,64 @@ def traced(persistent: PersistentDecode, args: tuple) -> dict:
                                      for p, n in enumerate(persistent.counts.tolist())]}
 
 
-def sweep(out: str, shape: str = "llama") -> None:
-    """The shape's persistent step at a context of 512 (a pool of its own, prefilled by the model): one
-    step traced, then with the L2 prefetch off or further ahead, other tiles, warps and attention splits."""
+def at_512(model):
+    """A pool of its own, prefilled by the model with 511 tokens, and the step's arguments for the 512th."""
     from miniinfer.worker.paged_cache import PagedKVCache
-    model = model_of(shape)
-    results = Results(out)
     cache = PagedKVCache(model.cfg, 40, 16, device="cuda", dtype=model.dtype)
     table = list(range(40))
     with torch.no_grad():
         cache.run(model, [list(range(100, 611))], [table], [0])
-    args = tuple(torch.tensor(v, dtype=torch.int32, device="cuda") for v in ([7], [511], [511], [512], table))
+    return cache, tuple(torch.tensor(v, dtype=torch.int32, device="cuda") for v in ([7], [511], [511], [512], table))
+
+
+def spans(trace: dict, layer: int) -> dict:
+    """Each op's span in a layer of a trace (first task's end of wait to last task's end) and its mean task
+    time, in us: a program's layer is counted up each time it turns from another op to QKV."""
+    first, last, ran = {}, {}, collections.defaultdict(list)
+    for tasks in trace["programs"]:
+        at, before = 0, -1
+        for op, _, go, end in tasks:
+            at += op == QKV and before != QKV
+            before = op
+            if at == layer + 1 and op != LM:
+                first[op], last[op] = min(first.get(op, go), go), max(last.get(op, end), end)
+                ran[op].append(end - go)
+    return {OPS[op]: {"span_us": last[op] - first[op], "task_us": sum(r) / len(r)} for op, r in ran.items()}
+
+
+def ab(out: str, before: str, *shapes: str) -> None:
+    """This kernel (`after`) against the one in the file `before`, each shape's steps timed in turns (two
+    rounds of each) on one pool at a context of 512, with the spans of a middle layer of each one's trace."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("persistent_before", before)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    results = Results(out)
+    for shape in shapes or ("llama", "qwen3"):
+        model = model_of(shape)
+        cache, args = at_512(model)
+        steps = {"before": old.PersistentDecode(model, cache.k, cache.v, 16),
+                 "after": PersistentDecode(model, cache.k, cache.v, 16)}
+        res: dict = {"before": before, "context": 512, "step_us": {k: [] for k in steps}}
+        for _ in range(2):
+            for name, p in steps.items():
+                res["step_us"][name].append(gpu_ms(lambda: p.step(*args), rep=200) * 1e3)
+        a, b = (steps[k].step(*args).float().clone() for k in steps)
+        res["logits_max_abs_diff"] = (a - b).abs().max().item()
+        res["spans"] = {k: spans(traced(p, args), model.cfg.num_layers // 2) for k, p in steps.items()}
+        print(shape, {k: [round(u) for u in v] for k, v in res["step_us"].items()}, flush=True)
+        results.save(f"{shape}_ab", res)
+        del steps, cache, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def sweep(out: str, shape: str = "llama") -> None:
+    """The shape's persistent step at a context of 512 (a pool of its own, prefilled by the model): one
+    step traced, then with the L2 prefetch off or further ahead, other tiles, warps and attention splits."""
+    model = model_of(shape)
+    results = Results(out)
+    cache, args = at_512(model)
     floor_us = results.data[shape]["floor_us"]
     res: dict = {"context": 512}
     try:  # the sweep is measured even if the traced variant fails to build
@@ -154,4 +206,4 @@ def plot(path: str) -> None:
 
 
 if __name__ == "__main__":
-    commands(compare=compare, sweep=sweep, plot=plot)
+    commands(compare=compare, sweep=sweep, plot=plot, ab=ab)
