@@ -11,7 +11,8 @@ the model's many kernels, in one run, on the Llama-3.2-1B, Qwen3-0.6B and an 8B-
 Per shape: served tokens/s and the step on the device for both kernels (`bench_engine.served_and_step`),
 the logits of one step through both, and the greedy tokens of one request through both. `sweep`: a
 shape's step (the Llama shape's by default) traced (each task's start, end of wait and end on each SM, for
-the lesson's schedule picture), then with other tiles, warps and splits, its L2 prefetch off or further ahead.
+the lesson's schedule picture), then with other tiles, warps and splits, its prefetch off, further ahead or
+into L1.
 `ab`: the two kernels' steps at a context of 512 in turns on the same pool, and each op's span and task
 time in a middle layer of each one's trace: what a change to the kernel gained, measured in one run.
 """
@@ -141,7 +142,7 @@ def ab(out: str, before: str, *shapes: str) -> None:
 
 def sweep(out: str, shape: str = "llama") -> None:
     """The shape's persistent step at a context of 512 (a pool of its own, prefilled by the model): one
-    step traced, then with the L2 prefetch off or further ahead, other tiles, warps and attention splits."""
+    step traced, then with the prefetch off, further ahead or into L1, other tiles, warps and attention splits."""
     model = model_of(shape)
     results = Results(out)
     cache, args = at_512(model)
@@ -154,14 +155,16 @@ def sweep(out: str, shape: str = "llama") -> None:
         print("trace:", repr(err), flush=True)
     results.save(f"{shape}_sweep", res)
     res["sweep"] = points = []
-    for tile, warps, prefetch, splits in ((32768, 8, 1, None), (32768, 8, 1, 1), (32768, 8, 1, 4), (32768, 8, 1, 32),
-                                          (32768, 8, 0, None), (32768, 8, 2, None), (32768, 8, 3, None),
-                                          (65536, 8, 1, None), (16384, 8, 1, None), (32768, 4, 1, None)):
+    for tile, warps, prefetch, splits, l1 in (
+            (32768, 8, 1, None, False), (32768, 8, 1, 1, False), (32768, 8, 1, 4, False), (32768, 8, 1, 32, False),
+            (32768, 8, 0, None, False), (32768, 8, 2, None, False), (32768, 8, 3, None, False),
+            (32768, 8, 1, None, True), (32768, 8, 2, None, True),
+            (65536, 8, 1, None, False), (16384, 8, 1, None, False), (32768, 4, 1, None, False)):
         p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps, splits=splits)
-        p.config["PREFETCH"] = prefetch
+        p.config.update(PREFETCH=prefetch, INTO_L1=l1)
         us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
-        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "splits": p.shape.splits, "step_us": us,
-                       "step_of_floor": floor_us / us})
+        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "into_l1": l1, "splits": p.shape.splits,
+                       "step_us": us, "step_of_floor": floor_us / us})
         print(points[-1], flush=True)
         results.save(f"{shape}_sweep", res)
 

@@ -212,11 +212,16 @@ def _signal(counter):
 
 
 @triton.jit
-def _prefetch(ptr, nbytes, LINES: tl.constexpr):
-    """Ask L2 for nbytes from ptr, a 128-byte line a thread: the loads that follow will find them there."""
-    line = tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, nbytes - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [ptr.to(tl.pointer_type(tl.int8)) + line], dtype=tl.int32, is_pure=False, pack=1)
+def _prefetch(ptr, nbytes, LINES: tl.constexpr, INTO_L1: tl.constexpr):
+    """Ask L2 (INTO_L1: this SM's L1) for nbytes from ptr, a 128-byte line a thread: the loads that follow
+    will find them there. Only weights are prefetched: nothing writes them, so an SM's L1 cannot go stale."""
+    line = ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, nbytes - 1)
+    if INTO_L1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [line], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [line], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -376,24 +381,24 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
 @triton.jit
 def _prefetch_task(e, wqkv, wo, wgu, wd, lm, D: tl.constexpr, HO: tl.constexpr, F: tl.constexpr, NQ: tl.constexpr,
                    V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr, RD: tl.constexpr,
-                   RL: tl.constexpr, LINES: tl.constexpr):
+                   RL: tl.constexpr, LINES: tl.constexpr, INTO_L1: tl.constexpr):
     """Start the weights of the task at e (its table entry) on their way into L2."""
     op = tl.load(e)
     layer = tl.load(e + 1).to(tl.int64)
     t = tl.load(e + 2).to(tl.int64)
     B: tl.constexpr = wqkv.dtype.element_ty.primitive_bitwidth // 8
     if op == 0:
-        _prefetch(wqkv + (layer * NQ + t * RA) * D, tl.minimum(RA, NQ - t * RA) * D * B, LINES)
+        _prefetch(wqkv + (layer * NQ + t * RA) * D, tl.minimum(RA, NQ - t * RA) * D * B, LINES, INTO_L1)
     elif op == 2:
-        _prefetch(wo + (layer * D + t * RO) * HO, tl.minimum(RO, D - t * RO) * HO * B, LINES)
+        _prefetch(wo + (layer * D + t * RO) * HO, tl.minimum(RO, D - t * RO) * HO * B, LINES, INTO_L1)
     elif op == 3:
         gate = wgu + (layer * 2 * F + t * RG) * D
-        _prefetch(gate, tl.minimum(RG, F - t * RG) * D * B, LINES)
-        _prefetch(gate + F * D, tl.minimum(RG, F - t * RG) * D * B, LINES)
+        _prefetch(gate, tl.minimum(RG, F - t * RG) * D * B, LINES, INTO_L1)
+        _prefetch(gate + F * D, tl.minimum(RG, F - t * RG) * D * B, LINES, INTO_L1)
     elif op == 4:
-        _prefetch(wd + (layer * D + t * RD) * F, tl.minimum(RD, D - t * RD) * F * B, LINES)
+        _prefetch(wd + (layer * D + t * RD) * F, tl.minimum(RD, D - t * RD) * F * B, LINES, INTO_L1)
     elif op == 5:
-        _prefetch(lm + t * RL * D, tl.minimum(RL, V - t * RL) * D * B, LINES)
+        _prefetch(lm + t * RL * D, tl.minimum(RL, V - t * RL) * D * B, LINES, INTO_L1)
 
 
 @triton.jit
@@ -468,7 +473,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
                    F: tl.constexpr, V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                    RD: tl.constexpr, RL: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, LINES: tl.constexpr,
                    QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr,
-                   TRACE: tl.constexpr, GATE_UP: tl.constexpr):
+                   INTO_L1: tl.constexpr, TRACE: tl.constexpr, GATE_UP: tl.constexpr):
     """One program per SM runs its list of tasks (op, layer, index, wait, count, signal) in order
     (TRACE: each task's start, end of its wait and end, in ns, into trace [programs, MAXT, 3])."""
     NQ: tl.constexpr = (H + 2 * KVH) * HD
@@ -482,7 +487,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
     seq_len = tl.load(seq_lens)
     for k in range(PREFETCH):  # the first tasks' weights on their way before anything waits
         if k < n:
-            _prefetch_task(mine + k * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
+            _prefetch_task(mine + k * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES, INTO_L1)
     waited = -1
     for i in range(n):
         e = mine + i * 6
@@ -493,7 +498,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
         if TRACE:
             tl.store(trace + (pid * MAXT + i) * 3, _now(i))
         if PREFETCH > 0 and i + PREFETCH < n:  # weights PREFETCH tasks ahead stream in while this one runs
-            _prefetch_task(e + PREFETCH * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES)
+            _prefetch_task(e + PREFETCH * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES, INTO_L1)
         if wait != waited:  # the tasks of one op wait for the same count: the first of them waits for all
             if wait >= 0:
                 _wait(counters + wait, tl.load(e + 4))
@@ -624,7 +629,7 @@ class PersistentDecode:
         self.config = dict(L=s.layers, D=s.hidden, H=s.heads, KVH=s.kv_heads, HD=s.head_dim, F=s.ffn, V=s.vocab,
                            RA=s.rows(QKV), RO=s.rows(O), RG=s.rows(GU), RD=s.rows(DOWN), RL=s.rows(LM),
                            BP=32, S=splits, LINES=triton.next_power_of_2(max(1, tile * B // 128)),
-                           QKV_BIAS=cfg.qkv_bias, O_BIAS=cfg.o_bias, QK_NORM=cfg.qk_norm,
+                           QKV_BIAS=cfg.qkv_bias, O_BIAS=cfg.o_bias, QK_NORM=cfg.qk_norm, INTO_L1=False,
                            PREFETCH=int(dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"))
         self.launch = dict(num_warps=num_warps, launch_cooperative_grid=True) if dev.type == "cuda" \
             else dict(num_warps=num_warps)
