@@ -366,7 +366,7 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
         w = tl.exp2(sc - m_new[:, None])
         total = total * alpha + tl.sum(w, 1)
         if GP >= 16:  # Triton makes the sum below a tl.dot where every side is 16 or more, and tl.dot takes
-            # float32 as tf32 (16 query heads a KV head drifted by 4e-4): summed over the last axis, it stays a sum
+            # float32 as tf32 (it moved float32 logits by 2.5e-3): summed over the last axis, it stays a sum
             acc = acc * alpha[:, None] + tl.sum(w[:, None, :] * tl.trans(vt).to(tl.float32)[None, :, :], 2)
         else:
             acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
@@ -382,7 +382,7 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
 def _prefetch_task(e, wqkv, wo, wgu, wd, lm, D: tl.constexpr, HO: tl.constexpr, F: tl.constexpr, NQ: tl.constexpr,
                    V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr, RD: tl.constexpr,
                    RL: tl.constexpr, LINES: tl.constexpr, INTO_L1: tl.constexpr):
-    """Start the weights of the task at e (its table entry) on their way into L2."""
+    """Start the weights of the task at e (its table entry) on their way into L2 (or L1)."""
     op = tl.load(e)
     layer = tl.load(e + 1).to(tl.int64)
     t = tl.load(e + 2).to(tl.int64)
@@ -433,10 +433,10 @@ def _o(t, layer, ob, wo, bo, stream, embed, token, mid, D: tl.constexpr, HO: tl.
 def _gate_up(t, layer, mid, mnorm, wgu, act, eps, D: tl.constexpr, F: tl.constexpr, R: tl.constexpr):
     """Norm of mid [D] (the stream after attention), then rows t*R .. of gate and of up (wgu [L, 2F, D]:
     gate's F rows, then up's), SiLU(gate) x up into act [F]."""
+    KP: tl.constexpr = triton.next_power_of_2(D)
     w = wgu + layer * 2 * F * D
-    gate, up = _tile(w, t * R, F, D, R, triton.next_power_of_2(D)), _tile(w + F * D, t * R, F, D, R,
-                                                                          triton.next_power_of_2(D))
-    c = tl.arange(0, triton.next_power_of_2(D))
+    gate, up = _tile(w, t * R, F, D, R, KP), _tile(w + F * D, t * R, F, D, R, KP)
+    c = tl.arange(0, KP)
     x = _normed(tl.load(mid + c, mask=c < D, other=0.0, cache_modifier=".cg"), mnorm + layer * D, c, eps, D)
     g, u = _times(gate, x), _times(up, x)
     r = t * R + tl.arange(0, R)
