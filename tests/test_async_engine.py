@@ -222,15 +222,21 @@ def test_outputs_cross_the_pipe_packed_unchanged(rows):
 
 
 def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, monkeypatch):
-    """Thread mode (a preparation registered in this process): a request whose preparation takes
-    1 s (as a grammar that compiles slowly) waits for it in a thread while another request streams;
-    then it runs exactly. One aborted while preparing never runs; one whose preparation fails ends
-    with the reason."""
+    """Thread mode (a preparation registered in this process): a request whose preparation waits (as a
+    grammar that compiles slowly) waits for it in a thread while another request streams; then it runs
+    exactly. One aborted while preparing never runs; one whose preparation fails ends with the reason.
+    No clock: the preparation ends once the other request has streamed 20 tokens, which it could never do
+    were the preparation holding up the engine's steps."""
+    import threading
     import time
+
+    streamed, aborted = threading.Event(), threading.Event()
 
     def slow(params, tokenizer, info, config):
         if params.seed == 1:
-            return lambda: time.sleep(1.0)
+            return lambda: streamed.wait(30)
+        if params.seed == 3:
+            return lambda: aborted.wait(30)
         if params.seed == 2:
             return lambda: (_ for _ in ()).throw(ValueError("it does not prepare"))
         return None
@@ -243,33 +249,34 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
     free = mi.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     held = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, seed=1)
 
-    async def timed(prompt, params):
+    async def timed(prompt, params, after_20=None):
         times = []
         async for out in eng.generate(prompt, params):
             times += [time.perf_counter()] * len(out.new_token_ids)
+            if after_20 is not None and len(times) >= 20:
+                after_20.set()
         return times
 
     async def main():
-        t0 = time.perf_counter()
-        free_times, held_times = await asyncio.gather(timed([5, 6], free), timed([7, 8], held))
+        free_times, held_times = await asyncio.gather(timed([5, 6], free, streamed), timed([7, 8], held))
         try:
             await collect(eng, [1, 2], mi.SamplingParams(max_tokens=4, seed=2))
             failed = None
         except RuntimeError as err:
             failed = err
-        leaver = asyncio.ensure_future(collect(eng, [3, 4], held))
+        leaver = asyncio.ensure_future(collect(eng, [3, 4], dataclasses.replace(held, seed=3)))
         await asyncio.sleep(0.1)
         leaver.cancel()  # aborted while it prepares
-        await asyncio.sleep(1.2)  # its preparation has ended by now
+        aborted.set()
+        await asyncio.sleep(0.5)  # its preparation ends; the engine must drop the request, not run it
         await drained(eng)
-        return t0, free_times, held_times, failed
+        return free_times, held_times, failed
 
     try:
-        t0, free_times, held_times, failed = asyncio.run(asyncio.wait_for(main(), 60))
+        free_times, held_times, failed = asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         eng.close()
-    assert held_times[0] - t0 >= 1.0  # it waited for its preparation...
-    assert sum(t < held_times[0] for t in free_times) > 20  # ...while the other request streamed
+    assert streamed.is_set() and held_times[0] > free_times[19]  # it waited while the other streamed
     assert len(held_times) == 8 and failed is not None and "it does not prepare" in str(failed)
     assert len(queued) == 2  # the free and the held request: not the one that failed, nor the one aborted
     assert eng.client.engine.block_manager.num_free_blocks == 64 and not eng.client.engine.requests
