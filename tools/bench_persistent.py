@@ -155,15 +155,15 @@ def sweep(out: str, shape: str = "llama") -> None:
         print("trace:", repr(err), flush=True)
     results.save(f"{shape}_sweep", res)
     res["sweep"] = points = []
-    for tile, warps, prefetch, splits, l1 in (
-            (32768, 8, 1, None, False), (32768, 8, 1, 1, False), (32768, 8, 1, 4, False), (32768, 8, 1, 32, False),
-            (32768, 8, 0, None, False), (32768, 8, 2, None, False), (32768, 8, 3, None, False),
-            (32768, 8, 1, None, True), (32768, 8, 2, None, True),
-            (65536, 8, 1, None, False), (16384, 8, 1, None, False), (32768, 4, 1, None, False)):
+    for tile, warps, prefetch, splits, into in (
+            (32768, 8, 1, None, "L2"), (32768, 8, 1, 1, "L2"), (32768, 8, 1, 4, "L2"), (32768, 8, 1, 32, "L2"),
+            (32768, 8, 0, None, "L2"), (32768, 8, 2, None, "L2"), (32768, 8, 3, None, "L2"),
+            (32768, 8, 1, None, "L1"), (32768, 8, 2, None, "L1"),
+            (65536, 8, 1, None, "L2"), (16384, 8, 1, None, "L2"), (32768, 4, 1, None, "L2")):
         p = PersistentDecode(model, cache.k, cache.v, 16, tile=tile, num_warps=warps, splits=splits)
-        p.config.update(PREFETCH=prefetch, INTO_L1=l1)
+        p.config.update(PREFETCH=prefetch, INTO=into)
         us = gpu_ms(lambda: p.step(*args), rep=300) * 1e3
-        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "into_l1": l1, "splits": p.shape.splits,
+        points.append({"tile": tile, "warps": warps, "prefetch": prefetch, "into": into, "splits": p.shape.splits,
                        "step_us": us, "step_of_floor": floor_us / us})
         print(points[-1], flush=True)
         results.save(f"{shape}_sweep", res)

@@ -212,16 +212,12 @@ def _signal(counter):
 
 
 @triton.jit
-def _prefetch(ptr, nbytes, LINES: tl.constexpr, INTO_L1: tl.constexpr):
-    """Ask L2 (INTO_L1: this SM's L1) for nbytes from ptr, a 128-byte line a thread: the loads that follow
-    will find them there. Only weights are prefetched: nothing writes them, so an SM's L1 cannot go stale."""
+def _prefetch(ptr, nbytes, LINES: tl.constexpr, INTO: tl.constexpr):
+    """Ask cache INTO ("L2", or "L1": this SM's own) for nbytes from ptr, a 128-byte line a thread: the loads
+    that follow will find them there. Only weights are prefetched: nothing writes them, so L1 cannot go stale."""
     line = ptr.to(tl.pointer_type(tl.int8)) + tl.minimum(tl.arange(0, LINES).to(tl.int64) * 128, nbytes - 1)
-    if INTO_L1:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [line], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [line], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global." + INTO + " [$1]; mov.u32 $0, 0;", "=r,l", [line], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -356,8 +352,8 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
         km = ok[:, None] & hm[None, :]
         ka = tl.load(kpool + r[:, None] * HD + half[None, :], mask=km, other=0.0, cache_modifier=".cg")
         kb = tl.load(kpool + r[:, None] * HD + HALF + half[None, :], mask=km, other=0.0, cache_modifier=".cg")
-        vt = tl.load(vpool + r[:, None] * HD + d[None, :], mask=ok[:, None] & dm[None, :], other=0.0,
-                     cache_modifier=".cg")
+        vt = tl.load(vpool + r[None, :] * HD + d[:, None], mask=ok[None, :] & dm[:, None], other=0.0,
+                     cache_modifier=".cg")  # [DP, BP]: see below
         sc = tl.sum(s1[:, None, :] * ka.to(tl.float32)[None, :, :], 2) + \
             tl.sum(s2[:, None, :] * kb.to(tl.float32)[None, :, :], 2)
         sc = tl.where(ok[None, :], sc, -float("inf"))
@@ -365,11 +361,9 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(sc - m_new[:, None])
         total = total * alpha + tl.sum(w, 1)
-        if GP >= 16:  # Triton makes the sum below a tl.dot where every side is 16 or more, and tl.dot takes
-            # float32 as tf32 (it moved float32 logits by 2.5e-3): summed over the last axis, it stays a sum
-            acc = acc * alpha[:, None] + tl.sum(w[:, None, :] * tl.trans(vt).to(tl.float32)[None, :, :], 2)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
+        # Summed over the last axis: Triton makes a sum over the middle one (w[:, :, None] * v[None, :, :])
+        # a tl.dot where every side is 16 or more, and tl.dot takes float32 as tf32 (logits 2.5e-3 off).
+        acc = acc * alpha[:, None] + tl.sum(w[:, None, :] * vt.to(tl.float32)[None, :, :], 2)
         m = m_new
     out = ob + (g * G + j)[:, None] * HD + d[None, :]
     if S == 1:
@@ -381,24 +375,24 @@ def _attention(qkv, ob, part, done, kpool, vpool, table, slot, seq_len, pos, t, 
 @triton.jit
 def _prefetch_task(e, wqkv, wo, wgu, wd, lm, D: tl.constexpr, HO: tl.constexpr, F: tl.constexpr, NQ: tl.constexpr,
                    V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr, RD: tl.constexpr,
-                   RL: tl.constexpr, LINES: tl.constexpr, INTO_L1: tl.constexpr):
-    """Start the weights of the task at e (its table entry) on their way into L2 (or L1)."""
+                   RL: tl.constexpr, LINES: tl.constexpr, INTO: tl.constexpr):
+    """Start the weights of the task at e (its table entry) on their way into cache INTO."""
     op = tl.load(e)
     layer = tl.load(e + 1).to(tl.int64)
     t = tl.load(e + 2).to(tl.int64)
     B: tl.constexpr = wqkv.dtype.element_ty.primitive_bitwidth // 8
     if op == 0:
-        _prefetch(wqkv + (layer * NQ + t * RA) * D, tl.minimum(RA, NQ - t * RA) * D * B, LINES, INTO_L1)
+        _prefetch(wqkv + (layer * NQ + t * RA) * D, tl.minimum(RA, NQ - t * RA) * D * B, LINES, INTO)
     elif op == 2:
-        _prefetch(wo + (layer * D + t * RO) * HO, tl.minimum(RO, D - t * RO) * HO * B, LINES, INTO_L1)
+        _prefetch(wo + (layer * D + t * RO) * HO, tl.minimum(RO, D - t * RO) * HO * B, LINES, INTO)
     elif op == 3:
         gate = wgu + (layer * 2 * F + t * RG) * D
-        _prefetch(gate, tl.minimum(RG, F - t * RG) * D * B, LINES, INTO_L1)
-        _prefetch(gate + F * D, tl.minimum(RG, F - t * RG) * D * B, LINES, INTO_L1)
+        _prefetch(gate, tl.minimum(RG, F - t * RG) * D * B, LINES, INTO)
+        _prefetch(gate + F * D, tl.minimum(RG, F - t * RG) * D * B, LINES, INTO)
     elif op == 4:
-        _prefetch(wd + (layer * D + t * RD) * F, tl.minimum(RD, D - t * RD) * F * B, LINES, INTO_L1)
+        _prefetch(wd + (layer * D + t * RD) * F, tl.minimum(RD, D - t * RD) * F * B, LINES, INTO)
     elif op == 5:
-        _prefetch(lm + t * RL * D, tl.minimum(RL, V - t * RL) * D * B, LINES, INTO_L1)
+        _prefetch(lm + t * RL * D, tl.minimum(RL, V - t * RL) * D * B, LINES, INTO)
 
 
 @triton.jit
@@ -473,7 +467,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
                    F: tl.constexpr, V: tl.constexpr, RA: tl.constexpr, RO: tl.constexpr, RG: tl.constexpr,
                    RD: tl.constexpr, RL: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, LINES: tl.constexpr,
                    QKV_BIAS: tl.constexpr, O_BIAS: tl.constexpr, QK_NORM: tl.constexpr, PREFETCH: tl.constexpr,
-                   INTO_L1: tl.constexpr, TRACE: tl.constexpr, GATE_UP: tl.constexpr):
+                   INTO: tl.constexpr, TRACE: tl.constexpr, GATE_UP: tl.constexpr):
     """One program per SM runs its list of tasks (op, layer, index, wait, count, signal) in order
     (TRACE: each task's start, end of its wait and end, in ns, into trace [programs, MAXT, 3])."""
     NQ: tl.constexpr = (H + 2 * KVH) * HD
@@ -487,7 +481,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
     seq_len = tl.load(seq_lens)
     for k in range(PREFETCH):  # the first tasks' weights on their way before anything waits
         if k < n:
-            _prefetch_task(mine + k * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES, INTO_L1)
+            _prefetch_task(mine + k * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES, INTO)
     waited = -1
     for i in range(n):
         e = mine + i * 6
@@ -498,7 +492,7 @@ def _decode_kernel(tasks, counts, MAXT, counters, trace, ids, positions, slots, 
         if TRACE:
             tl.store(trace + (pid * MAXT + i) * 3, _now(i))
         if PREFETCH > 0 and i + PREFETCH < n:  # weights PREFETCH tasks ahead stream in while this one runs
-            _prefetch_task(e + PREFETCH * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES, INTO_L1)
+            _prefetch_task(e + PREFETCH * 6, wqkv, wo, wgu, wd, lm, D, HO, F, NQ, V, RA, RO, RG, RD, RL, LINES, INTO)
         if wait != waited:  # the tasks of one op wait for the same count: the first of them waits for all
             if wait >= 0:
                 _wait(counters + wait, tl.load(e + 4))
@@ -629,7 +623,7 @@ class PersistentDecode:
         self.config = dict(L=s.layers, D=s.hidden, H=s.heads, KVH=s.kv_heads, HD=s.head_dim, F=s.ffn, V=s.vocab,
                            RA=s.rows(QKV), RO=s.rows(O), RG=s.rows(GU), RD=s.rows(DOWN), RL=s.rows(LM),
                            BP=32, S=splits, LINES=triton.next_power_of_2(max(1, tile * B // 128)),
-                           QKV_BIAS=cfg.qkv_bias, O_BIAS=cfg.o_bias, QK_NORM=cfg.qk_norm, INTO_L1=False,
+                           QKV_BIAS=cfg.qkv_bias, O_BIAS=cfg.o_bias, QK_NORM=cfg.qk_norm, INTO="L2",
                            PREFETCH=int(dev.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"))
         self.launch = dict(num_warps=num_warps, launch_cooperative_grid=True) if dev.type == "cuda" \
             else dict(num_warps=num_warps)
