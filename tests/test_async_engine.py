@@ -2,6 +2,7 @@
 blocks of clients that leave, refuses bad requests at once and keeps serving."""
 
 import asyncio
+import contextlib
 import dataclasses
 import pickle
 
@@ -267,6 +268,10 @@ def test_a_request_prepared_in_a_thread_lets_the_others_step_on(course_model, mo
         leaver = asyncio.ensure_future(collect(eng, [3, 4], dataclasses.replace(held, seed=3)))
         await asyncio.sleep(0.1)
         leaver.cancel()  # aborted while it prepares
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaver  # its abort is sent ...
+        while not eng.client.commands.empty():
+            await asyncio.sleep(0.01)  # ... and taken by the engine before the preparation may end
         aborted.set()
         await asyncio.sleep(0.5)  # its preparation ends; the engine must drop the request, not run it
         await drained(eng)
