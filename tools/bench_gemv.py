@@ -13,7 +13,9 @@ Parts (any, in one run; results merge into the JSON):
     chain   a layer's matmuls at one row, layer after layer: chapter 04's kernels and cuBLAS, the GEMVs
             with programmatic dependent launch (each launched while the one before drains), and without;
             and the GEMVs with the add and norm before them apart, in chapter 04's kernel
-    int_sweep  the int8/int4 GEMV's tiles at one row on the 1B and 8B layers (chapter 10's gemv_config)
+    int_sweep[:int4]  the int8/int4 GEMV's tiles at one row on the 1B and 8B layers (chapter 10's gemv_config)
+    int_ab:BEFORE.py  the same layers at one row: the int GEMV against another copy of kernels/quant.py
+            (an earlier commit's, `git show REV:miniinfer/kernels/quant.py > BEFORE.py`) and cuBLAS's bf16
     fp8_sweep  the fp8 GEMV's tiles at 1 and 2 rows on the same layers (chapter 10's fp8_config), beside
             torch._scaled_mm after our activation quantization and bf16 cuBLAS; its outputs checked
             against _scaled_mm's
@@ -33,6 +35,7 @@ Parts (any, in one run; results merge into the JSON):
 
 import contextlib
 import functools
+import importlib.util
 import itertools
 import json
 import statistics
@@ -227,8 +230,10 @@ def chain(gbps: float, layers_cap: int = 16) -> dict:
 
 INT_FORMATS = {"int8": (8, None), "int4": (4, 128)}
 INT_MODELS = ("llama_1b", "llama_8b")
-INT_CONFIGS = [dict(BLOCK_N=n, WORDS=w, num_warps=nw) for n, w, nw in
-               itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024), (4, 8)) if 1024 <= n * w <= 8192]
+# columns of words a thread (4, 8, 16) x warps x words a chunk (at most 128 words a thread) x programs a
+# multiprocessor; two chunks in flight
+INT_CONFIGS = [dict(BLOCK_N=32 * c * nw, WORDS=w, STAGES=2, num_warps=nw, per_sm=p) for c, nw, w, p in
+               itertools.product((4, 8, 16), (1, 2, 4), (8, 16), (1, 2)) if c * w <= 128]
 
 
 def how_many(nbytes: int) -> int:
@@ -243,25 +248,64 @@ def int_copies(N: int, K: int, bits: int, group: int | None) -> list[tuple[torch
     return [one] + [(one[0].clone(), one[1].clone()) for _ in range(how_many(one[0].numel() * 4) - 1)]
 
 
-def int_sweep(gbps: float) -> dict:
-    res = {}
-    for fmt, (bits, group) in INT_FORMATS.items():
+def int_layers(formats: tuple[str, ...] = tuple(INT_FORMATS)):
+    """(format, bits, group, model, layer, N, K) of the int formats on the 1B and 8B layers, the LM head aside."""
+    for fmt, (bits, group) in ((f, INT_FORMATS[f]) for f in formats):
         for model in INT_MODELS:
             for name, (N, K) in layers(model).items():
-                if name == "lm_head":
-                    continue
-                ws = int_copies(N, K, bits, group)
-                x = torch.randn(1, K, device="cuda", dtype=DT)
-                times = sorted((graph_us([lambda w=w, c=c: kq.int_gemv(x, *w, bits, config=c) for w in ws]), i)
-                               for i, c in enumerate(INT_CONFIGS))
-                nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
-                row = {"N": N, "K": K, "best_us": times[0][0], "best_config": INT_CONFIGS[times[0][1]],
-                       "rule_us": graph_us([lambda w=w: kq.int_gemv(x, *w, bits) for w in ws]),
-                       "top5": [(t, INT_CONFIGS[i]) for t, i in times[:5]], "copy_us": nbytes / gbps / 1e3}
-                print(f"int_sweep {fmt} {model} {name}: best {row['best_us']:.1f} us {row['best_config']}, "
-                      f"rule {row['rule_us']:.1f}, copy {row['copy_us']:.1f}", flush=True)
-                res[f"{fmt}/{model}/{name}"] = row
-                del ws
+                if name != "lm_head":
+                    yield fmt, bits, group, model, name, N, K
+
+
+def int_sweep(gbps: float, formats: tuple[str, ...]) -> dict:
+    res = {}
+    for fmt, bits, group, model, name, N, K in int_layers(formats):
+        ws = int_copies(N, K, bits, group)
+        x = torch.randn(1, K, device="cuda", dtype=DT)
+        configs = [{**{k: v for k, v in c.items() if k != "per_sm"}, "SPLIT_K": kq.split_k(
+            -(-N // c["BLOCK_N"]), K * bits // 32 // c["WORDS"], c["per_sm"], x.device)}
+            for c in INT_CONFIGS if (group or K) * bits // 32 % c["WORDS"] == 0]
+        times = sorted((graph_us([lambda w=w, c=c: kq.int_gemv(x, *w, bits, config=c) for w in ws]), i)
+                       for i, c in enumerate(configs))
+        nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
+        row = {"N": N, "K": K, "best_us": times[0][0], "best_config": configs[times[0][1]],
+               "rule_us": graph_us([lambda w=w: kq.int_gemv(x, *w, bits) for w in ws]),
+               "top5": [(t, configs[i]) for t, i in times[:5]], "copy_us": nbytes / gbps / 1e3}
+        print(f"int_sweep {fmt} {model} {name}: best {row['best_us']:.1f} us {row['best_config']}, "
+              f"rule {row['rule_us']:.1f}, copy {row['copy_us']:.1f}", flush=True)
+        res[f"{fmt}/{model}/{name}"] = row
+        del ws
+    return res
+
+
+def int_ab(gbps: float, before: str) -> dict:
+    """The int GEMV at one row against another copy of kernels/quant.py (BEFORE: an earlier commit's), each
+    with its own gemv_config, and cuBLAS's bf16, on the 1B and 8B layers: us and the share of the copy
+    bandwidth its bytes reach, interleaved in three rounds (the median of each)."""
+    spec = importlib.util.spec_from_file_location("quant_before", before)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    res = {}
+    for fmt, bits, group, model, name, N, K in int_layers():
+        ws, bf = int_copies(N, K, bits, group), copies(N, K)
+        x = torch.randn(1, K, device="cuda", dtype=DT)
+        runs = {"before": lambda w: old.int_gemv(x, *w, bits), "after": lambda w: kq.int_gemv(x, *w, bits)}
+        for out in (runs["before"](ws[0]), runs["after"](ws[0])):  # both against the dequantized matmul
+            ref = x.float() @ quant.dequantize(ws[0][0].t(), ws[0][1].t().float(), bits).T
+            assert torch.allclose(out.float(), ref, rtol=2 ** -7, atol=1e-3), (fmt, model, name)
+        times: dict[str, list[float]] = {}
+        for _ in range(3):
+            for key, run in runs.items():
+                times.setdefault(key, []).append(graph_us([lambda w=w, run=run: run(w) for w in ws]))
+            times.setdefault("bf16_cublas", []).append(graph_us([lambda w=w: F.linear(x, w) for w in bf]))
+        nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
+        row = {key: statistics.median(t) for key, t in times.items()}
+        row.update({f"{key}_of_copy": nbytes / gbps / 1e3 / row[key] for key in ("before", "after")},
+                   N=N, K=K, config=kq.gemv_config(N, K, bits, group or K, False, x.device))
+        print(f"int_ab {fmt} {model} {name}: before {row['before']:.1f} us, after {row['after']:.1f} us "
+              f"({row['after_of_copy']:.0%} of the copy), bf16 {row['bf16_cublas']:.1f}", flush=True)
+        res[f"{fmt}/{model}/{name}"] = row
+        del ws, bf
     return res
 
 
@@ -449,10 +493,13 @@ def main(out: str, parts: list[str]) -> None:
             res[part] = argmax_part()
         elif part == "fused":
             res["fused"] = fused(res["copy_GBps"])
-        elif part == "int_sweep":
-            res[part] = int_sweep(res["copy_GBps"])
+        elif part.startswith("int_sweep"):  # int_sweep, int_sweep:int4 (one format's rows, the others kept)
+            res.setdefault("int_sweep", {}).update(int_sweep(res["copy_GBps"], tuple(part.split(":")[1:]) or
+                                                             tuple(INT_FORMATS)))
         elif part == "fp8_sweep":
             res[part] = fp8_sweep(res["copy_GBps"])
+        elif part.startswith("int_ab:"):  # int_ab:tools/quant_before.py
+            res["int_ab"] = int_ab(res["copy_GBps"], part.split(":", 1)[1])
         elif part.startswith("formats"):  # formats, formats:llama_8b (one model's rows, the others kept), formats@1,64
             part, _, rows = part.partition("@")
             models = tuple(part.split(":")[1:]) or INT_MODELS
