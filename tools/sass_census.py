@@ -77,9 +77,10 @@ def load(path: str):
 GEMV_SIGNATURE = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16",
                       part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", x_stride="i32",
                       m15="i32", m19="i32")
-# (bits, gated, BLOCK_N, WORDS, STAGES, num_warps)
-GEMV_TILES = [(4, False, 256, 16, 3, 1), (4, False, 256, 8, 2, 1), (4, False, 512, 8, 2, 1),
-              (4, False, 512, 16, 2, 2), (4, True, 256, 8, 2, 1), (4, True, 128, 16, 3, 1), (8, False, 256, 16, 3, 1)]
+# (bits, gated, BLOCK_N, WORDS, STAGES, num_warps): columns of words a thread 4, 8 and 16, one warp and four
+GEMV_TILES = [(4, False, 128, 8, 2, 1), (4, False, 256, 8, 2, 1), (4, False, 512, 8, 2, 1), (4, False, 512, 8, 2, 4),
+              (4, False, 1024, 8, 2, 4), (4, False, 2048, 8, 2, 4), (4, False, 1024, 16, 3, 4), (4, True, 512, 8, 2, 4),
+              (8, False, 1024, 8, 2, 4)]
 
 
 def int_gemv(out: str, before: str | None = None) -> None:

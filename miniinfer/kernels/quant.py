@@ -221,16 +221,17 @@ def split_k(blocks: int, chunks: int, per_multiprocessor: float, device: torch.d
 
 def gemv_config(N: int, K: int, bits: int, group: int, gated: bool, device: torch.device) -> dict:
     """The GEMV's tiles for N outputs: BLOCK_N channels a program (gate's and up's if gated), chunks of
-    WORDS words in one group, K split in SPLIT_K. One warp takes 512 columns of words (16 a thread, so
-    that each input it converts serves 16 codes), its next chunk copied in while it decodes this one,
-    and K is split until each multiprocessor has a program: the tile with the fewest instructions a
-    code in tools/sass_census.py (docs/benchmarks/gemv_sass_cpu.json), not yet timed on a GPU. Under
-    the CPU interpreter each row of words is a Python step of a program: one program there."""
+    WORDS words in one group, K split in SPLIT_K. A program of four warps, one for each of a
+    multiprocessor's four schedulers (one warp would issue on one of them), takes 1,024 columns of
+    words: 8 a thread, so that each input it converts serves 8 codes; its next chunk is copied in
+    while it decodes this one, and K is split until each multiprocessor has a program. Counted in
+    tools/sass_census.py (docs/benchmarks/gemv_sass_cpu.json), not yet timed on a GPU. Under the CPU
+    interpreter each row of words is a Python step of a program: one program there."""
     words = math.gcd(group * bits // 32, 8)
     if device.type != "cuda":
         return dict(BLOCK_N=min(4096, triton.next_power_of_2(N)), WORDS=words, SPLIT_K=1)
-    block_n = 256 if gated else 512
-    return dict(BLOCK_N=block_n, WORDS=words, STAGES=2, num_warps=1,
+    block_n = 512 if gated else 1024
+    return dict(BLOCK_N=block_n, WORDS=words, STAGES=2, num_warps=4,
                 SPLIT_K=split_k(-(-N // block_n), K * bits // 32 // words, 1, device))
 
 
