@@ -89,10 +89,10 @@ def test_int_gemv_with_the_gate_inside_after_the_ops_add_and_norm(bits, group, M
     torch.testing.assert_close(s, total)
     # sum x*v - 1.5 * sum x cancels a few bits of float32 (the tiled kernel's exact codes keep them)
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
-    for split in (1, 5):  # K split in 5 (some splits with no chunk at K = 256: they count all the same)
-        tiles = kq.int_gemv(y, layer.weight_packed, layer.weight_scale, bits, b, gated=gated,
-                            config=dict(BLOCK_N=16, WORDS=4 if group == 32 else 8, SPLIT_K=split))
-        torch.testing.assert_close(tiles, ref, atol=1e-3, rtol=1e-3)
+    # K split in 5 (some splits with no chunk at K = 256: they count all the same)
+    tiles = kq.int_gemv(y, layer.weight_packed, layer.weight_scale, bits, b, gated=gated,
+                        config=dict(BLOCK_N=16, WORDS=4 if group == 32 else 8, SPLIT_K=5))
+    torch.testing.assert_close(tiles, ref, atol=1e-3, rtol=1e-3)
     assert not kq._COUNTS[y.device].any()  # the last split of each column block left its count at zero
 
 
@@ -313,6 +313,29 @@ def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
     assert engine.block_manager.num_free_blocks == 24
 
 
+@pytest.mark.parametrize("head", ["int8", "int4"])
+def test_the_lm_head_quantized_too_gets_its_own_codes_and_serves(head):
+    """The course model ties its head to the embedding: quantizing the head leaves the embedding's matrix
+    whole, the head's logits within its rounding, and the engine serving it as naive decoding does."""
+    ref = mi.load_model()
+    model = quant.quantize_model(mi.load_model(), "int4", lm_head=head)
+    assert isinstance(model.lm_head, quant.IntLinear) and model.lm_head.bits == int(head[3:])
+    assert torch.equal(model.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    head_layer = model.lm_head
+    w = quant.dequantize(head_layer.weight_packed.t(), head_layer.weight_scale.t(), head_layer.bits)
+    step = head_layer.weight_scale.t().repeat_interleave(w.shape[1] // head_layer.weight_scale.shape[0], dim=1)
+    assert ((w - ref.lm_head.weight).abs() <= step / 2 + 1e-6).all()  # the embedding's matrix, rounded to nearest
+    h = torch.randn(3, ref.cfg.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(head_layer(h), h @ w.T, atol=1e-4, rtol=1e-4)
+    greedy = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [42]]
+    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=24, max_num_seqs=2), model=model)
+    outs = engine.generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [mi.generate_naive(model, p, greedy) for p in prompts]
+    assert engine.block_manager.num_free_blocks == 24
+
+
 @pytest.mark.parametrize("scheme", ["int4", "fp8"])
 def test_fused_ops_send_quantized_decode_steps_through_their_gemv(monkeypatch, scheme):
     """With the Triton GEMVs (as on a GPU; the prefill's matmuls stay PyTorch's here, to be quick) and
@@ -325,7 +348,7 @@ def test_fused_ops_send_quantized_decode_steps_through_their_gemv(monkeypatch, s
         fp8_gemv = kq.TritonQuantKernels.fp8_gemv
 
     model = quant.quantize_model(mi.load_model(), scheme)
-    prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt, greedy = [5, 17, 200, 3, 99], mi.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     ref = mi.generate_cached(model, prompt, greedy)
     calls = []
     name = "int_gemv" if scheme == "int4" else "fp8_gemv"

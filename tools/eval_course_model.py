@@ -7,6 +7,7 @@ corpus is library source; none of these functions is copied from one).
     python tools/eval_course_model.py [CHECKPOINT_FOLDER]    # default: the embedded course model
     python tools/eval_course_model.py --speed docs/benchmarks/course_model_cpu.json   # CPU timing
     python tools/eval_course_model.py --quant corpus docs/benchmarks/quant_quality_cpu.json
+    python tools/eval_course_model.py --quant-head corpus docs/benchmarks/quant_lm_head_cpu.json
                                    # chapter 10: held-out bits per byte and the body check per weight format
 """
 
@@ -107,7 +108,18 @@ def speed(threads: int = 2) -> dict:
     return result
 
 
-def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
+# quality()'s rows: (name, the layers' scheme, GPTQ's calibration, the KV cache's dtype, the LM head's scheme)
+FORMATS = (("float32", None, False, None, None), ("int8", "int8", False, None, None),
+           ("int4 RTN", "int4", False, None, None), ("int4 GPTQ", "int4", True, None, None),
+           ("fp8 weights (emulated)", "fp8", False, None, None), ("fp8 KV cache", None, False, "fp8", None))
+# the LM head quantized too (round to nearest), alone and beside int4's layers
+HEAD_FORMATS = (("float32", None, False, None, None), ("LM head int8", None, False, None, "int8"),
+                ("LM head int4", None, False, None, "int4"), ("int4 RTN", "int4", False, None, None),
+                ("int4 RTN, LM head int8", "int4", False, None, "int8"),
+                ("int4 RTN, LM head int4", "int4", False, None, "int4"))
+
+
+def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024, formats: tuple = FORMATS) -> dict:
     """Chapter 10: each weight format of the course model, and the FP8 KV cache, against float32 on
     the CPU: bits per byte of the held-out packages (their first max_chars characters), the body
     check, and how many of its 20 greedy completions equal float32's. int4 twice: round to nearest,
@@ -152,13 +164,11 @@ def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024) -> dict:
 
     res = header(held_out_chars=sum(map(len, docs)), held_out_docs=len(docs), formats={})
     completions = {}
-    for fmt, scheme, calib, kv in (("float32", None, None, None), ("int8", "int8", None, None),
-                                   ("int4 RTN", "int4", None, None), ("int4 GPTQ", "int4", calibration, None),
-                                   ("fp8 weights (emulated)", "fp8", None, None), ("fp8 KV cache", None, None, "fp8")):
+    for fmt, scheme, calibrated, kv, head in formats:
         t0 = time.perf_counter()
         model = mi.load_model()
-        if scheme is not None:
-            mi.layers.quantization.quantize_model(model, scheme, calib)
+        if scheme is not None or head is not None:
+            mi.layers.quantization.quantize_model(model, scheme, calibration if calibrated else None, lm_head=head)
         with torch.no_grad():
             bpb = bits_per_byte(HFView(model, fp8_kv if kv else None), tokenizer, docs, seq_len, "cpu",
                                 contextlib.nullcontext())
@@ -192,10 +202,13 @@ if __name__ == "__main__":
                     "on this CPU and write the seconds here")
     ap.add_argument("--quant", nargs=2, metavar=("CORPUS", "JSON"), help="instead, chapter 10's quality table: "
                     "a corpus folder of tools/course_corpus.py (its held-out split) and where to write it")
+    ap.add_argument("--quant-head", nargs=2, metavar=("CORPUS", "JSON"), help="the same for the LM head quantized "
+                    "too, alone and beside int4's layers")
     args = ap.parse_args()
-    if args.quant:
-        res = quality(args.quant[0])
-        with open(args.quant[1], "w") as f:
+    if args.quant or args.quant_head:
+        corpus, out = args.quant or args.quant_head
+        res = quality(corpus, formats=FORMATS if args.quant else HEAD_FORMATS)
+        with open(out, "w") as f:
             json.dump(res, f, indent=1)
         sys.exit()
     if args.speed:

@@ -250,14 +250,20 @@ def quantized_layers(model: Transformer, skip: tuple[str, ...] = ("lm_head",)) -
     return [name for name, m in model.named_modules() if isinstance(m, Linear) and name not in skip]
 
 
-def quantize_model(model: Transformer, scheme: str | Scheme,
-                   calibration: list[torch.Tensor] | None = None) -> Transformer:
+def quantize_model(model: Transformer, scheme: str | Scheme | None,
+                   calibration: list[torch.Tensor] | None = None, lm_head: str | Scheme | None = None) -> Transformer:
     """Quantize a loaded model's linear layers in place and return it: round to nearest, or GPTQ with
-    Hessians from the full-precision model's forwards over `calibration` token batches."""
-    scheme = SCHEMES[scheme] if isinstance(scheme, str) else scheme
-    hessians = input_hessians(model, calibration) if calibration else {}
-    for name in quantized_layers(model):
-        model.set_submodule(name, scheme.quantize(cast(Linear, model.get_submodule(name)), hessians.get(name)))
+    Hessians from the full-precision model's forwards over `calibration` token batches. lm_head: the
+    LM head as well, in that scheme by round to nearest (where it shares the embedding's matrix, the
+    embedding keeps it whole and the head gets its own codes)."""
+    if scheme is not None:
+        scheme = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+        hessians = input_hessians(model, calibration) if calibration else {}
+        for name in quantized_layers(model):
+            model.set_submodule(name, scheme.quantize(cast(Linear, model.get_submodule(name)), hessians.get(name)))
+    if lm_head is not None:
+        head = SCHEMES[lm_head] if isinstance(lm_head, str) else lm_head
+        model.set_submodule("lm_head", head.quantize(model.lm_head))
     return model
 
 
