@@ -127,14 +127,18 @@ def compile_int_gemv_for_h100(bits: int, gated: bool, exact: bool) -> None:
     signature = dict(x_ptr="*fp32" if exact else "*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16",
                      out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", x_stride="i32",
                      m15="i32", m19="i32")
-    constants = dict(ROWS=2, HAS_BIAS=True, GATED=gated, BITS=bits, GROUP=128, BLOCK_N=256, WORDS=8, SPLIT_K=3,
-                     STAGES=2, EXACT=exact, PDL=True)
-    triton.compile(ASTSource(kq._int_gemv_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants),
-                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+    with mock.patch.object(kq, "_multiprocessors", lambda device: 132):  # an H100's
+        shipped = kq.gemv_config(4096, 4096, bits, 128, gated, torch.device("cuda"))
+    for tile in (dict(BLOCK_N=256, WORDS=8, SPLIT_K=3, STAGES=2, num_warps=1), shipped):
+        constants = dict(ROWS=2, HAS_BIAS=True, GATED=gated, BITS=bits, GROUP=128, EXACT=exact, PDL=True,
+                         **{k: v for k, v in tile.items() if k != "num_warps"})
+        source = ASTSource(kq._int_gemv_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants)
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tile["num_warps"]))
 
 
 @pytest.mark.parametrize("bits, gated, exact", [(4, True, False), (8, False, True)])
 def test_the_int_gemv_compiles_for_an_h100_on_any_machine(bits, gated, exact):
+    """A small tile (one warp, K in 3) and gemv_config's own for an 8B layer (four warps, K in 16)."""
     import os
     import subprocess
     import sys

@@ -104,7 +104,7 @@ def _split_sum(out, up, part_ptr, count_ptr, b_ptr, out_ptr, rows, rn, M, N, NT,
     if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
         tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
         out, up = tl.zeros_like(out), tl.zeros_like(up)
-        for s in range(SPLIT_K):
+        for s in tl.static_range(SPLIT_K):  # unrolled: every split's loads in flight at once, added in order
             at = (s * ROWS + rows[:, None]) * NT + rn[None, :]
             out += tl.load(part_ptr + at, mask=keep, other=0.0, cache_modifier=".cg")
             if GATED:
@@ -215,8 +215,10 @@ def pow2_at_most(n: int) -> int:
 
 def split_k(blocks: int, chunks: int, per_multiprocessor: float, device: torch.device) -> int:
     """K's splits that give the GPU about per_multiprocessor programs per multiprocessor, for `blocks`
-    column blocks: at most one a chunk."""
-    return max(1, min(chunks, round(per_multiprocessor * _multiprocessors(device) / blocks)))
+    column blocks: at most 16 (the last split loads every split's sums), and as many as share the chunks
+    out without an empty one."""
+    split = max(1, min(chunks, 16, round(per_multiprocessor * _multiprocessors(device) / blocks)))
+    return -(-chunks // -(-chunks // split))
 
 
 def gemv_config(N: int, K: int, bits: int, group: int, gated: bool, device: torch.device) -> dict:
@@ -224,9 +226,9 @@ def gemv_config(N: int, K: int, bits: int, group: int, gated: bool, device: torc
     WORDS words in one group, K split in SPLIT_K. A program of four warps, one for each of a
     multiprocessor's four schedulers (one warp would issue on one of them), takes 1,024 columns of
     words: 8 a thread, so that each input it converts serves 8 codes; its next chunk is copied in
-    while it decodes this one, and K is split until each multiprocessor has a program. Counted in
-    tools/sass_census.py (docs/benchmarks/gemv_sass_cpu.json), not yet timed on a GPU. Under the CPU
-    interpreter each row of words is a Python step of a program: one program there."""
+    while it decodes this one, and K is split until each multiprocessor has a program (`split_k`).
+    Counted in tools/sass_census.py (docs/benchmarks/gemv_sass_cpu.json), not yet timed on a GPU.
+    Under the CPU interpreter each row of words is a Python step of a program: one program there."""
     words = math.gcd(group * bits // 32, 8)
     if device.type != "cuda":
         return dict(BLOCK_N=min(4096, triton.next_power_of_2(N)), WORDS=words, SPLIT_K=1)
@@ -239,10 +241,13 @@ _COUNTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """Per device, n counters at zero that split GEMVs count in (each call leaves them at zero again):
-    made once, not per call, so that a CUDA graph holds no memset."""
-    if device not in _COUNTS or _COUNTS[device].numel() < n:
-        _COUNTS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    """Per device, counters at zero that split GEMVs count in, each call leaving them at zero again:
+    made once (a CUDA graph holds no memset, and never a pointer freed since), and shared, so GEMVs on
+    one device run one after another (one stream, as the engine's)."""
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    if n > _COUNTS[device].numel():
+        raise ValueError(f"{n} column blocks: at most {1 << 16} (a wider BLOCK_N)")
     return _COUNTS[device]
 
 
