@@ -35,7 +35,6 @@ Parts (any, in one run; results merge into the JSON):
 
 import contextlib
 import functools
-import importlib.util
 import itertools
 import json
 import statistics
@@ -44,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_quant import DECODE_GOALS, fp8_matmul
-from benchlib import Results, commands, graph_ms
+from benchlib import Results, commands, graph_ms, load_file
 from copy_bandwidth import copy_bandwidth
 
 import miniinfer as mi
@@ -282,9 +281,7 @@ def int_ab(gbps: float, before: str) -> dict:
     """The int GEMV at one row against another copy of kernels/quant.py (BEFORE: an earlier commit's), each
     with its own gemv_config, and cuBLAS's bf16, on the 1B and 8B layers: us and the share of the copy
     bandwidth its bytes reach, interleaved in three rounds (the median of each)."""
-    spec = importlib.util.spec_from_file_location("quant_before", before)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
+    old = load_file(before)
     res = {}
     for fmt, bits, group, model, name, N, K in int_layers():
         ws, bf = int_copies(N, K, bits, group), copies(N, K)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from bench_engine import engine_for, greedy, llama_8b, models, served_and_step
-from benchlib import Results, commands, gpu_ms
+from benchlib import Results, commands, gpu_ms, load_file
 from copy_bandwidth import copy_bandwidth
 
 from miniinfer.kernels.persistent import LM, OPS, QKV, PersistentDecode
@@ -116,10 +116,7 @@ def spans(trace: dict, layer: int) -> dict:
 def ab(out: str, before: str, *shapes: str) -> None:
     """This kernel (`after`) against the one in the file `before`, each shape's steps timed in turns (two
     rounds of each) on one pool at a context of 512, with the spans of a middle layer of each one's trace."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("persistent_before", before)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
+    old = load_file(before)
     results = Results(out)
     for shape in shapes or ("llama", "qwen3"):
         model = model_of(shape)

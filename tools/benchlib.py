@@ -69,6 +69,15 @@ class Results:
         self.path.write_text(json.dumps(self.data, indent=1) + "\n")
 
 
+def load_file(path: str) -> Any:
+    """The Python module in the file at path (another commit's copy of a kernel, for an A/B in one run)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def gpu_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100, runs: int = 1) -> float:
     """Milliseconds a call of fn takes on the GPU: the median of triton's do_bench (which flushes the L2
     cache before each call), the least of `runs` such medians where a machine's timings jump now and then."""

@@ -14,14 +14,13 @@ The arguments are compiled as a launch would specialize them (pointers and sizes
 """
 
 import collections
-import importlib.util
 import re
 import subprocess
 import tempfile
 from pathlib import Path
 
 import triton
-from benchlib import Results, commands, version
+from benchlib import Results, commands, load_file, version
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -67,13 +66,6 @@ def census(compiled, codes: float) -> dict:
             "top": dict(ops.most_common(10))}
 
 
-def load(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 GEMV_SIGNATURE = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16",
                       part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", x_stride="i32",
                       m15="i32", m19="i32")
@@ -99,7 +91,7 @@ def int_gemv(out: str, before: str | None = None) -> None:
         print(key, rows[key], flush=True)
     res.save("int_gemv", rows)
     if before:  # the GEMV before this one: program per 16 channels over all of K, tiles of 256 words, 8 warps
-        old = load(before)
+        old = load_file(before)
         signature = {k: v for k, v in GEMV_SIGNATURE.items() if k not in ("part_ptr", "count_ptr", "m15", "m19")}
         compiled = compile_sm90(old._int_gemv_kernel, signature, dict(
             ROWS=1, HAS_BIAS=False, GATED=False, BITS=4, GROUP=128, BLOCK_N=16, WORDS=256, PDL=True), num_warps=8)

@@ -77,13 +77,13 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride
 
 
 @triton.jit
-def _codes(words, j, BITS: tl.constexpr, m15, m19):
+def _codes(words, j, low, BITS: tl.constexpr, m15, m19):
     """Codes j ([PER]) of every word ([BLOCK_N]) as v = 1 + u * 2^(TOP-23), u = s + 2^(BITS-1): the word
     shifted until code j starts at bit TOP of a float32 mantissa, masked and ORed under the exponent of 1
-    in one LOP3 -> [PER, BLOCK_N]. TOP is 15 or 19, so two 4-bit codes share a shift. The masks m15 and
+    in one LOP3 -> [PER, BLOCK_N]. TOP is 15 where `low`, else 19, so two 4-bit codes share a shift. The masks m15 and
     m19 ((2^BITS - 1) << 15, 15 << 19) come in as arguments: as constants, ptxas built them again before
     every LOP3, one more instruction a code."""
-    TOP = tl.where((j % 2 == 1) & (BITS == 4), 19, 15)[:, None]
+    TOP = tl.where(low, 15, 19)[:, None]
     S = TOP - j[:, None] * BITS
     at = tl.where(S >= 0, words[None, :] << tl.maximum(S, 0), words[None, :] >> tl.maximum(-S, 0))
     return (at & tl.where(TOP == 15, m15, m19) | 0x3F800000).to(tl.float32, bitcast=True)
@@ -130,7 +130,7 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
     rows = tl.arange(0, ROWS)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     j = tl.arange(0, PER)
-    low = tl.where((j % 2 == 1) & (BITS == 4), 19, 15) == 15  # the codes at TOP 15
+    low = (j % 2 == 0) | (BITS == 8)  # the codes at TOP 15 (at 8 bits, all)
     f = tl.where(low, 1 << (TOPMAX - 15), 1).to(tl.float32)  # x scaled so that every x * u comes at one scale
     exact = tl.where(low & EXACT, 1 + (1 << (BITS - 1)) / 256, 0.0)  # v - that = s / 256, exactly
     zc = tl.where(low & EXACT, 0.0, f * (1 + (1 << (BITS - 1)) / tl.where(low, 256.0, 16.0)))  # f x v - x s ...
@@ -152,10 +152,10 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
             xf = (x * f)[:, :, None]
             # read once: evicted first, so that L2 keeps the activations
             words = tl.load(w_ptr + row * NT + rn, mask=rn < N, other=0, eviction_policy="evict_first")
-            acc += tl.sum(xf * (_codes(words, j, BITS, m15, m19) - exact[:, None])[None], 1)
+            acc += tl.sum(xf * (_codes(words, j, low, BITS, m15, m19) - exact[:, None])[None], 1)
             if GATED:
                 words = tl.load(w_ptr + row * NT + N + rn, mask=rn < N, other=0, eviction_policy="evict_first")
-                acc_up += tl.sum(xf * (_codes(words, j, BITS, m15, m19) - exact[:, None])[None], 1)
+                acc_up += tl.sum(xf * (_codes(words, j, low, BITS, m15, m19) - exact[:, None])[None], 1)
             z += tl.sum(x * zc, 1)
         # the chunk lies in one group: its scales multiply sums, not every code
         g = c * WORDS * PER // GROUP
