@@ -320,7 +320,8 @@ def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
 @pytest.mark.parametrize("head", ["int8", "int4"])
 def test_the_lm_head_quantized_too_gets_its_own_codes_and_serves(head):
     """The course model ties its head to the embedding: quantizing the head leaves the embedding's matrix
-    whole, the head's logits within its rounding, and the engine serving it as naive decoding does."""
+    whole, the head's logits within its rounding, and the engine asked for it (quantize_lm_head) serving
+    as naive decoding does."""
     ref = mi.load_model()
     model = quant.quantize_model(mi.load_model(), "int4", lm_head=head)
     assert isinstance(model.lm_head, quant.IntLinear) and model.lm_head.bits == int(head[3:])
@@ -334,10 +335,13 @@ def test_the_lm_head_quantized_too_gets_its_own_codes_and_serves(head):
         torch.testing.assert_close(head_layer(h), h @ w.T, atol=1e-4, rtol=1e-4)
     greedy = mi.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [42]]
-    engine = mi.LLMEngine(mi.EngineConfig(num_blocks=24, max_num_seqs=2), model=model)
+    engine = mi.LLMEngine(mi.EngineConfig(quantization="int4", quantize_lm_head=head, num_blocks=24, max_num_seqs=2))
+    assert isinstance(engine.model.lm_head, quant.IntLinear) and engine.model.lm_head.bits == int(head[3:])
     outs = engine.generate(prompts, greedy, use_tqdm=False)
     assert [o.token_ids for o in outs] == [mi.generate_naive(model, p, greedy) for p in prompts]
     assert engine.block_manager.num_free_blocks == 24
+    with pytest.raises(ValueError, match="quantize_lm_head is one process's option"):
+        mi.EngineConfig(quantize_lm_head=head, tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "fp8"])

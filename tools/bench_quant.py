@@ -154,10 +154,11 @@ def decode(gbps: float, save=lambda res: None) -> dict:
     res = {}
     for shape, build in (("llama-1b", lambda: models("llama")[1]), ("llama-8b", llama_8b)):
         res[shape] = {}
-        for fmt in ("bf16", "int8", "int4", "fp8"):
+        for fmt in ("bf16", "int8", "int4", "fp8", "int4+int8-head"):
             model = build()  # anew for each format: two 8B models and a pool do not fit an 80 GB card
-            if fmt != "bf16":
-                quant.quantize_model(model, fmt)
+            layers, _, head = fmt.partition("+")  # "+int8-head": the LM head too (EngineConfig.quantize_lm_head)
+            quant.quantize_model(model, None if layers == "bf16" else layers,
+                                 lm_head=head.removesuffix("-head") or None)
             tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
                        if t is not model.inv_freq}
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -288,6 +289,7 @@ def plot(path: str) -> None:
         a.set_title("8B-sized layers, one row")
         a.legend()
     b = axes[0][-1]
+    fmts = tuple(next(iter(res["decode"].values())))  # as the run had them (later runs add the head's)
     for i, shape in enumerate(res["decode"]):
         d = res["decode"][shape]
         x = [j + 0.4 * i for j in range(len(fmts))]
@@ -299,7 +301,7 @@ def plot(path: str) -> None:
                 b.plot([x[j] - 0.19, x[j] + 0.19], [DECODE_GOALS[shape, f]] * 2, color="r", lw=2,
                        label="goal" if (i, j) == (1, 1) else None)
     b.axhline(1, color="gray", lw=0.8)
-    b.set_xticks([j + 0.2 for j in range(len(fmts))], fmts)
+    b.set_xticks([j + 0.2 for j in range(len(fmts))], [f.replace("+", "\n+") for f in fmts])
     b.set_ylabel("tokens/s relative to bf16")
     b.set_title("batch-1 decode")
     b.legend(fontsize=8)

@@ -35,6 +35,9 @@ class EngineConfig:
     quantization: str | None = setting(None, "model", "store the linear layers' weights in 8 or 4 bits on load "
                                        "(chapter 10; default: as the checkpoint has them)",
                                        (None, "int8", "int4", "fp8"))
+    quantize_lm_head: str | None = setting(None, "model", "the LM head's weights in 8 or 4 bits too (chapter 10: "
+                                           "int8 leaves the course model's bits per byte as they were, int4 "
+                                           "adds 1.1 percent; default: as loaded)", (None, "int8", "int4", "fp8"))
     # a torch dtype, or "fp8", which __post_init__ turns into torch.float8_e4m3fn
     kv_cache_dtype: torch.dtype | None = setting(None, "cache", "the KV pool's dtype, or fp8 (e4m3, half the bytes "
                                                  "of bf16: chapter 10; default: the model's)")
@@ -142,6 +145,9 @@ class EngineConfig:
             raise ValueError("enable_expert_parallel splits a mixture of experts over tensor_parallel_size >= 2 ranks, "
                              f"in full precision; got tensor_parallel_size={self.tensor_parallel_size}, "
                              f"quantization={self.quantization!r}")
+        if self.quantize_lm_head is not None and world > 1:
+            raise ValueError("quantize_lm_head is one process's option: the ranks split the head in full precision "
+                             f"(got {world} ranks)")
         if self.tensor_parallel_size > 1:
             # The ranks cut full-precision tensors (chapter 11), and quantize on load as one GPU would;
             # a checkpoint's packed codes they cannot cut.

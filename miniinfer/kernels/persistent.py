@@ -533,7 +533,7 @@ def unsupported(model: Transformer, kv_dtype: torch.dtype) -> str | None:
         return "experts and latent attention have steps of their own (chapters 13, 14)"
     if getattr(model, "stage", None) is not None:
         return "a pipeline stage holds some of the layers"
-    if type(layer.self_attn.qkv_proj).__name__ != "Linear" or type(layer.mlp.down_proj).__name__ != "Linear":
+    if any(type(m).__name__ != "Linear" for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj, model.lm_head)):
         return "quantized weights"
     if layer.self_attn.qkv_proj.weight.shape[0] != (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim:
         return "the heads are split over ranks"

@@ -279,6 +279,9 @@ class OnLoad:
     def finish(self, model: Transformer) -> None:
         quantize_model(model, self.scheme)
 
+    def finish_head(self, model: Transformer) -> None:
+        quantize_model(model, None, lm_head=self.scheme)
+
 
 def _on_load(name: str):
     def make(stored: dict | None) -> OnLoad:
