@@ -328,20 +328,28 @@ def floor(model, prompts, outs, gbps: float, tflops: float) -> dict:
             "weight_bytes": weight_bytes, "batch1_tokens_per_s": gbps * 1e9 / weight_bytes}
 
 
-def served_and_step(model, **engine_kw: object) -> dict:
-    """One request: served tokens/s (the best of three streams' median gap between tokens) against the
-    rate its step allows (1 / the batch-1 CUDA graph replayed on the device, no host in it)."""
-    engine = engine_for(model, max_num_seqs=8, **engine_kw)
-    prompt = list(range(100, 132))
-    list(engine.stream(prompt, greedy(16)))  # warm-up: compiles, captures
-    itls = []
-    for _ in range(3):
-        times = [time.perf_counter() for _ in engine.stream(prompt, greedy(256))]
-        itls.append(sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2])
-    graph = engine.executor.runner.graphs.graphs[1]
+def served_and_step(model, batch: int = 1, **engine_kw: object) -> dict:
+    """`batch` requests at once: served tokens/s (the best of three runs' median gap between steps, times
+    the batch) against the rate its step allows (the batch's CUDA graph replayed on the device, no host
+    in it)."""
+    engine = engine_for(model, max_num_seqs=max(8, batch), **engine_kw)
+    prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
+
+    def median_gap(n: int) -> float:
+        for p in prompts:
+            engine.add_request(p, greedy(n))
+        times = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            times.append(time.perf_counter())
+        return sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2]
+
+    median_gap(16)  # warm-up: compiles, captures
+    itls = [median_gap(256) for _ in range(3)]
+    graph = engine.executor.runner.graphs.graphs[batch]
     step_us = gpu_ms(graph.replay, rep=200) * 1e3
-    res = {"tokens_per_s": 1 / min(itls), "itl_us": [t * 1e6 for t in itls], "step_us": step_us,
-           "step_tokens_per_s": 1e6 / step_us}
+    res = {"batch": batch, "tokens_per_s": batch / min(itls), "itl_us": [t * 1e6 for t in itls], "step_us": step_us,
+           "step_tokens_per_s": batch * 1e6 / step_us}
     res["of_step"] = res["tokens_per_s"] / res["step_tokens_per_s"]
     return res
 

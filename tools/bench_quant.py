@@ -6,7 +6,7 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     kernels  GB/s of each format's matmul at the Llama-3.2-1B and an 8B-sized layer's shapes, batch
              1/16/256, against the copy bandwidth: bf16 (cuBLAS), int8, int4 (ours), int4
              dequantized then cuBLAS, fp8 (torch._scaled_mm)
-    decode   batch-1 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes
+    decode   batch-1 and batch-16 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes
     kv_check the attention kernels over e4m3 pools against the PyTorch references
     e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
     (the GEMV at 1-16 rows and against gemlite and torchao: tools/bench_gemv.py int_sweep formats)
@@ -146,10 +146,10 @@ def fp8_matmul(x, wq, ws):
 def decode(gbps: float, save=lambda res: None) -> dict:
     """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
     Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
-    token)."""
+    token); then 16 requests at once, served and on the device."""
     import gc
 
-    from bench_engine import batch1, llama_8b, models, timeline1
+    from bench_engine import batch1, llama_8b, models, served_and_step, timeline1
 
     res = {}
     for shape, build in (("llama-1b", lambda: models("llama")[1]), ("llama-8b", llama_8b)):
@@ -171,10 +171,13 @@ def decode(gbps: float, save=lambda res: None) -> dict:
             d["step_fraction_of_floor"] = nbytes / gbps / 1e3 / d["step_us"]
             d["speedup_vs_bf16"] = d["tokens_per_s"] / res[shape]["bf16"]["tokens_per_s"]
             d["step_speedup_vs_bf16"] = res[shape]["bf16"]["step_us"] / d["step_us"]
+            b16 = d["batch16"] = served_and_step(model, batch=16)
+            b16["speedup_vs_bf16"] = b16["tokens_per_s"] / res[shape]["bf16"]["batch16"]["tokens_per_s"]
             print(f"decode {shape} {fmt}: {r['tokens_per_s']:.0f} tok/s ({d['speedup_vs_bf16']:.2f}x bf16), "
                   f"{nbytes / 1e9:.2f} GB of weights, {100 * d['fraction_of_floor']:.0f}% of its floor; step "
                   f"{d['step_us']:.0f} us on the device ({d['step_speedup_vs_bf16']:.2f}x bf16, "
-                  f"{100 * d['step_fraction_of_floor']:.0f}% of its floor)", flush=True)
+                  f"{100 * d['step_fraction_of_floor']:.0f}% of its floor); batch 16: {b16['tokens_per_s']:.0f} "
+                  f"tok/s ({b16['speedup_vs_bf16']:.2f}x bf16), its step {b16['step_us']:.0f} us", flush=True)
             del model
             gc.collect()
             torch.cuda.empty_cache()
