@@ -229,10 +229,8 @@ def chain(gbps: float, layers_cap: int = 16) -> dict:
 
 INT_FORMATS = {"int8": (8, None), "int4": (4, 128)}
 INT_MODELS = ("llama_1b", "llama_8b")
-# columns of words a thread (4, 8, 16) x warps x words a chunk (at most 128 words a thread) x programs a
-# multiprocessor; two chunks in flight
-INT_CONFIGS = [dict(BLOCK_N=32 * c * nw, WORDS=w, STAGES=2, num_warps=nw, per_sm=p) for c, nw, w, p in
-               itertools.product((4, 8, 16), (1, 2, 4), (8, 16), (1, 2)) if c * w <= 128]
+INT_CONFIGS = [dict(BLOCK_N=n, WORDS=w, num_warps=nw) for n, w, nw in
+               itertools.product((8, 16, 32, 64), (64, 128, 256, 512, 1024), (4, 8)) if 1024 <= n * w <= 8192]
 
 
 def how_many(nbytes: int) -> int:
@@ -261,9 +259,7 @@ def int_sweep(gbps: float, formats: tuple[str, ...]) -> dict:
     for fmt, bits, group, model, name, N, K in int_layers(formats):
         ws = int_copies(N, K, bits, group)
         x = torch.randn(1, K, device="cuda", dtype=DT)
-        configs = [{**{k: v for k, v in c.items() if k != "per_sm"}, "SPLIT_K": kq.split_k(
-            -(-N // c["BLOCK_N"]), K * bits // 32 // c["WORDS"], c["per_sm"], x.device)}
-            for c in INT_CONFIGS if (group or K) * bits // 32 % c["WORDS"] == 0]
+        configs = INT_CONFIGS
         times = sorted((graph_us([lambda w=w, c=c: kq.int_gemv(x, *w, bits, config=c) for w in ws]), i)
                        for i, c in enumerate(configs))
         nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
@@ -298,7 +294,7 @@ def int_ab(gbps: float, before: str) -> dict:
         nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
         row = {key: statistics.median(t) for key, t in times.items()}
         row.update({f"{key}_of_copy": nbytes / gbps / 1e3 / row[key] for key in ("before", "after")},
-                   N=N, K=K, config=kq.gemv_config(N, K, bits, group or K, False, x.device))
+                   N=N, K=K, config=kq.gemv_config(N, K, bits, x.device))
         print(f"int_ab {fmt} {model} {name}: before {row['before']:.1f} us, after {row['after']:.1f} us "
               f"({row['after_of_copy']:.0%} of the copy), bf16 {row['bf16_cublas']:.1f}", flush=True)
         res[f"{fmt}/{model}/{name}"] = row

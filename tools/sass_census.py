@@ -7,10 +7,10 @@ pipe (shifts, LOP3, IMAD, PRMT) takes 64 of them per cycle and multiprocessor ag
 multiply-adds: the count says whether a kernel can keep up with its own bytes before a GPU is lent.
 The arguments are compiled as a launch would specialize them (pointers and sizes divisible by 16).
 
-    python tools/sass_census.py int_gemv docs/benchmarks/gemv_sass_cpu.json [BEFORE.py]
-        chapter 10's int GEMV at one row on several tiles (int4 in groups of 128, int8 per channel);
-        BEFORE.py: another copy of kernels/quant.py (an earlier commit's) whose _int_gemv_kernel is
-        counted beside it, with the tile its gemv_config gave the 8B layers
+    python tools/sass_census.py int_gemv docs/benchmarks/gemv_sass_cpu.json [CANDIDATE.py]
+        chapter 10's int GEMV at one row on its 8B tile (int4 in groups of 128); CANDIDATE.py: another
+        copy of kernels/quant.py whose _int_gemv_kernel is counted beside it on several tiles (the GEMV
+        written by this count and then timed slower: `git show 022e284:miniinfer/kernels/quant.py`)
 """
 
 import collections
@@ -66,38 +66,38 @@ def census(compiled, codes: float) -> dict:
             "top": dict(ops.most_common(10))}
 
 
-GEMV_SIGNATURE = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16",
-                      part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", x_stride="i32",
-                      m15="i32", m19="i32")
+SIGNATURE = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
+                 K="i32", x_stride="i32")
+# The candidate's (022e284's): a split of K's sums and two counters more
+CANDIDATE_SIGNATURE = {**SIGNATURE, "part_ptr": "*fp32", "count_ptr": "*i32", "m15": "i32", "m19": "i32"}
 # (bits, gated, BLOCK_N, WORDS, STAGES, num_warps): columns of words a thread 4, 8 and 16, one warp and four
-GEMV_TILES = [(4, False, 128, 8, 2, 1), (4, False, 256, 8, 2, 1), (4, False, 512, 8, 2, 1), (4, False, 512, 8, 2, 4),
-              (4, False, 1024, 8, 2, 4), (4, False, 2048, 8, 2, 4), (4, False, 1024, 16, 3, 4), (4, True, 512, 8, 2, 4),
-              (8, False, 1024, 8, 2, 4)]
+CANDIDATE_TILES = [(4, False, 128, 8, 2, 1), (4, False, 256, 8, 2, 1), (4, False, 512, 8, 2, 1),
+                   (4, False, 512, 8, 2, 4), (4, False, 1024, 8, 2, 4), (4, False, 2048, 8, 2, 4),
+                   (4, False, 1024, 16, 3, 4), (4, True, 512, 8, 2, 4), (8, False, 1024, 8, 2, 4)]
 
 
-def int_gemv(out: str, before: str | None = None) -> None:
+def int_gemv(out: str, candidate: str | None = None) -> None:
     from miniinfer.kernels import quant
     res = Results(out, ptxas=subprocess.run([BIN / "ptxas", "--version"], capture_output=True,
                                             text=True).stdout.strip().splitlines()[-1], target="sm_90",
                   triton_compiler=version("triton"))
-    rows = {}
-    for bits, gated, block_n, words, stages, warps in GEMV_TILES:
-        compiled = compile_sm90(quant._int_gemv_kernel, GEMV_SIGNATURE, dict(
-            ROWS=1, HAS_BIAS=False, GATED=gated, BITS=bits, GROUP=128 if bits == 4 else 4096, BLOCK_N=block_n,
-            WORDS=words, SPLIT_K=4, STAGES=stages, EXACT=False, PDL=True), num_warps=warps)
-        codes = words * (32 // bits) * block_n * (2 if gated else 1) / (32 * warps)
-        key = f"int{bits}{' gated' if gated else ''} BLOCK_N={block_n} WORDS={words} STAGES={stages} warps={warps}"
-        rows[key] = census(compiled, codes)
-        print(key, rows[key], flush=True)
-    res.save("int_gemv", rows)
-    if before:  # the GEMV before this one: program per 16 channels over all of K, tiles of 256 words, 8 warps
-        old = load_file(before)
-        signature = {k: v for k, v in GEMV_SIGNATURE.items() if k not in ("part_ptr", "count_ptr", "m15", "m19")}
-        compiled = compile_sm90(old._int_gemv_kernel, signature, dict(
-            ROWS=1, HAS_BIAS=False, GATED=False, BITS=4, GROUP=128, BLOCK_N=16, WORDS=256, PDL=True), num_warps=8)
-        row = census(compiled, 256 * 8 * 16 / 256)
-        print("before", row, flush=True)
-        res.save("int_gemv_before", {"int4 BLOCK_N=16 WORDS=256 warps=8": row, "source": before})
+    # chapter 10's GEMV at its 8B tile: a program per 16 channels over all of K, tiles of 256 words, 8 warps
+    compiled = compile_sm90(quant._int_gemv_kernel, SIGNATURE, dict(
+        ROWS=1, HAS_BIAS=False, GATED=False, BITS=4, GROUP=128, BLOCK_N=16, WORDS=256, PDL=True), num_warps=8)
+    row = census(compiled, 256 * 8 * 16 / 256)
+    print("shipped", row, flush=True)
+    res.save("int_gemv", {"int4 BLOCK_N=16 WORDS=256 warps=8": row})
+    if candidate:  # another GEMV's _int_gemv_kernel, on its tiles
+        other, rows = load_file(candidate), {}
+        for bits, gated, block_n, words, stages, warps in CANDIDATE_TILES:
+            compiled = compile_sm90(other._int_gemv_kernel, CANDIDATE_SIGNATURE, dict(
+                ROWS=1, HAS_BIAS=False, GATED=gated, BITS=bits, GROUP=128 if bits == 4 else 4096, BLOCK_N=block_n,
+                WORDS=words, SPLIT_K=4, STAGES=stages, EXACT=False, PDL=True), num_warps=warps)
+            codes = words * (32 // bits) * block_n * (2 if gated else 1) / (32 * warps)
+            key = f"int{bits}{' gated' if gated else ''} BLOCK_N={block_n} WORDS={words} STAGES={stages} warps={warps}"
+            rows[key] = census(compiled, codes)
+            print(key, rows[key], flush=True)
+        res.save("int_gemv_candidate", {**rows, "source": candidate})
 
 
 if __name__ == "__main__":

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -11,7 +9,7 @@ import triton.language as tl
 from miniinfer.kernels.attention import _multiprocessors
 from miniinfer.kernels.gemv import _finish, _input_tile, _tiles, launch_gemv
 from miniinfer.kernels.gemv import gemv_config as bf16_gemv_config
-from miniinfer.kernels.norm_rope import pdl_args, wait_for_input
+from miniinfer.kernels.norm_rope import wait_for_input
 from miniinfer.layers.quant_formats import FP8, FP8_MAX, QuantKernels
 
 
@@ -77,97 +75,74 @@ def _int_matmul_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, x_stride
 
 
 @triton.jit
-def _codes(words, j, low, BITS: tl.constexpr, m15, m19):
-    """Codes j ([PER]) of every word ([BLOCK_N]) as v = 1 + u * 2^(TOP-23), u = s + 2^(BITS-1): the word
-    shifted until code j starts at bit TOP of a float32 mantissa, masked and ORed under the exponent of 1
-    in one LOP3 -> [PER, BLOCK_N]. TOP is 15 where `low`, else 19, so two 4-bit codes share a shift. The masks m15 and
-    m19 ((2^BITS - 1) << 15, 15 << 19) come in as arguments: as constants, ptxas built them again before
-    every LOP3, one more instruction a code."""
-    TOP = tl.where(low, 15, 19)[:, None]
-    S = TOP - j[:, None] * BITS
-    at = tl.where(S >= 0, words[None, :] << tl.maximum(S, 0), words[None, :] >> tl.maximum(-S, 0))
-    return (at & tl.where(TOP == 15, m15, m19) | 0x3F800000).to(tl.float32, bitcast=True)
+def _codes(w_ptr, s_ptr, cols, limit, k0, stride, K, PER: tl.constexpr, GROUP: tl.constexpr,
+           WORDS: tl.constexpr):
+    """Words k0/PER.. of columns `cols` (< limit) of the packed [K/PER, stride] codes as a [1, WORDS,
+    BLOCK_N] tile, and each word's scale in the same shape."""
+    wk = k0 // PER + tl.arange(0, WORDS)
+    mask = (wk[None, :, None] < K // PER) & (cols[None, None, :] < limit)
+    # read once: evicted first, so that L2 keeps the activations
+    words = tl.load(w_ptr + wk[None, :, None] * stride + cols[None, None, :], mask=mask, other=0,
+                    eviction_policy="evict_first")
+    scale = tl.load(s_ptr + (wk * PER // GROUP)[None, :, None] * stride + cols[None, None, :], mask=mask, other=0.0)
+    return words, scale
 
 
 @triton.jit
-def _split_sum(out, up, part_ptr, count_ptr, b_ptr, out_ptr, rows, rn, M, N, NT, HAS_BIAS: tl.constexpr,
-               GATED: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Leave this split's sums in part [SPLIT_K, ROWS, NT]; the last split of these channels to count
-    itself adds all of them up, in order (the same sums every call), and finishes."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    keep = (rn < N)[None, :]
-    mine = (pid_k * ROWS + rows[:, None]) * NT + rn[None, :]
-    tl.store(part_ptr + mine, out, mask=keep)
-    if GATED:
-        tl.store(part_ptr + mine + N, up, mask=keep)
-    tl.debug_barrier()  # every thread's sums written before the count says so
-    if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-        tl.debug_barrier()  # the acquire is one thread's: every thread's reads after it
-        out, up = tl.zeros_like(out), tl.zeros_like(up)
-        for s in tl.static_range(SPLIT_K):  # unrolled: every split's loads in flight at once, added in order
-            at = (s * ROWS + rows[:, None]) * NT + rn[None, :]
-            out += tl.load(part_ptr + at, mask=keep, other=0.0, cache_modifier=".cg")
-            if GATED:
-                up += tl.load(part_ptr + at + N, mask=keep, other=0.0, cache_modifier=".cg")
-        tl.store(count_ptr + pid_n, 0)  # zero again for the next call
-        _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS, GATED)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, x_stride, m15, m19,
-                     ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BITS: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr,
-                     STAGES: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr):
-    """Program (n, k): channels n * BLOCK_N.. (and up's, N further, if GATED) over split k of K, in chunks
-    of WORDS words that lie in one group. A row of words is a vector over the channels, its PER inputs
-    numbers every thread holds: a code costs its LOP3, half a shift, a multiply and an add. The codes
-    at TOP 15 and 19 are summed at one scale, x * u / 16 (x * u / 256 at 8 bits), each x's constant
-    part apart (z); EXACT (float32 inputs): the TOP 15 codes are made exact by a subtraction instead,
-    as 16 x's constant part would cancel 4 bits more."""
-    PER: tl.constexpr = 32 // BITS
-    TOPMAX: tl.constexpr = 19 if BITS == 4 else 15
-    NT = 2 * N if GATED else N
-    rows = tl.arange(0, ROWS)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, PER)
-    low = (j % 2 == 0) | (BITS == 8)  # the codes at TOP 15 (at 8 bits, all)
-    f = tl.where(low, 1 << (TOPMAX - 15), 1).to(tl.float32)  # x scaled so that every x * u comes at one scale
-    exact = tl.where(low & EXACT, 1 + (1 << (BITS - 1)) / 256, 0.0)  # v - that = s / 256, exactly
-    zc = tl.where(low & EXACT, 0.0, f * (1 + (1 << (BITS - 1)) / tl.where(low, 256.0, 16.0)))  # f x v - x s ...
-    chunks = K // (PER * WORDS)
-    per_split = tl.cdiv(chunks, SPLIT_K)
-    first = tl.program_id(1) * per_split
-    out = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    up = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    wait_for_input(PDL)
-    # STAGES > 1: Triton's pipeliner copies the next chunks' words into shared memory while this one runs
-    for c in tl.range(first, tl.minimum(chunks, first + per_split), num_stages=STAGES):
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        z = tl.zeros([ROWS], tl.float32)
-        for r in tl.static_range(WORDS):
-            row = c * WORDS + r
-            x = tl.load(x_ptr + rows[:, None] * x_stride + row * PER + j[None, :], mask=(rows < M)[:, None],
-                        other=0.0).to(tl.float32)  # [ROWS, PER]
-            xf = (x * f)[:, :, None]
-            # read once: evicted first, so that L2 keeps the activations
-            words = tl.load(w_ptr + row * NT + rn, mask=rn < N, other=0, eviction_policy="evict_first")
-            acc += tl.sum(xf * (_codes(words, j, low, BITS, m15, m19) - exact[:, None])[None], 1)
-            if GATED:
-                words = tl.load(w_ptr + row * NT + N + rn, mask=rn < N, other=0, eviction_policy="evict_first")
-                acc_up += tl.sum(xf * (_codes(words, j, low, BITS, m15, m19) - exact[:, None])[None], 1)
-            z += tl.sum(x * zc, 1)
-        # the chunk lies in one group: its scales multiply sums, not every code
-        g = c * WORDS * PER // GROUP
-        scale = tl.load(s_ptr + g * NT + rn, mask=rn < N, other=0.0).to(tl.float32)
-        out += (acc - z[:, None]) * (1 << (23 - TOPMAX)) * scale[None, :]
-        if GATED:
-            scale = tl.load(s_ptr + g * NT + N + rn, mask=rn < N, other=0.0).to(tl.float32)
-            up += (acc_up - z[:, None]) * (1 << (23 - TOPMAX)) * scale[None, :]
-    if SPLIT_K > 1:
-        _split_sum(out, up, part_ptr, count_ptr, b_ptr, out_ptr, rows, rn, M, N, NT, HAS_BIAS, GATED, ROWS, SPLIT_K)
+def _code(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Code j of every word as v = 1 + u / 2^BITS (u = s + 2^(BITS-1), unsigned): its bits moved to
+    the top of a float32 mantissa and ORed under the exponent of 1, a shift and one LOP3."""
+    TOP: tl.constexpr = 23 - BITS  # the code's lowest bit in the mantissa
+    if j * BITS <= TOP:
+        at_top = words << (TOP - j * BITS)
     else:
-        _finish(out, up, b_ptr, out_ptr, rows, rn, M, N, HAS_BIAS, GATED)
+        at_top = words >> (j * BITS - TOP)
+    return (at_top & (((1 << BITS) - 1) << TOP) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROWS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
+    """Chapter 06's _gemv_kernel over packed codes, its gated epilogue and early launch with it: a
+    code costs a shift, a LOP3 and a multiply-add (`_code`): sum x*s = 2^BITS * (sum x*v - 1.5 *
+    sum x), the subtraction paid once per word."""
+    PER: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = WORDS * PER
+    NT = 2 * N if GATED else N  # columns of the codes: gate's N, then up's
+    pid = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_next, s_next = _codes(w_ptr, s_ptr, rn, N, 0, NT, K, PER, GROUP, WORDS)
+    if GATED:
+        u_next, us_next = _codes(w_ptr, s_ptr, rn + N, NT, 0, NT, K, PER, GROUP, WORDS)
+    wait_for_input(PDL)
+    acc = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)  # summed over its words once, at the end
+    if GATED:
+        acc_up = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        # the next tile asked for before this one is used, as in chapter 06
+        words, scale = w_next, s_next
+        w_next, s_next = _codes(w_ptr, s_ptr, rn, N, k0 + BLOCK_K, NT, K, PER, GROUP, WORDS)
+        part = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
+        if GATED:
+            u, u_scale = u_next, us_next
+            u_next, us_next = _codes(w_ptr, s_ptr, rn + N, NT, k0 + BLOCK_K, NT, K, PER, GROUP, WORDS)
+            part_up = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
+        x_sum = tl.zeros([ROWS, WORDS], tl.float32)
+        for j in tl.static_range(PER):  # code j of every word, against the inputs k = word * PER + j
+            k = k0 + tl.arange(0, WORDS) * PER + j
+            x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                        other=0.0).to(tl.float32)
+            part += x[:, :, None] * _code(words, j, BITS)
+            if GATED:
+                part_up += x[:, :, None] * _code(u, j, BITS)
+            x_sum += x
+        acc += (part - 1.5 * x_sum[:, :, None]) * scale.to(tl.float32)
+        if GATED:
+            acc_up += (part_up - 1.5 * x_sum[:, :, None]) * u_scale.to(tl.float32)
+    _finish(tl.sum(acc, 1) * (1 << BITS), tl.sum(acc_up, 1) * (1 << BITS) if GATED else acc, b_ptr, out_ptr, rows, rn,
+            M, N, HAS_BIAS, GATED)
 
 
 @triton.jit
@@ -213,66 +188,30 @@ def pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def split_k(blocks: int, chunks: int, per_multiprocessor: float, device: torch.device) -> int:
-    """K's splits that give the GPU about per_multiprocessor programs per multiprocessor, for `blocks`
-    column blocks: at most 16 (the last split loads every split's sums), and as many as share the chunks
-    out without an empty one."""
-    split = max(1, min(chunks, 16, round(per_multiprocessor * _multiprocessors(device) / blocks)))
-    return -(-chunks // -(-chunks // split))
-
-
-def gemv_config(N: int, K: int, bits: int, group: int, gated: bool, device: torch.device) -> dict:
-    """The GEMV's tiles for N outputs: BLOCK_N channels a program (gate's and up's if gated), chunks of
-    WORDS words in one group, K split in SPLIT_K. A program of four warps, one for each of a
-    multiprocessor's four schedulers (one warp would issue on one of them), takes 1,024 columns of
-    words: 8 a thread, so that each input it converts serves 8 codes; its next chunk is copied in
-    while it decodes this one, and K is split until each multiprocessor has a program (`split_k`).
-    Counted in tools/sass_census.py (docs/benchmarks/gemv_sass_cpu.json), not yet timed on a GPU.
-    Under the CPU interpreter each row of words is a Python step of a program: one program there."""
-    words = math.gcd(group * bits // 32, 8)
+def gemv_config(N: int, K: int, bits: int, device: torch.device) -> dict:
+    """The GEMV kernel's tile for N columns of codes (gate and up together): BLOCK_N channels by WORDS
+    words, from tools/bench_gemv.py int_sweep on an H100 (docs/benchmarks/gemv_formats_h100.json).
+    A program walks its channels' K in turn, each tile waiting for its loads: few channels and long
+    tiles keep enough programs and few steps; wide matrices have programs to spare. Under the CPU
+    interpreter a program costs a Python loop: wide tiles there."""
     if device.type != "cuda":
-        return dict(BLOCK_N=min(4096, triton.next_power_of_2(N)), WORDS=words, SPLIT_K=1)
-    block_n = 512 if gated else 1024
-    return dict(BLOCK_N=block_n, WORDS=words, STAGES=2, num_warps=4,
-                SPLIT_K=split_k(-(-N // block_n), K * bits // 32 // words, 1, device))
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counts(device: torch.device, n: int) -> torch.Tensor:
-    """Per device, counters at zero that split GEMVs count in, each call leaving them at zero again:
-    made once (a CUDA graph holds no memset, and never a pointer freed since), and shared, so GEMVs on
-    one device run one after another (one stream, as the engine's)."""
-    if device not in _COUNTS:
-        _COUNTS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-    if n > _COUNTS[device].numel():
-        raise ValueError(f"{n} column blocks: at most {1 << 16} (a wider BLOCK_N)")
-    return _COUNTS[device]
+        return dict(BLOCK_N=min(256, triton.next_power_of_2(N)), WORDS=min(64, triton.next_power_of_2(K * bits // 32)))
+    if N >= 16384:
+        return dict(BLOCK_N=32, WORDS=64, num_warps=8)
+    return dict(BLOCK_N=8 if N <= 2048 else 16, WORDS=512 if N <= 2048 and K >= 8192 else 256, num_warps=8)
 
 
 def int_gemv(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bits: int,
              bias: torch.Tensor | None = None, gated: bool = False, config: dict | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T for a few rows, W in IntLinear's packed codes, the bias and silu(gate) * up after
-    it -> out [..., N]."""
-    K, NT = packed.shape[0] * 32 // bits, packed.shape[1]
-    N, group = NT // (2 if gated else 1), K // scale.shape[0]
+    """Chapter 06's gemv with the weight in IntLinear's packed codes, the bias and silu(gate) * up
+    after it -> out [..., N]."""
+    K = packed.shape[0] * 32 // bits
+    N = packed.shape[1] // (2 if gated else 1)
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    M = x2.shape[0]
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    if M == 0:  # no rows: tl.arange takes none
-        return out.view(*x.shape[:-1], N)
-    cfg = {"STAGES": 1, "SPLIT_K": 1, **(config or gemv_config(N, K, bits, group, gated, x.device))}
-    if (group * bits // 32) % cfg["WORDS"]:
-        raise ValueError(f"a chunk of {cfg['WORDS']} words must lie in one group of {group} inputs")
-    rows, blocks, split = triton.next_power_of_2(M), triton.cdiv(N, cfg["BLOCK_N"]), cfg["SPLIT_K"]
-    part = torch.empty(split, rows, NT, device=x.device, dtype=torch.float32) if split > 1 else out
-    _int_gemv_kernel[(blocks, split)](x2, packed, scale, bias if bias is not None else x2, out, part,
-                                      _counts(x.device, blocks), M, N, K, x2.stride(0), ((1 << bits) - 1) << 15,
-                                      15 << 19, ROWS=rows, HAS_BIAS=bias is not None, GATED=gated, BITS=bits,
-                                      GROUP=group, EXACT=x.dtype == torch.float32, **cfg, **pdl_args(x.device))
+    out = launch_gemv(_int_gemv_kernel, (packed, scale), N, x2, bias, gated,
+                      config or gemv_config(packed.shape[1], K, bits, x.device), BITS=bits, GROUP=K // scale.shape[0])
     return out.view(*x.shape[:-1], N)
 
 
