@@ -72,8 +72,10 @@ class Results:
 def load_file(path: str) -> Any:
     """The Python module in the file at path (another commit's copy of a kernel, for an A/B in one run)."""
     import importlib.util
+    import sys
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses look up their own module while it runs
     spec.loader.exec_module(module)
     return module
 
