@@ -78,7 +78,7 @@ def test_greedy_through_the_latent_kernels(mla_checkpoint):
         pytest.skip("the kernels in the engine: one model (they equal the reference below)")
     def picked(engine):  # "triton" for a cache whose values are its keys: chapter 14's decode kernel
         assert isinstance(engine.executor.runner.cache.kernels, LatentAttentionKernels)
-    serve_under_preemption(kind, folder, hf, picked, kernels="triton")
+    serve_under_preemption(kind, folder, hf, picked, n=4, kernels="triton")  # four requests: preempted all the same
 
 
 @pytest.mark.parametrize("D, block_size, splits, heads", [(40, 1, 1, 5), (72, 3, 3, 5), (40, 3, 3, 20),
