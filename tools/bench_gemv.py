@@ -259,13 +259,12 @@ def int_sweep(gbps: float, formats: tuple[str, ...]) -> dict:
     for fmt, bits, group, model, name, N, K in int_layers(formats):
         ws = int_copies(N, K, bits, group)
         x = torch.randn(1, K, device="cuda", dtype=DT)
-        configs = INT_CONFIGS
         times = sorted((graph_us([lambda w=w, c=c: kq.int_gemv(x, *w, bits, config=c) for w in ws]), i)
-                       for i, c in enumerate(configs))
+                       for i, c in enumerate(INT_CONFIGS))
         nbytes = ws[0][0].numel() * 4 + ws[0][1].numel() * 2
-        row = {"N": N, "K": K, "best_us": times[0][0], "best_config": configs[times[0][1]],
+        row = {"N": N, "K": K, "best_us": times[0][0], "best_config": INT_CONFIGS[times[0][1]],
                "rule_us": graph_us([lambda w=w: kq.int_gemv(x, *w, bits) for w in ws]),
-               "top5": [(t, configs[i]) for t, i in times[:5]], "copy_us": nbytes / gbps / 1e3}
+               "top5": [(t, INT_CONFIGS[i]) for t, i in times[:5]], "copy_us": nbytes / gbps / 1e3}
         print(f"int_sweep {fmt} {model} {name}: best {row['best_us']:.1f} us {row['best_config']}, "
               f"rule {row['rule_us']:.1f}, copy {row['copy_us']:.1f}", flush=True)
         res[f"{fmt}/{model}/{name}"] = row

@@ -167,8 +167,7 @@ def quality(corpus: str, max_chars: int = 200_000, seq_len: int = 1024, formats:
     for fmt, scheme, calibrated, kv, head in formats:
         t0 = time.perf_counter()
         model = mi.load_model()
-        if scheme is not None or head is not None:
-            mi.layers.quantization.quantize_model(model, scheme, calibration if calibrated else None, lm_head=head)
+        mi.layers.quantization.quantize_model(model, scheme, calibration if calibrated else None, lm_head=head)
         with torch.no_grad():
             bpb = bits_per_byte(HFView(model, fp8_kv if kv else None), tokenizer, docs, seq_len, "cpu",
                                 contextlib.nullcontext())

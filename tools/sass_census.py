@@ -68,8 +68,10 @@ def census(compiled, codes: float) -> dict:
 
 SIGNATURE = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
                  K="i32", x_stride="i32")
-# The candidate's (022e284's): a split of K's sums and two counters more
-CANDIDATE_SIGNATURE = {**SIGNATURE, "part_ptr": "*fp32", "count_ptr": "*i32", "m15": "i32", "m19": "i32"}
+# The candidate's (022e284's), in its arguments' order: a split of K's sums, their counters, two masks
+CANDIDATE_SIGNATURE = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16",
+                           part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32", x_stride="i32",
+                           m15="i32", m19="i32")
 # (bits, gated, BLOCK_N, WORDS, STAGES, num_warps): columns of words a thread 4, 8 and 16, one warp and four
 CANDIDATE_TILES = [(4, False, 128, 8, 2, 1), (4, False, 256, 8, 2, 1), (4, False, 512, 8, 2, 1),
                    (4, False, 512, 8, 2, 4), (4, False, 1024, 8, 2, 4), (4, False, 2048, 8, 2, 4),
