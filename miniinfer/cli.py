@@ -55,8 +55,9 @@ def engine_options(ap: argparse.ArgumentParser) -> None:
             groups[group].add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
             convert = int if "int" in kind else float if "float" in kind else str
+            # None, where a field may take it, is spelled "none" on the command line
             groups[group].add_argument(flag, type=convert, default=default, help=text,
-                                       choices=[c for c in f.metadata["choices"] if c is not None] or None)
+                                       choices=["none" if c is None else c for c in f.metadata["choices"]] or None)
 
 
 def engine_config(args: argparse.Namespace):
@@ -64,6 +65,8 @@ def engine_config(args: argparse.Namespace):
 
     import miniinfer as mi
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(mi.EngineConfig)}
+    values.update({f.name: None for f in dataclasses.fields(mi.EngineConfig)
+                   if None in f.metadata["choices"] and values[f.name] == "none"})
     values["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     values["dtype"] = args.dtype or ("bfloat16" if values["device"].startswith("cuda") else "float32")
     for name in ("dtype", "kv_cache_dtype"):

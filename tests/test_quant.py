@@ -2,6 +2,7 @@
 interpreter here) against dequantize-then-matmul, checkpoints written by compressed-tensors against
 transformers' dequantized model, refusals, and the engine with quantized weights."""
 
+import argparse
 import json
 from unittest import mock
 
@@ -287,7 +288,7 @@ def test_engine_with_quantized_weights_agrees_with_naive_decoding(scheme):
     prompts = [[5, 6, 7, 8], list(range(100, 140)), [42]]
     engine = mi.LLMEngine(mi.EngineConfig(quantization=scheme, num_blocks=24, max_num_seqs=2))
     outs = engine.generate(prompts, greedy, use_tqdm=False)
-    model = quant.quantize_model(mi.load_model(), scheme)
+    model = quant.quantize_model(mi.load_model(), scheme, lm_head="int8")  # the engine's default beside them
     assert [o.token_ids for o in outs] == [mi.generate_naive(model, p, greedy) for p in prompts]
     assert engine.block_manager.num_free_blocks == 24
 
@@ -317,6 +318,24 @@ def test_the_lm_head_quantized_too_gets_its_own_codes_and_serves(head):
     assert engine.block_manager.num_free_blocks == 24
     with pytest.raises(ValueError, match="quantize_lm_head is one process's option"):
         mi.EngineConfig(quantize_lm_head=head, tensor_parallel_size=2)
+
+
+def test_the_lm_head_is_int8_by_default_beside_quantized_layers_in_one_process():
+    """quantize_lm_head="auto": int8 where the layers are quantized on one process; kept as loaded where
+    they are not, on split ranks, and when asked for None (the command line's "none")."""
+    from miniinfer.cli import engine_config, engine_options
+    assert mi.EngineConfig(quantization="int4").lm_head_format() == "int8"
+    assert mi.EngineConfig().lm_head_format() is None
+    assert mi.EngineConfig(quantization="int4", quantize_lm_head=None).lm_head_format() is None
+    assert mi.EngineConfig(quantization="int8", tensor_parallel_size=2).lm_head_format() is None
+    assert mi.EngineConfig(quantize_lm_head="int4").lm_head_format() == "int4"
+    parser = argparse.ArgumentParser()
+    engine_options(parser)
+    assert engine_config(parser.parse_args(["--quantization", "int4", "--quantize-lm-head", "none"])).lm_head_format() \
+        is None
+    assert engine_config(parser.parse_args(["--quantization", "int4"])).lm_head_format() == "int8"
+    engine = mi.LLMEngine(mi.EngineConfig(quantization="int8", quantize_lm_head=None, num_blocks=8))
+    assert not isinstance(engine.model.lm_head, quant.IntLinear)
 
 
 @pytest.mark.parametrize("scheme", ["int4", "fp8"])

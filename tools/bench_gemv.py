@@ -517,7 +517,8 @@ def plot(formats_path: str, decode_path: str) -> None:
     import matplotlib.pyplot as plt
 
     res = json.loads(Path(formats_path).read_text())
-    dec = json.loads(Path(decode_path).read_text())["decode"]
+    decode = json.loads(Path(decode_path).read_text())
+    dec = decode["decode"]
     f, gbps = res["formats"], res["copy_GBps"]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1.6, 1.2, 1]})
     names = ("qkv", "o", "gate_up", "down")
@@ -543,7 +544,7 @@ def plot(formats_path: str, decode_path: str) -> None:
     b.set(xscale="log", xticks=(1, 2, 4, 8, 16), xticklabels=("1", "2", "4", "8", "16"), xlabel="rows",
           ylabel="bf16 cuBLAS time / int4 time", title="8B layers (line style: qkv, o, gate_up, down)")
     b.legend(fontsize=7)
-    fmts = ("int8", "int4", "fp8")
+    fmts = [m for m in ("int8", "int4", "int4+int8-head", "fp8") if m in dec["llama-8b"]]
     for i, shape in enumerate(("llama-1b", "llama-8b")):
         xs = [j + 0.4 * i for j in range(len(fmts))]
         c.bar(xs, [dec[shape][m]["speedup_vs_bf16"] for m in fmts], 0.4, label=f"{shape}, served",
@@ -555,10 +556,11 @@ def plot(formats_path: str, decode_path: str) -> None:
                 c.plot([x - 0.18, x + 0.18], [DECODE_GOALS[shape, m]] * 2, color="#e6550d", lw=2,
                        label="goal" if (shape, m) == ("llama-8b", "int8") else None)
     c.axhline(1, color="k", lw=0.8)
-    c.set_xticks([j + 0.2 for j in range(len(fmts))], fmts)
+    c.set_xticks([j + 0.2 for j in range(len(fmts))], [m.replace("+", "\n+ ") for m in fmts], fontsize=8)
     c.set(ylabel="tokens/s relative to bf16", title="batch-1 decode, same run per shape")
     c.legend(fontsize=7)
-    fig.suptitle(f"{res['gpu']}, copy {gbps:,.0f} GB/s, torch {res['torch']}, triton {res['triton']}, {res['date']}")
+    fig.suptitle(f"{res['gpu']}, copy {gbps:,.0f} GB/s, torch {res['torch']}, triton {res['triton']}, {res['date']}; "
+                 f"decode: {decode['gpu']}, {decode['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(Path(formats_path).with_suffix(".png"), dpi=110)
 

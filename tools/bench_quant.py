@@ -7,6 +7,7 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
              1/16/256, against the copy bandwidth: bf16 (cuBLAS), int8, int4 (ours), int4
              dequantized then cuBLAS, fp8 (torch._scaled_mm)
     decode   batch-1 and batch-16 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes
+             (decode:llama-8b, decode:llama-1b: one shape, in a process of its own, merged into the JSON)
     kv_check the attention kernels over e4m3 pools against the PyTorch references
     e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
     (the GEMV at 1-16 rows and against gemlite and torchao: tools/bench_gemv.py int_sweep formats)
@@ -143,16 +144,20 @@ def fp8_matmul(x, wq, ws):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=DT)
 
 
-def decode(gbps: float, save=lambda res: None) -> dict:
+def decode(gbps: float, save=lambda res: None, res: dict | None = None, only: str | None = None) -> dict:
     """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
     Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
-    token); then 16 requests at once, served and on the device."""
+    token); then 16 requests at once, served and on the device. only: one shape, added to res. Run
+    each shape in a process of its own: after the 8B-sized rows the same process served the 1B
+    shape's at up to half the rate a fresh one does."""
     import gc
 
     from bench_engine import batch1, llama_8b, models, served_and_step, timeline1
 
-    res = {}
+    res = dict(res or {})
     for shape, build in (("llama-8b", llama_8b), ("llama-1b", lambda: models("llama")[1])):  # the goals' first
+        if only not in (None, shape):
+            continue
         res[shape] = {}
         for fmt in ("bf16", "int8", "int4", "fp8", "int4+int8-head"):
             model = build()  # anew for each format: two 8B models and a pool do not fit an 80 GB card
@@ -257,10 +262,11 @@ def main(out: str, parts: list[str]) -> None:
     res = results.data
     res.setdefault("copy_GBps", copy_bandwidth())
     for part in parts:
-        if part not in PARTS:
+        name, _, shape = part.partition(":")
+        if name not in PARTS:
             raise SystemExit(f"unknown part {part!r}")
-        if part == "decode":
-            res[part] = decode(res["copy_GBps"], results.saver("decode"))
+        if name == "decode":  # decode:llama-1b: that shape alone, its rows merged into the JSON's
+            res[name] = decode(res["copy_GBps"], results.saver("decode"), res.get("decode", {}), shape or None)
         else:
             res[part] = PARTS[part](res["copy_GBps"]) if part == "kernels" else PARTS[part]()
         results.write()

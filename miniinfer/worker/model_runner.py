@@ -75,8 +75,8 @@ class ModelRunner:
             model = load_model(config.model, config.device, config.dtype, config.quantization, prepare)
         elif config.quantization is not None:  # a model built by the caller: quantized here, in place
             QUANTIZATIONS[config.quantization](None).finish(model)
-        if config.quantize_lm_head is not None:
-            QUANTIZATIONS[config.quantize_lm_head](None).finish_head(model)
+        if (head := config.lm_head_format()) is not None:
+            QUANTIZATIONS[head](None).finish_head(model)
         self.model = model
         self.max_model_len, self.max_num_batched_tokens = context_limits(config, self.model.cfg)
         self.device, self.kv_dtype = self.model.device, config.kv_cache_dtype or self.model.dtype
