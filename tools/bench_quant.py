@@ -6,8 +6,8 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
     kernels  GB/s of each format's matmul at the Llama-3.2-1B and an 8B-sized layer's shapes, batch
              1/16/256, against the copy bandwidth: bf16 (cuBLAS), int8, int4 (ours), int4
              dequantized then cuBLAS, fp8 (torch._scaled_mm)
-    decode   batch-1 and batch-16 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes
-             (decode:llama-8b, decode:llama-1b: one shape, in a process of its own, merged into the JSON)
+    decode   batch-1 and batch-16 decode tokens/s of the engine per weight format, Llama-3.2-1B and 8B-sized shapes,
+             each shape in a process of its own (decode:llama-1b: that shape alone, merged into the JSON)
     kv_check the attention kernels over e4m3 pools against the PyTorch references
     e2e      the end-to-end workload with the FP8 KV cache and with FP8 weights, against bf16
     (the GEMV at 1-16 rows and against gemlite and torchao: tools/bench_gemv.py int_sweep formats)
@@ -17,6 +17,8 @@ Hand-written tool. Parts (any of them, in one run, in the order given; results m
 
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -144,49 +146,50 @@ def fp8_matmul(x, wq, ws):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=DT)
 
 
-def decode(gbps: float, save=lambda res: None, res: dict | None = None, only: str | None = None) -> dict:
-    """Batch-1 decode tokens/s of the engine per weight format on the Llama-3.2-1B and an 8B-sized
-    Llama shape (random bf16 weights), against each format's floor (every weight byte read once per
-    token); then 16 requests at once, served and on the device. only: one shape, added to res. Run
-    each shape in a process of its own: after the 8B-sized rows the same process served the 1B
-    shape's at up to half the rate a fresh one does."""
+DECODE_SHAPES = ("llama-8b", "llama-1b")  # the goals' first
+
+
+def decode(gbps: float, shape: str, res: dict, save=lambda res: None) -> dict:
+    """Batch-1 decode tokens/s of the engine per weight format on one shape (the Llama-3.2-1B or an
+    8B-sized Llama, random bf16 weights), added to res: against each format's floor (every weight byte
+    read once per token); then 16 requests at once, served and on the device. One shape a process
+    (main): after the 8B-sized rows the same process served the 1B shape's at up to half the rate a
+    fresh one does."""
     import gc
 
     from bench_engine import batch1, llama_8b, models, served_and_step, timeline1
 
-    res = dict(res or {})
-    for shape, build in (("llama-8b", llama_8b), ("llama-1b", lambda: models("llama")[1])):  # the goals' first
-        if only not in (None, shape):
-            continue
-        res[shape] = {}
-        for fmt in ("bf16", "int8", "int4", "fp8", "int4+int8-head"):
-            model = build()  # anew for each format: two 8B models and a pool do not fit an 80 GB card
-            layers, _, head = fmt.partition("+")  # "+int8-head": the LM head too (EngineConfig.quantize_lm_head)
-            quant.quantize_model(model, None if layers == "bf16" else layers,
-                                 lm_head=head.removesuffix("-head") or None)
-            tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
-                       if t is not model.inv_freq}
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            r = batch1(model, gbps)
-            t = timeline1(model, gbps)  # the step replayed on the device: no host in it
-            d = res[shape][fmt] = {"tokens_per_s": r["tokens_per_s"], "weight_bytes": nbytes,
-                                   "floor_tokens_per_s": gbps * 1e9 / nbytes, "step_us": t["step_us"],
-                                   "kernels": t["kernels"], "by_class": t["by_class"]}
-            d["fraction_of_floor"] = d["tokens_per_s"] / d["floor_tokens_per_s"]
-            d["step_fraction_of_floor"] = nbytes / gbps / 1e3 / d["step_us"]
-            d["speedup_vs_bf16"] = d["tokens_per_s"] / res[shape]["bf16"]["tokens_per_s"]
-            d["step_speedup_vs_bf16"] = res[shape]["bf16"]["step_us"] / d["step_us"]
-            b16 = d["batch16"] = served_and_step(model, batch=16)
-            b16["speedup_vs_bf16"] = b16["tokens_per_s"] / res[shape]["bf16"]["batch16"]["tokens_per_s"]
-            print(f"decode {shape} {fmt}: {r['tokens_per_s']:.0f} tok/s ({d['speedup_vs_bf16']:.2f}x bf16), "
-                  f"{nbytes / 1e9:.2f} GB of weights, {100 * d['fraction_of_floor']:.0f}% of its floor; step "
-                  f"{d['step_us']:.0f} us on the device ({d['step_speedup_vs_bf16']:.2f}x bf16, "
-                  f"{100 * d['step_fraction_of_floor']:.0f}% of its floor); batch 16: {b16['tokens_per_s']:.0f} "
-                  f"tok/s ({b16['speedup_vs_bf16']:.2f}x bf16), its step {b16['step_us']:.0f} us", flush=True)
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
-            save(res)  # format by format: a run cut short keeps what it measured
+    res = dict(res)
+    build = llama_8b if shape == "llama-8b" else lambda: models("llama")[1]
+    res[shape] = {}
+    for fmt in ("bf16", "int8", "int4", "fp8", "int4+int8-head"):
+        model = build()  # anew for each format: two 8B models and a pool do not fit an 80 GB card
+        layers, _, head = fmt.partition("+")  # "+int8-head": the LM head too (EngineConfig.quantize_lm_head)
+        quant.quantize_model(model, None if layers == "bf16" else layers,
+                             lm_head=head.removesuffix("-head") or None)
+        tensors = {t.data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())
+                   if t is not model.inv_freq}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        r = batch1(model, gbps)
+        t = timeline1(model, gbps)  # the step replayed on the device: no host in it
+        d = res[shape][fmt] = {"tokens_per_s": r["tokens_per_s"], "weight_bytes": nbytes,
+                               "floor_tokens_per_s": gbps * 1e9 / nbytes, "step_us": t["step_us"],
+                               "kernels": t["kernels"], "by_class": t["by_class"]}
+        d["fraction_of_floor"] = d["tokens_per_s"] / d["floor_tokens_per_s"]
+        d["step_fraction_of_floor"] = nbytes / gbps / 1e3 / d["step_us"]
+        d["speedup_vs_bf16"] = d["tokens_per_s"] / res[shape]["bf16"]["tokens_per_s"]
+        d["step_speedup_vs_bf16"] = res[shape]["bf16"]["step_us"] / d["step_us"]
+        b16 = d["batch16"] = served_and_step(model, batch=16)
+        b16["speedup_vs_bf16"] = b16["tokens_per_s"] / res[shape]["bf16"]["batch16"]["tokens_per_s"]
+        print(f"decode {shape} {fmt}: {r['tokens_per_s']:.0f} tok/s ({d['speedup_vs_bf16']:.2f}x bf16), "
+              f"{nbytes / 1e9:.2f} GB of weights, {100 * d['fraction_of_floor']:.0f}% of its floor; step "
+              f"{d['step_us']:.0f} us on the device ({d['step_speedup_vs_bf16']:.2f}x bf16, "
+              f"{100 * d['step_fraction_of_floor']:.0f}% of its floor); batch 16: {b16['tokens_per_s']:.0f} "
+              f"tok/s ({b16['speedup_vs_bf16']:.2f}x bf16), its step {b16['step_us']:.0f} us", flush=True)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        save(res)  # format by format: a run cut short keeps what it measured
     return res
 
 
@@ -265,8 +268,15 @@ def main(out: str, parts: list[str]) -> None:
         name, _, shape = part.partition(":")
         if name not in PARTS:
             raise SystemExit(f"unknown part {part!r}")
-        if name == "decode":  # decode:llama-1b: that shape alone, its rows merged into the JSON's
-            res[name] = decode(res["copy_GBps"], results.saver("decode"), res.get("decode", {}), shape or None)
+        if name == "decode" and not shape:  # each shape in a fresh process, merging into the file
+            results.write()
+            for one in DECODE_SHAPES:
+                subprocess.run([sys.executable, __file__, "run", out, f"decode:{one}"], check=True)
+            results.data = res = json.loads(Path(out).read_text())
+        elif name == "decode":
+            if shape not in DECODE_SHAPES:
+                raise SystemExit(f"unknown shape {shape!r}: one of {DECODE_SHAPES}")
+            res[name] = decode(res["copy_GBps"], shape, res.get("decode", {}), results.saver("decode"))
         else:
             res[part] = PARTS[part](res["copy_GBps"]) if part == "kernels" else PARTS[part]()
         results.write()

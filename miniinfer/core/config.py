@@ -123,14 +123,14 @@ class EngineConfig:
             raise ValueError(f"speculative_method={self.speculative_method!r} " + (
                 "needs a speculative_model (a draft checkpoint, or pycoder-draft)" if self.speculative_model is None
                 else f"uses no model, got speculative_model={str(self.speculative_model)!r}"))
-        if self.executor == "in_process" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+        if self.executor == "in_process" and self.world_size() > 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} and pipeline_parallel_size="
                              f"{self.pipeline_parallel_size} need a process per rank: leave executor unset")
         if (self.pipeline_parallel_size > 1 or self.nnodes > 1) != (self.executor_kind() == "pipeline"):
             raise ValueError(f"executor='pipeline' runs pipeline_parallel_size >= 2 stages or ranks on nnodes >= 2 "
                              f"machines (got {self.pipeline_parallel_size} and {self.nnodes} with executor="
                              f"{self.executor!r}): leave executor unset")
-        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        world = self.world_size()
         if world % self.nnodes or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"{world} ranks (tensor x pipeline) over nnodes={self.nnodes}: each machine needs an "
                              f"equal share, and node_rank in 0..{self.nnodes - 1} (got {self.node_rank})")
@@ -159,13 +159,15 @@ class EngineConfig:
                                  "quantization='int8', 'int4' or 'fp8', which every rank quantizes as one GPU would")
 
     def lm_head_format(self) -> str | None:
-        """The format the LM head is quantized to on load (None: kept as loaded). auto quantizes it to int8
-        beside quantized layers: on the course model it cost no bits per byte, and on an 8B-sized int4
-        model it took 4.7 percent off the decode step (chapter 10); the ranks of a split model keep it whole."""
+        """The LM head's format on load (None: as loaded); auto: int8 beside quantized layers on one rank
+        (chapter 10: no bits per byte lost on the course model, 4.7 percent off an 8B-sized int4 step)."""
         if self.quantize_lm_head != "auto":
             return self.quantize_lm_head
-        one = self.tensor_parallel_size * self.pipeline_parallel_size == 1
-        return "int8" if self.quantization is not None and one else None
+        return "int8" if self.quantization is not None and self.world_size() == 1 else None
+
+    def world_size(self) -> int:
+        """The ranks that hold one copy of the model: tensor x pipeline."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def executor_kind(self) -> str:
         """What runs the ranks: the executor named, else a process per rank where there are several (of a

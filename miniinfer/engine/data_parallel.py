@@ -73,7 +73,7 @@ def replica_configs(config: EngineConfig) -> list[EngineConfig]:
     device = torch.device(config.device)
     if device.type != "cuda":
         return [one] * n
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+    if config.world_size() > 1:
         raise ValueError("data_parallel_size > 1 with tensor_parallel_size or pipeline_parallel_size > 1 on GPUs: "
                          "each replica's ranks would take the same GPUs (cuda:0, cuda:1, ...); run one of the two")
     if device.index is None and torch.cuda.device_count() >= n:

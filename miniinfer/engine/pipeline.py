@@ -160,7 +160,7 @@ def on_other_machines(executor: MultiProcessExecutor, config: EngineConfig, payl
                       init_method: str) -> list:
     """Node 0's lines to the ranks of the other machines, in rank order: each connects (it may start
     before node 0 or after), says its rank, and gets what node 0's own ranks got at their start."""
-    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    world = config.world_size()
     lines: dict[int, Any] = {}
     with Listener((config.master_addr, config.master_port + 1), authkey=authkey()) as listener:
         while len(lines) < world - world // config.nnodes:
@@ -189,7 +189,7 @@ def remote_rank(rank: int, address: tuple[str, int]) -> None:
 def serve_node(config: EngineConfig) -> None:
     """`miniinfer serve --node-rank N` (N > 0): this machine's share of the ranks, each taking its calls
     from the engine on node 0; returns when they end (the engine closed, or a rank failed)."""
-    here = config.tensor_parallel_size * config.pipeline_parallel_size // config.nnodes
+    here = config.world_size() // config.nnodes
     ctx = process_context()
     address = (config.master_addr, config.master_port + 1)
     procs = [ctx.Process(target=remote_rank, args=(rank, address), name=f"miniinfer-rank{rank}")
