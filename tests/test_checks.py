@@ -1,6 +1,7 @@
 """The problem-set checks catch plausible mistakes: a check that passes a wrong answer teaches nothing."""
 
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -183,6 +184,25 @@ def test_last_parts_fail_on_a_broken_piece(chapter, piece, wrong, says, monkeypa
     monkeypatch.setitem(ns, piece, wrong)
     last = testing.last_part(chapter)
     with pytest.raises((AssertionError, testing.AnswerError), match=says):
+        last.check(*eval(f"({last.argument},)", ns))
+
+
+# For each problem set: an exercise its last part calls, left as it is handed out in the test below.
+UNANSWERED = {"01": "01.apply_rope", "02": "02.cached_attention", "03": "03.append_token", "04": "04.rope_kernel",
+              "05": "05.decode_program", "06": "06.sample_rows", "07": "07.chain_hashes", "08": "08.stream_request",
+              "09": "09.keep_accepted", "10": "10.gptq_columns", "11": "11.YourRow", "12": "12.prompt_rows",
+              "13": "13.experts_kernel", "14": "14.latent_decode_kernel", "15": "15.after_prefill",
+              "16": "16.YourGuess", "17": "17.gate_up"}
+
+
+@pytest.mark.parametrize("chapter, missing", UNANSWERED.items())
+def test_last_part_names_the_unanswered_exercise(chapter, missing):
+    """Every exercise answered but one, whose cell is as the exercise notebook hands it out (its
+    solution replaced by `raise NotImplementedError()`): the last part fails naming that exercise."""
+    ns = build.solution_globals(chapter, handed_out=missing)
+    last = testing.last_part(chapter)
+    with pytest.raises(testing.NotAnswered, match="^" + re.escape(
+            f"{testing.EXERCISES[missing].label} is not answered yet: finish it (and run its check) before this part")):
         last.check(*eval(f"({last.argument},)", ns))
 
 

@@ -148,37 +148,36 @@ def test_every_lesson_ends_with_readings_and_questions_answered_in_its_problem_s
             assert ("<!-- BEGIN ANSWER -->\n**Answer.** " in a) == answered and (build.YOUR_ANSWER in a) != answered
 
 
-def execute(path: Path) -> dict:
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    return nb
-
-
-def errors(cell) -> list[str]:
-    """'ename: evalue' of each error the cell raised."""
-    return [f"{o['ename']}: {o['evalue']}" for o in cell.get("outputs", []) if o["output_type"] == "error"]
+@pytest.fixture(scope="module")
+def unfilled(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Each exercise notebook's cells run in order, going on after an error as a kernel can: 'name:
+    message' of each cell's error, by notebook and cell. All in one fresh process: the engine's imports
+    are paid once, not once a notebook."""
+    out = tmp_path_factory.mktemp("unfilled") / "errors.json"
+    code = ("import json, sys; sys.path.insert(0, 'tools'); import build; "
+            "json.dump({p: build.cell_errors(build.ROOT / p) for p in sys.argv[2:]}, open(sys.argv[1], 'w'))")
+    res = run("-c", code, str(out), *[f"exercises/{s.name}" for s in SOLUTIONS])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
-def test_exercises_fail_unfilled(solution):
+def test_exercises_fail_unfilled(solution, unfilled):
     """Every check cell after an exercise fails on the unfilled notebook. (That each passes on the
     solution is nbval's to see: `make test` runs the solutions and compares their outputs, and
     test_notebook_outputs_obey_nbval_conventions finds no error among those stored.)"""
     import nbformat
 
     sol = nbformat.read(solution, as_version=4)
-    ex = execute(ROOT / "exercises" / solution.name)
+    ex = nbformat.read(ROOT / "exercises" / solution.name, as_version=4)
+    failed_in = unfilled[f"exercises/{solution.name}"]
     code = [i for i, c in enumerate(sol.cells) if c.cell_type == "code"]
     exercises = [i for i in code if "### BEGIN SOLUTION" in sol.cells[i].source]
     assert exercises, "a problem set without exercises"
     for i in exercises:
         check = code[code.index(i) + 1]
         assert "# YOUR CODE HERE" in ex.cells[i].source
-        failed = errors(ex.cells[i]) + errors(ex.cells[check])
+        failed = [failed_in[str(c)] for c in (i, check) if str(c) in failed_in]
         # Inside a Triton kernel the interpreter wraps the NotImplementedError in its own error.
         assert any(e.startswith("AssertionError") or "NotImplementedError" in e for e in failed), \
             f"exercise cell {i}: its check (cell {check}) does not fail unanswered: {failed or 'it passes'}"
@@ -240,7 +239,25 @@ def test_bare_pytest_never_collects_unfilled_exercises():
     assert "exercises" not in opts["testpaths"] and "exercises" in opts["norecursedirs"]
 
 
-def test_cli_generates_a_completion(tmp_path):
+def in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """`miniinfer ARGV` called in this process: (exit code, stdout, stderr). One command line per test
+    runs as its own process; the rest here, so that each does not import the engine again."""
+    from miniinfer import cli
+
+    try:
+        cli.main(list(argv))
+        code = 0
+    except SystemExit as done:  # a message is what Python prints to stderr, exiting 1
+        code = done.code if isinstance(done.code, int) else 1
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_generates_a_completion(tmp_path, capsys, monkeypatch):
+    import io
+
     import miniinfer as mi
 
     prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'  # make demo's
@@ -250,20 +267,21 @@ def test_cli_generates_a_completion(tmp_path):
     greedy = mi.generate_cached(mi.load_model(), tok(prompt).input_ids,
                                 mi.SamplingParams(temperature=0, max_tokens=8))
     assert res.stdout.startswith(prompt + tok.decode(greedy)) and "[8 tokens in" in res.stdout
+    text = res.stdout.split("\n[")[0]
     # The same prompt from stdin and from a file: its newlines arrive as newlines.
-    piped = subprocess.run([sys.executable, "-m", "miniinfer", "generate", "-", "--max-tokens", "8"],
-                           input=prompt, capture_output=True, text=True, cwd=ROOT)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    piped = in_process(capsys, "generate", "-", "--max-tokens", "8")
     file = tmp_path / "prompt.py"
     file.write_text(prompt)
-    from_file = run("-m", "miniinfer", "generate", "--file", str(file), "--max-tokens", "8")
-    for other in (piped, from_file):
-        assert other.stdout.split("\n[")[0] == res.stdout.split("\n[")[0], other.stderr
+    from_file = in_process(capsys, "generate", "--file", str(file), "--max-tokens", "8")
+    for code, out, err in (piped, from_file):
+        assert code == 0 and out.split("\n[")[0] == text, err
     # With speculation, the same greedy tokens; the device it ran on is named.
-    spec = run("-m", "miniinfer", "generate", prompt, "--max-tokens", "8", "--speculative-model", "pycoder-draft")
-    assert spec.stdout.split("\n[")[0] == res.stdout.split("\n[")[0] and "s on cpu]" in spec.stdout, spec.stderr
+    code, out, err = in_process(capsys, "generate", prompt, "--max-tokens", "8", "--speculative-model", "pycoder-draft")
+    assert out.split("\n[")[0] == text and "s on cpu]" in out, err
 
 
-def test_cli_bad_options_are_one_line_errors(tmp_path):
+def test_cli_bad_options_are_one_line_errors(tmp_path, capsys):
     """A bad engine option, a draft that cannot serve, or a checkpoint without a tokenizer (what
     `save_pretrained` of a model alone writes) exits 1 with a message and no traceback."""
     import shutil
@@ -272,23 +290,24 @@ def test_cli_bad_options_are_one_line_errors(tmp_path):
 
     for name in ("config.json", "model.safetensors"):
         shutil.copy(mi.model.loader.course_model_path() / name, tmp_path)
-    for args in (["--block-size", "0"], ["--speculative-method", "draft"], ["--speculative-model", "nowhere"],
-                 ["--speculative-method", "ngram", "--num-speculative-tokens", "0"], ["--model", str(tmp_path)]):
-        res = run("-m", "miniinfer", "generate", "x", *args)
-        assert res.returncode == 1 and res.stderr.startswith("miniinfer: ") and "Traceback" not in res.stderr, \
-            (args, res.stderr)
+    res = run("-m", "miniinfer", "generate", "x", "--model", str(tmp_path))
+    assert res.returncode == 1 and res.stderr.startswith("miniinfer: ") and "Traceback" not in res.stderr, res.stderr
     assert "has no tokenizer files" in res.stderr
+    for args in (["--block-size", "0"], ["--speculative-method", "draft"], ["--speculative-model", "nowhere"],
+                 ["--speculative-method", "ngram", "--num-speculative-tokens", "0"]):
+        code, _, err = in_process(capsys, "generate", "x", *args)
+        assert code == 1 and err.startswith("miniinfer: ") and err.count("\n") == 1, (args, err)
     with pytest.raises(OSError, match="no tokenizer files"):
         mi.load_tokenizer(tmp_path)
 
 
-def test_cli_help_shows_every_default():
+def test_cli_help_shows_every_default(capsys):
     for command in ("serve", "generate", "chat", "bench", "grade"):
-        res = run("-m", "miniinfer", command, "--help")
-        assert res.returncode == 0, res.stderr
-        options = re.split(r"\n  (?=-)", res.stdout.split("options:", 1)[1])[1:]
+        code, out, err = in_process(capsys, command, "--help")
+        assert code == 0, err
+        options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])[1:]
         valued = [" ".join(o.split()) for o in options if re.match(r"--[\w-]+ [A-Z{]", o)]
-        assert valued, res.stdout
+        assert valued, out
         for option in valued:  # every option that takes a value says what it is without one
             assert "default" in option, f"miniinfer {command} --help: {option}"
 

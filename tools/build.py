@@ -49,18 +49,46 @@ def cell_source(cell: dict) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
-def solution_globals(chapter: str) -> dict:
-    """The globals of a kernel that ran solution notebook `chapter`'s code, its check cells left out
-    (for the tests that break an answer, and the speed benchmark). Each cell is in linecache under
-    its own name, as IPython puts it: Triton reads a kernel's source from there."""
+def run_cell(source: str, name: str, ns: dict) -> None:
+    """Run a notebook cell's source in globals ns, as a kernel would. The source is in linecache under
+    name, as IPython puts it: Triton reads a kernel's source from there."""
     import linecache
+    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+    exec(compile(source, name, "exec"), ns)
+
+
+def cell_errors(path: Path) -> dict[int, str]:
+    """Notebook path's code cells run in order in one namespace, as a kernel told to go on after an
+    error runs them: 'name: message' of each cell's error, by the cell's index."""
+    ns: dict = {"__name__": "__main__"}
+    errors = {}
+    for i, cell in enumerate(read_notebook(path)["cells"]):
+        if cell["cell_type"] == "code":
+            try:
+                run_cell(cell_source(cell), f"<{path.name}, cell {i}>", ns)
+            except Exception as err:
+                errors[i] = f"{type(err).__name__}: {err}"
+    return errors
+
+
+def solution_globals(chapter: str, handed_out: str | None = None) -> dict:
+    """The globals of a kernel that ran solution notebook `chapter`'s code, its check cells left out
+    (for the tests that break an answer, and the speed benchmark); exercise `handed_out`'s cell as the
+    exercise notebook has it, if one is named (a cell that calls it fails, as with the kernel's
+    allow_errors)."""
     path = next((ROOT / "solutions").glob(f"{chapter}_*.ipynb"))
     ns: dict = {"__name__": "__main__"}
     for i, cell in enumerate(read_notebook(path)["cells"]):
-        if cell["cell_type"] == "code" and "check" not in cell["metadata"].get("miniinfer", {}):
-            source, name = cell_source(cell), f"<{path.name}, cell {i}>"
-            linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
-            exec(compile(source, name, "exec"), ns)
+        marks = cell["metadata"].get("miniinfer", {})
+        if cell["cell_type"] == "code" and "check" not in marks:
+            name = f"<{path.name}, cell {i}>"
+            if handed_out is not None and marks.get("exercise") == handed_out:
+                cell, name = make_exercise({"cells": [cell]})["cells"][0], f"<{path.name}, cell {i} handed out>"
+            try:
+                run_cell(cell_source(cell), name, ns)
+            except NotImplementedError:  # a cell that calls the exercise handed out fails; the rest run on
+                if handed_out is None:
+                    raise
     return ns
 
 
