@@ -103,13 +103,14 @@ def ints(*values) -> torch.Tensor:
 
 # Attention in parts of whole 4-position tiles (splits, tile): 3 parts over 8 positions ([0, 4), [4, 8) and an
 # empty one) and over 9 (one tile each, the new position in the last). 16 query heads of 128 dimensions a KV
-# head: the merge takes their parts two at a time, the second time the last part and one masked.
-@pytest.mark.parametrize("kind, block_size, sizes, parts", [
-    ("llama", 3, {}, (3, 4)), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131), (1, 32)),
-    ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12), (2, 4)),
-    ("llama", 2, dict(heads=16, kv_heads=1, head_dim=128), (3, 2))])
+# head: the merge takes their parts two at a time, the second time the last part and one masked (one step:
+# the merge is its point, and the interpreter takes about 15 s a step of it).
+@pytest.mark.parametrize("kind, block_size, sizes, parts, steps", [
+    ("llama", 3, {}, (3, 4), 2), ("qwen2", 1, dict(hidden=48, ffn=80, vocab=131), (1, 32), 2),
+    ("qwen3", 16, dict(heads=6, kv_heads=2, head_dim=12), (2, 4), 2),
+    ("llama", 2, dict(heads=16, kv_heads=1, head_dim=128), (3, 2), 1)])
 @torch.no_grad()
-def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, parts):
+def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, parts, steps):
     model = tiny(kind, **sizes)
     cache = PagedKVCache(model.cfg, 40, block_size)
     table = [7, 2, 9, 30, 1, 4, 11, 5, 3, 20][:-(-12 // block_size)]
@@ -118,7 +119,7 @@ def test_the_step_gives_the_models_logits_and_cache(kind, block_size, sizes, par
     step = PersistentDecode(model, cache.k, cache.v, block_size, programs=1, tile=128, num_warps=4, splits=parts[0])
     step.config["BP"] = parts[1]
     n = len(prompt)
-    for _ in range(2):
+    for _ in range(steps):
         token, slot = int(want[0].argmax()), table[n // block_size] * block_size + n % block_size
         got = step.step(ints(token), ints(n), ints(slot), ints(n + 1), ints(*table)).clone()
         k = cache.k.clone()
