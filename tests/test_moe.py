@@ -39,7 +39,8 @@ def test_layers_and_logits_match_transformers(moe_checkpoint):
 def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl):
     """Two rounds of a shared-prefix workload under preemption, prefix caching and chunked prefill,
     through the reference router and experts and (Qwen2-MoE: top-3 and the shared expert; under the CPU
-    interpreter on half the requests, which took 134 s all eight) the fused kernels; every block back."""
+    interpreter on two requests, still preempted and still cached: 8 s, against 19 s with four and 134 s
+    with all eight) the fused kernels; every block back."""
     kind, folder, hf = moe_checkpoint
     if impl == "fused" and kind != "qwen2_moe":
         pytest.skip("the fused kernels in the engine: one model (they equal the reference below)")
@@ -47,7 +48,7 @@ def test_greedy_equals_transformers_twice_under_preemption(moe_checkpoint, impl)
         for layer in engine.model.model.layers:
             if isinstance(layer.mlp, SparseMoE):
                 layer.mlp.route, layer.mlp.experts.impl = ROUTERS[impl], EXPERT_IMPLS[impl]
-    serve_under_preemption(kind, folder, hf, prepare, n=4 if impl == "fused" else 8)
+    serve_under_preemption(kind, folder, hf, prepare, n=2 if impl == "fused" else 8)
 
 
 def serve_under_preemption(kind: str, folder, hf, prepare=None, n: int = 8, **config) -> None:
