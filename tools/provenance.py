@@ -25,6 +25,7 @@ figure is not traced or the stored report is out of date (tests/test_provenance.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -124,14 +125,30 @@ def in_outputs(text: str, notebook: Path) -> bool:
     return re.search(rf"(?<![\d.]){re.escape(digits)}(?![\d])", outputs(notebook)) is not None
 
 
+@cache
+def sorted_pools(name: str, keys: frozenset[str]) -> tuple[tuple[list[float], list[int]], ...]:
+    """Each of json_pools' lists as its numbers in increasing order and their places in the list: the
+    numbers near a figure are then found by bisection, not by comparing every one."""
+    out = []
+    for pool in json_pools(name, keys):
+        order = sorted(range(len(pool)), key=lambda i: pool[i][1])
+        out.append(([pool[i][1] for i in order], order))
+    return tuple(out)
+
+
 def traced_in_json(text: str, passage: str) -> str | None:
+    """The first number of the passage's JSON documents (in json_pools' order) that rounds to the
+    figure at one of SCALES."""
     target, decimals = value(text)
     keys = frozenset(KEY.findall(passage))
+    near = 1.0 * 10 ** -decimals + 2e-9 * abs(target)  # twice matches' tolerance: it has the last word
     for name in dict.fromkeys(JSON_NAME.findall(passage)):
-        for pool in json_pools(name, keys):
-            for path, x in pool:
-                if any(matches(x * s, target, decimals) for s in SCALES):
-                    return f"{Path(name).name}: {path}"
+        for pool, (xs, order) in zip(json_pools(name, keys), sorted_pools(name, keys)):
+            spans = [(s, bisect.bisect_left(xs, (target - near) / s), bisect.bisect_right(xs, (target + near) / s))
+                     for s in SCALES]
+            hits = [order[j] for s, lo, hi in spans for j in range(lo, hi) if matches(xs[j] * s, target, decimals)]
+            if hits:
+                return f"{Path(name).name}: {pool[min(hits)][0]}"
     return None
 
 
