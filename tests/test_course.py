@@ -248,7 +248,7 @@ def in_process(capsys, *argv: str) -> tuple[int, str, str]:
         cli.main(list(argv))
         code = 0
     except SystemExit as done:  # a message is what Python prints to stderr, exiting 1
-        code = done.code if isinstance(done.code, int) else 1
+        code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
         if isinstance(done.code, str):
             print(done.code, file=sys.stderr)
     out = capsys.readouterr()
