@@ -46,13 +46,13 @@ test: $(STAMP)
 	$(PY) tools/build.py export --check
 	$(PY) tools/build.py exercises --check
 	$(PY) -m nbstripout --verify --keep-output --keep-count $(NOTEBOOKS)
-	OMP_NUM_THREADS=1 $(PY) -m pytest --nbval -n 3 --dist loadfile --durations=25
+	OMP_NUM_THREADS=1 $(PY) -m pytest --nbval -n 3 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The unit tests alone (the notebooks run the same code through the package). Lines run in the tests'
 # own processes count; those run only in the engine's or the ranks' processes (the server's engine,
 # tensor parallelism's workers) do not. docs/coverage.json keeps the totals and each module's share.
 coverage: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --cov=miniinfer --cov-report=term:skip-covered \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --cov=miniinfer --cov-report=term:skip-covered \
 		--cov-report=json:coverage.json tests/
 	$(PY) -c 'import json; c = json.load(open("coverage.json")); json.dump({"totals": c["totals"], "files": \
 		{f: round(v["summary"]["percent_covered"], 1) for f, v in c["files"].items()}}, \
