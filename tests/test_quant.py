@@ -48,18 +48,21 @@ def test_round_to_nearest_error_is_half_a_step(bits, group):
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 128), (4, 32)])
 @pytest.mark.parametrize("M", [1, 3, 17, 40])
 def test_int_matmul_equals_dequantize_then_matmul(bits, group, M):
+    """Each kernel within 1e-5 of |x| @ |W|^T of the float64 product: the int4 GEMV's sums carry 16 x for
+    each pair of codes (chapter 10), about 1.4e-6 of it in error here, a float32 matmul's own at K = 4,096."""
     torch.manual_seed(M)
     N, K = 37, 256  # N not a multiple of any tile; M = 40 takes the dequantize-then-matmul path
     codes, scale = quant.quantize_int(torch.randn(N, K), bits, group)
     packed = quant.pack(codes, bits)
     x, bias = torch.randn(M, K), torch.randn(N)
-    ref = x @ quant.dequantize(packed, scale, bits).T + bias
+    w = quant.dequantize(packed, scale, bits).double()
+    ref, bound = x.double() @ w.T, 1e-5 * (x.double().abs() @ w.abs().T)
     out = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, bias)
-    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert ((out - bias - ref).abs() <= bound).all()
     for config in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32 if group == 32 else 128, SPLIT_K=3),  # tiled
                    dict(BLOCK_N=16, WORDS=8)):  # GEMV, any M; tiles of 64 int8 or 16 int4 inputs
         other = int_matmul(x, packed.t().contiguous(), scale.t().contiguous(), bits, None, config)
-        assert torch.allclose(other, ref - bias, atol=1e-4, rtol=1e-4)
+        assert ((other - ref).abs() <= bound).all(), ((other - ref).abs() / bound).max()
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 128), (4, 32)])

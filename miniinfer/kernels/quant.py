@@ -89,15 +89,30 @@ def _codes(w_ptr, s_ptr, cols, limit, k0, stride, K, PER: tl.constexpr, GROUP: t
 
 
 @triton.jit
+def _to_top(words, j: tl.constexpr, BITS: tl.constexpr):
+    """Every word shifted so that code j's bits are the top BITS of a float32 mantissa (from bit 23 - BITS)."""
+    if j * BITS <= 23 - BITS:
+        at_top = words << (23 - BITS - j * BITS)
+    else:
+        at_top = words >> (j * BITS - 23 + BITS)
+    return at_top
+
+
+@triton.jit
 def _code(words, j: tl.constexpr, BITS: tl.constexpr):
     """Code j of every word as v = 1 + u / 2^BITS (u = s + 2^(BITS-1), unsigned): its bits moved to
     the top of a float32 mantissa and ORed under the exponent of 1, a shift and one LOP3."""
-    TOP: tl.constexpr = 23 - BITS  # the code's lowest bit in the mantissa
-    if j * BITS <= TOP:
-        at_top = words << (TOP - j * BITS)
-    else:
-        at_top = words >> (j * BITS - TOP)
-    return (at_top & (((1 << BITS) - 1) << TOP) | 0x3F800000).to(tl.float32, bitcast=True)
+    return (_to_top(words, j, BITS) & (((1 << BITS) - 1) << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _add_pair(part, words, x, x_next, j: tl.constexpr):
+    """part + x * (code j) + x_next * (code j + 1) of 4-bit words, both codes from one shift: j + 1's
+    at the mantissa's top is 1 + u/16; j's just under it, 1 + u/256, is taken against 16 x."""
+    at_top = _to_top(words, j + 1, 4)
+    high = (at_top & 0x00780000 | 0x3F800000).to(tl.float32, bitcast=True)
+    low = (at_top & 0x00078000 | 0x3F800000).to(tl.float32, bitcast=True)
+    return part + x_next[:, :, None] * high + (16.0 * x)[:, :, None] * low
 
 
 @triton.jit
@@ -105,8 +120,8 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROW
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                      BLOCK_N: tl.constexpr, WORDS: tl.constexpr, PDL: tl.constexpr):
     """Chapter 06's _gemv_kernel over packed codes, its gated epilogue and early launch with it: a
-    code costs a shift, a LOP3 and a multiply-add (`_code`): sum x*s = 2^BITS * (sum x*v - 1.5 *
-    sum x), the subtraction paid once per word."""
+    code costs a LOP3, a multiply-add and a shift, half of one at 4 bits (`_code`, `_add_pair`):
+    sum x*s = 2^BITS * (sum x*v - 1.5 * sum x), the subtraction paid once per word."""
     PER: tl.constexpr = 32 // BITS
     BLOCK_K: tl.constexpr = WORDS * PER
     NT = 2 * N if GATED else N  # columns of the codes: gate's N, then up's
@@ -129,18 +144,25 @@ def _int_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, x_stride, ROW
             u, u_scale = u_next, us_next
             u_next, us_next = _codes(w_ptr, s_ptr, rn + N, NT, k0 + BLOCK_K, NT, K, PER, GROUP, WORDS)
             part_up = tl.zeros([ROWS, WORDS, BLOCK_N], tl.float32)
-        x_sum = tl.zeros([ROWS, WORDS], tl.float32)
-        for j in tl.static_range(PER):  # code j of every word, against the inputs k = word * PER + j
-            k = k0 + tl.arange(0, WORDS) * PER + j
-            x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
-                        other=0.0).to(tl.float32)
-            part += x[:, :, None] * _code(words, j, BITS)
-            if GATED:
-                part_up += x[:, :, None] * _code(u, j, BITS)
-            x_sum += x
-        acc += (part - 1.5 * x_sum[:, :, None]) * scale.to(tl.float32)
+        x_sum = tl.zeros([ROWS, WORDS], tl.float32)  # the inputs' share of what the codes' offsets add
+        for j in tl.static_range(0, PER, 1 + (BITS == 4)):  # code j of every word (and j + 1 at 4 bits)
+            k = k0 + tl.arange(0, WORDS) * PER + j  # its inputs
+            mask = (rows[:, None] < M) & (k[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :], mask=mask, other=0.0).to(tl.float32)
+            if BITS == 4:
+                x_next = tl.load(x_ptr + rows[:, None] * x_stride + k[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+                part = _add_pair(part, words, x, x_next, j)
+                if GATED:
+                    part_up = _add_pair(part_up, u, x, x_next, j)
+                x_sum += 16.5 * x + 1.5 * x_next  # 16 x (1 + u/256) = x (1 + u/16) + 15 x
+            else:
+                part += x[:, :, None] * _code(words, j, BITS)
+                if GATED:
+                    part_up += x[:, :, None] * _code(u, j, BITS)
+                x_sum += 1.5 * x
+        acc += (part - x_sum[:, :, None]) * scale.to(tl.float32)
         if GATED:
-            acc_up += (part_up - 1.5 * x_sum[:, :, None]) * u_scale.to(tl.float32)
+            acc_up += (part_up - x_sum[:, :, None]) * u_scale.to(tl.float32)
     _finish(tl.sum(acc, 1) * (1 << BITS), tl.sum(acc_up, 1) * (1 << BITS) if GATED else acc, b_ptr, out_ptr, rows, rn,
             M, N, HAS_BIAS, GATED)
 
