@@ -856,9 +856,10 @@ def test_ctrl_c_drains_then_ends_what_is_left_cleanly(tmp_path, mode, streams, w
         engines = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        # The client was made before the signal and the drain is seen at once: under load, a new client
+        # The client is set up before the signal and the drain is seen at once: under load, a new client
         # and a fixed sleep once took the checks past a 2 s drain (the server had closed its socket).
         while client.get("/health").status_code == 200:
+            assert time.monotonic() < t0 + drain, "Ctrl-C did not start the drain"
             time.sleep(0.02)
         refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         late = time.monotonic() - t0
