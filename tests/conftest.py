@@ -3,6 +3,7 @@
 import contextlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,11 +34,14 @@ LONGEST_FIRST = ["tests/test_checks.py", "tests/test_server.py", "tests/test_gra
                  "tests/test_data_parallel.py"]
 
 
-def pytest_collection_modifyitems(config, items):
-    if gone := [path for path in LONGEST_FIRST if not (config.rootpath / path).exists()]:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(items):
+    if gone := [path for path in LONGEST_FIRST if not (ROOT / path).exists()]:
         raise pytest.UsageError(f"tests/conftest.py's LONGEST_FIRST names files that are gone: {gone}")
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))  # stable: cells in order
+    rank = {ROOT / path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(LONGEST_FIRST)))  # stable: a notebook's cells stay in order
 
 
 @pytest.fixture(scope="session", params=list(SHAPES))
